@@ -1,0 +1,100 @@
+"""`kvbank check FILE...`: the same holdability rules the operator's webhook runs.
+
+Exit codes: 0 every pool is holdable, 1 some pool violates a rule, 2 a file cannot be read as
+ModelPool manifests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvbank.capacity import holdability
+from kvbank.modelpool import KIND, SpecError, parse_modelpool
+
+
+class ManifestError(Exception):
+    pass
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 floats: `8.03e9` is a number to kubectl, so it must be one here too (YAML 1.1,
+    PyYAML's default, reads it as a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*\.?\d*(?:[eE][-+]?\d+)|\.\d+(?:[eE][-+]?\d+)?)$"),
+    list("-+0123456789."),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "files",
+        nargs="+",
+        metavar="FILE",
+        help="YAML files with one or more ModelPool documents ('-' for stdin)",
+    )
+
+
+def load_documents(path: str) -> Iterator[tuple[str, Any]]:
+    """(where, document) for every non-empty YAML document in a file."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        docs = list(yaml.load_all(text, Loader=_Loader))  # a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ManifestError(f"{path}: not valid YAML: {exc}") from exc
+    for index, doc in enumerate(docs):
+        if doc is not None:
+            yield f"{path}#{index + 1}", doc
+
+
+def run(args: argparse.Namespace) -> int:
+    worst_exit = 0
+    for path in args.files:
+        try:
+            docs = list(load_documents(path))
+        except ManifestError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            worst_exit = 2
+            continue
+        if not docs:
+            print(f"error: {path}: no YAML documents", file=sys.stderr)
+            worst_exit = 2
+        for where, doc in docs:
+            if isinstance(doc, dict) and doc.get("kind") not in (KIND, None):
+                print(f"error: {where}: kind {doc.get('kind')!r} is not {KIND}", file=sys.stderr)
+                worst_exit = 2
+                continue
+            try:
+                pool = parse_modelpool(doc)
+            except SpecError as exc:
+                print(f"error: {where}: not a valid {KIND}:", file=sys.stderr)
+                for err in exc.errors:
+                    print(f"  - {err}", file=sys.stderr)
+                worst_exit = 2
+                continue
+            result = holdability(pool)
+            name = f"{pool.namespace}/{pool.name}"
+            if result.ok:
+                print(
+                    f"OK {where} {name}: worst-case request {result.worst_request_pages} "
+                    f"pages; the pool ({result.pages} pages) holds {result.worst_concurrency} "
+                    f"worst-case requests at once"
+                )
+            else:
+                print(f"FAIL {where} {name}: {len(result.violations)} violation(s):")
+                for violation in result.violations:
+                    print(f"  - {violation}")
+                worst_exit = max(worst_exit, 1)
+    return worst_exit

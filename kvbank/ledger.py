@@ -1,0 +1,363 @@
+"""The reservation ledger: the banker's algorithm with one resource, KV pages (conservative form).
+
+A request is admitted only if every admitted request, itself included, can still get every page
+it may need at the same time: they decode together, so they must all be able to finish together.
+
+State is kept as running totals so that admission is one comparison:
+
+    outstanding = sum(reserved - held)     pages admitted requests may still take
+    supply      = free + evictable         pages the pool can still hand out
+
+and a head with cached hit `hit` (of which `idle` pages only the index holds) is admitted when
+
+    outstanding + (reserved - hit) <= supply - idle
+
+because leasing the idle part takes it out of the evictable supply. The ledger is pure Python and
+does no I/O: the engine (or the sidecar on its behalf) reports what the pool did.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvbank.capacity import SINK_PAGES
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A waiting request's cached prefix: `pages` it will lease at admission, of which
+    `idle_pages` only the index holds (the rest some running request already holds)."""
+
+    pages: int = 0
+    idle_pages: int = 0
+
+
+NO_HIT = Hit()
+
+
+@dataclass
+class Reservation:
+    rid: str
+    reserved: int  # worst-case pages over the request's life
+    held: int  # pages it holds now: its leased hit plus what it allocated
+    seq: int  # the admission decision's sequence number
+
+
+@dataclass(frozen=True)
+class Admitted:
+    rid: str
+    seq: int
+    reserved: int
+    hit: Hit
+
+
+@dataclass(frozen=True)
+class Refused:
+    rid: str
+    seq: int
+    message: str
+
+
+Decision = Admitted | Refused
+_D = TypeVar("_D", Admitted, Refused)
+
+
+class LedgerError(Exception):
+    """An operation the ledger refuses; the ledger is unchanged when one is raised."""
+
+
+class UnknownRequest(LedgerError, KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class DuplicateRequest(LedgerError):
+    pass
+
+
+class InvalidPages(LedgerError, ValueError):
+    pass
+
+
+class NotAdmissible(LedgerError):
+    pass
+
+
+class InvariantBreach(LedgerError, AssertionError):
+    pass
+
+
+@dataclass(frozen=True)
+class LedgerSnapshot:
+    total_pages: int
+    usable_pages: int
+    free: int
+    evictable: int
+    outstanding: int
+    reserved: int
+    held: int
+    waiting: tuple[tuple[str, int], ...]  # (rid, worst pages) in FIFO order
+    running: tuple[Reservation, ...]
+    next_seq: int
+
+    @property
+    def supply(self) -> int:
+        return self.free + self.evictable
+
+
+@dataclass
+class _Waiting:
+    pages: int
+
+
+@dataclass
+class Ledger:
+    """FIFO, head-only admission against running totals. `debug` checks the safe-state invariant
+    after every change (tests run with it on)."""
+
+    total_pages: int
+    debug: bool = False
+    free: int = -1  # -1: every usable page starts free
+    evictable: int = 0
+    next_seq: int = 0
+    _waiting: OrderedDict[str, _Waiting] = field(default_factory=OrderedDict, repr=False)
+    _running: dict[str, Reservation] = field(default_factory=dict, repr=False)
+    _outstanding: int = 0
+
+    def __post_init__(self) -> None:
+        if self.total_pages <= SINK_PAGES:
+            raise InvalidPages(
+                f"a pool needs at least {SINK_PAGES + 1} pages, got {self.total_pages}"
+            )
+        if self.free < 0:
+            self.free = self.usable_pages
+
+    # ---- read side -----------------------------------------------------------------------------
+
+    @property
+    def usable_pages(self) -> int:
+        return self.total_pages - SINK_PAGES
+
+    @property
+    def supply(self) -> int:
+        return self.free + self.evictable
+
+    @property
+    def outstanding(self) -> int:
+        return self._outstanding
+
+    @property
+    def head(self) -> str | None:
+        return next(iter(self._waiting), None)
+
+    def waiting_count(self) -> int:
+        return len(self._waiting)
+
+    def is_waiting(self, rid: str) -> bool:
+        return rid in self._waiting
+
+    def reservation(self, rid: str) -> Reservation:
+        try:
+            return self._running[rid]
+        except KeyError:
+            raise UnknownRequest(f"request {rid!r} is not running") from None
+
+    def running(self) -> list[Reservation]:
+        return list(self._running.values())
+
+    def snapshot(self) -> LedgerSnapshot:
+        running = tuple(
+            Reservation(r.rid, r.reserved, r.held, r.seq) for r in self._running.values()
+        )
+        return LedgerSnapshot(
+            total_pages=self.total_pages,
+            usable_pages=self.usable_pages,
+            free=self.free,
+            evictable=self.evictable,
+            outstanding=self._outstanding,
+            reserved=sum(r.reserved for r in running),
+            held=sum(r.held for r in running),
+            waiting=tuple((rid, w.pages) for rid, w in self._waiting.items()),
+            running=running,
+            next_seq=self.next_seq,
+        )
+
+    # ---- arrivals ------------------------------------------------------------------------------
+
+    def submit(self, rid: str, pages: int, refusal: str | None = None) -> Refused | None:
+        """Queue a request whose worst case is `pages`. One the pool can never hold is refused
+        at once (never queued), with `refusal` as its message when the caller has a better one."""
+        self._check_new(rid)
+        self._check_pages(pages, "pages")
+        if pages > self.usable_pages:
+            message = refusal or (
+                f"this request needs {pages} KV pages but the pool holds {self.usable_pages} "
+                f"pages for requests; lower max_tokens or raise the pool to at least "
+                f"{pages + SINK_PAGES} pages"
+            )
+            return self._decide(Refused(rid, self.next_seq, message))
+        self._waiting[rid] = _Waiting(pages)
+        return None
+
+    def cancel(self, rid: str) -> None:
+        """Drop a waiting request (its client went away before admission)."""
+        if self._waiting.pop(rid, None) is None:
+            raise UnknownRequest(f"request {rid!r} is not waiting")
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def can_admit_head(self, hit: Hit = NO_HIT) -> bool:
+        rid = self.head
+        if rid is None:
+            return False
+        need = self._waiting[rid].pages - hit.pages
+        return self._outstanding + need <= self.supply - hit.idle_pages
+
+    def admit_head(self, hit: Hit = NO_HIT) -> Admitted:
+        """Admit the head, leasing its cached hit. Raises NotAdmissible when it does not fit."""
+        rid = self.head
+        if rid is None:
+            raise NotAdmissible("no request is waiting")
+        pages = self._waiting[rid].pages
+        self._check_hit(hit, pages)
+        if not self.can_admit_head(hit):
+            raise NotAdmissible(
+                f"request {rid!r} needs {pages - hit.pages} pages beyond its {hit.pages}-page "
+                f"hit; outstanding {self._outstanding} + that exceeds supply {self.supply} - "
+                f"{hit.idle_pages} leased idle pages"
+            )
+        del self._waiting[rid]
+        self._running[rid] = Reservation(rid, pages, hit.pages, self.next_seq)
+        self._outstanding += pages - hit.pages
+        self.evictable -= hit.idle_pages  # the lease takes idle cached pages off the supply
+        return self._decide(Admitted(rid, self.next_seq, pages, hit))
+
+    def admit_ready(self, peek: Callable[[str], Hit] = lambda rid: NO_HIT) -> list[Admitted]:
+        """Admit heads in FIFO order while they fit. `peek(rid)` recomputes the head's hit each
+        time it is tried, without touching the prefix index's LRU."""
+        admitted = []
+        while (rid := self.head) is not None:
+            hit = peek(rid)
+            if not self.can_admit_head(hit):
+                break
+            admitted.append(self.admit_head(hit))
+        return admitted
+
+    def restore(self, rid: str, reserved: int, held: int) -> Reservation:
+        """Re-register a request that was admitted before this ledger existed (a sidecar that
+        restarted). It is not re-decided: the pages were promised already."""
+        self._check_new(rid)
+        self._check_pages(reserved, "reserved")
+        self._check_pages(held, "held")
+        if held > reserved:
+            raise InvalidPages(f"request {rid!r} holds {held} pages but reserved {reserved}")
+        res = Reservation(rid, reserved, held, self.next_seq)
+        self._running[rid] = res
+        self._outstanding += reserved - held
+        self.next_seq += 1
+        self._after_change()
+        return res
+
+    # ---- running requests ----------------------------------------------------------------------
+
+    def take(self, rid: str, pages: int) -> None:
+        """A running request allocated `pages` new pages (from free, or by evicting idle ones)."""
+        res = self.reservation(rid)
+        self._check_pages(pages, "pages")
+        if res.held + pages > res.reserved:
+            raise InvalidPages(
+                f"request {rid!r} would hold {res.held + pages} pages but reserved "
+                f"{res.reserved}; it may take at most {res.reserved - res.held} more"
+            )
+        res.held += pages
+        self._outstanding -= pages
+        self._take_supply(pages)
+        self._after_change()
+
+    def release(self, rid: str) -> Reservation:
+        """A running request finished or was aborted: its unused promise is returned. The pages
+        it held come back through `set_supply`, since only the pool knows which stay shared."""
+        res = self._running.pop(rid, None)
+        if res is None:
+            raise UnknownRequest(f"request {rid!r} is not running")
+        self._outstanding -= res.reserved - res.held
+        self._after_change()
+        return res
+
+    def set_supply(self, free: int, evictable: int) -> None:
+        """The pool's own count of free pages and of cached pages eviction can reach."""
+        self._check_pages(free, "free")
+        self._check_pages(evictable, "evictable")
+        if free + evictable > self.usable_pages:
+            raise InvalidPages(
+                f"free {free} + evictable {evictable} exceeds the pool's "
+                f"{self.usable_pages} usable pages"
+            )
+        self.free, self.evictable = free, evictable
+        self._after_change()
+
+    # ---- integrity -----------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise InvariantBreach, with the numbers, unless the state is safe."""
+        total = 0
+        for res in self._running.values():
+            if res.held > res.reserved:
+                raise InvariantBreach(
+                    f"request {res.rid!r} holds {res.held} pages but reserved {res.reserved}"
+                )
+            total += res.reserved - res.held
+        if total != self._outstanding:
+            raise InvariantBreach(
+                f"outstanding total {self._outstanding} != sum of reserved - held {total}"
+            )
+        if self._outstanding > self.supply:
+            worst = max(self._running.values(), key=lambda r: r.reserved - r.held, default=None)
+            raise InvariantBreach(
+                f"outstanding {self._outstanding} pages exceed supply {self.supply} (free "
+                f"{self.free} + evictable {self.evictable}); largest claim: "
+                f"{worst.rid if worst else '-'} with "
+                f"{(worst.reserved - worst.held) if worst else 0} pages still to take"
+            )
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _take_supply(self, pages: int) -> None:
+        from_free = min(pages, self.free)
+        self.free -= from_free
+        self.evictable -= pages - from_free
+
+    def _decide(self, decision: _D) -> _D:
+        self.next_seq += 1
+        self._after_change()
+        return decision
+
+    def _after_change(self) -> None:
+        if self.debug:
+            self.check_integrity()
+
+    def _check_new(self, rid: str) -> None:
+        if not isinstance(rid, str) or not rid:
+            raise InvalidPages(f"a request id must be a non-empty string, got {rid!r}")
+        if rid in self._waiting or rid in self._running:
+            raise DuplicateRequest(f"request {rid!r} is already known")
+
+    def _check_pages(self, pages: int, name: str) -> None:
+        if isinstance(pages, bool) or not isinstance(pages, int) or pages < 0:
+            raise InvalidPages(f"{name} must be a non-negative integer, got {pages!r}")
+        if pages > self.total_pages:
+            raise InvalidPages(f"{name}={pages} exceeds the pool's {self.total_pages} pages")
+
+    def _check_hit(self, hit: Hit, pages: int) -> None:
+        if not 0 <= hit.idle_pages <= hit.pages <= pages:
+            raise InvalidPages(
+                f"a hit must satisfy 0 <= idle {hit.idle_pages} <= pages "
+                f"{hit.pages} <= the request's {pages} pages"
+            )
+        if hit.idle_pages > self.evictable:
+            raise InvalidPages(
+                f"hit leases {hit.idle_pages} idle pages but only {self.evictable} are evictable"
+            )

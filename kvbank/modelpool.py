@@ -1,0 +1,409 @@
+"""The ModelPool spec: one schema read by the operator, `kvbank check`, the sidecar and the engine.
+
+Parsing never raises on bad input: it collects every problem as a `FieldError` naming the field,
+what was wrong and what to write instead, so a user fixes a manifest in one pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+API_GROUP = "kvbank.dev"
+API_VERSION = "v1alpha1"
+KIND = "ModelPool"
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "fp8": 1, "int8": 1}
+
+# Bounds that keep every product the capacity rules form inside 63 bits (CEL's int), and reject
+# numbers no real deployment has.
+MAX_PAGES = 1 << 24
+MAX_PAGE_SIZE = 1024
+MAX_SEQ_LEN = 1 << 22
+MAX_SLOT_MULTIPLIER = 64
+MAX_FIXED_TOKENS = 1 << 22
+MAX_LABELS = 16
+MAX_TP = 64
+MAX_REPLICAS = 4096
+MAX_SPECULATIVE = 64
+
+ADMISSION_POLICIES = ("conservative", "peak")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    layers: int
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    parameters: float
+    dtype: str
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+# Published shapes of common models, so a spec can say `preset: llama-3.1-8b`.
+PRESETS: dict[str, Architecture] = {
+    "llama-3.1-8b": Architecture(32, 32, 8, 128, 8.03e9, "bfloat16"),
+    "llama-3.1-70b": Architecture(80, 64, 8, 128, 70.6e9, "bfloat16"),
+    "qwen2.5-7b": Architecture(28, 28, 4, 128, 7.62e9, "bfloat16"),
+    "qwen3-8b": Architecture(36, 32, 8, 128, 8.19e9, "bfloat16"),
+    "mistral-7b": Architecture(32, 32, 8, 128, 7.24e9, "bfloat16"),
+}
+
+
+@dataclass(frozen=True)
+class KvSlot:
+    """What ONE request writes into one KV label: tokens per prompt token, per output token, and
+    a fixed count (an encoder window, say)."""
+
+    prompt: int = 0
+    output: int = 0
+    fixed: int = 0
+
+
+@dataclass(frozen=True)
+class Gpu:
+    memory_gib: float
+    memory_utilization: float = 0.9
+    reserved_gib: float = 0.0
+
+
+@dataclass(frozen=True)
+class KvPool:
+    page_size: int
+    pages: int | None = None  # per rank; None when sized by memory_fraction
+    memory_fraction: float | None = None  # of the GPU memory left after weights and reserve
+    speculative_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_seq_len: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Admission:
+    min_concurrency: int = 0
+    policy: str = "conservative"
+    backfill: bool = False
+
+
+@dataclass(frozen=True)
+class ModelPool:
+    name: str
+    namespace: str
+    model_name: str
+    architecture: Architecture
+    replicas: int
+    tensor_parallel: int
+    gpu: Gpu
+    kv: KvPool
+    kv_slots: Mapping[str, KvSlot]
+    limits: Limits
+    admission: Admission = field(default_factory=Admission)
+
+
+@dataclass(frozen=True)
+class FieldError:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class SpecError(ValueError):
+    """A manifest that cannot be read as a ModelPool; `errors` lists every problem."""
+
+    def __init__(self, errors: list[FieldError]):
+        self.errors = errors
+        super().__init__("; ".join(str(e) for e in errors))
+
+
+class _Reader:
+    """Reads typed fields out of nested mappings, recording a FieldError instead of raising."""
+
+    def __init__(self) -> None:
+        self.errors: list[FieldError] = []
+
+    def fail(self, path: str, message: str) -> None:
+        self.errors.append(FieldError(path, message))
+
+    def mapping(self, obj: Any, path: str, required: bool = True) -> Mapping[str, Any] | None:
+        if obj is None:
+            if required:
+                self.fail(path, "is missing; add this section")
+            return None
+        if not isinstance(obj, Mapping):
+            self.fail(path, f"must be a mapping, got {type(obj).__name__}")
+            return None
+        return obj
+
+    def unknown(self, obj: Mapping[str, Any], path: str, known: set[str]) -> None:
+        for key in obj:
+            if key not in known:
+                self.fail(
+                    f"{path}.{key}", f"is not a known field; known: {', '.join(sorted(known))}"
+                )
+
+    def integer(
+        self,
+        obj: Mapping[str, Any],
+        key: str,
+        path: str,
+        *,
+        lo: int,
+        hi: int,
+        default: int | None = None,
+    ) -> int | None:
+        value = obj.get(key)
+        if value is None:
+            if default is None:
+                self.fail(f"{path}.{key}", f"is missing; set an integer from {lo} to {hi}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                self.fail(f"{path}.{key}", f"must be an integer from {lo} to {hi}, got {value!r}")
+                return None
+        if not lo <= value <= hi:
+            self.fail(f"{path}.{key}", f"must be from {lo} to {hi}, got {value}")
+            return None
+        return int(value)
+
+    def number(
+        self,
+        obj: Mapping[str, Any],
+        key: str,
+        path: str,
+        *,
+        lo: float,
+        hi: float,
+        default: float | None = None,
+        lo_open: bool = False,
+    ) -> float | None:
+        value = obj.get(key)
+        if value is None:
+            if default is None:
+                self.fail(f"{path}.{key}", f"is missing; set a number from {lo:g} to {hi:g}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            self.fail(f"{path}.{key}", f"must be a number from {lo:g} to {hi:g}, got {value!r}")
+            return None
+        if value < lo or value > hi or (lo_open and value == lo):
+            bound = f"above {lo:g} and up" if lo_open else f"from {lo:g}"
+            self.fail(f"{path}.{key}", f"must be {bound} to {hi:g}, got {value:g}")
+            return None
+        return float(value)
+
+    def string(
+        self,
+        obj: Mapping[str, Any],
+        key: str,
+        path: str,
+        *,
+        required: bool = True,
+        choices: tuple[str, ...] | None = None,
+        default: str | None = None,
+    ) -> str | None:
+        value = obj.get(key)
+        if value is None:
+            if required:
+                self.fail(f"{path}.{key}", "is missing")
+            return default
+        if not isinstance(value, str) or not value:
+            self.fail(f"{path}.{key}", f"must be a non-empty string, got {value!r}")
+            return None
+        if choices is not None and value not in choices:
+            self.fail(f"{path}.{key}", f"must be one of {', '.join(choices)}, got {value!r}")
+            return None
+        return value
+
+
+def _architecture(r: _Reader, model: Mapping[str, Any]) -> Architecture | None:
+    path = "spec.model.architecture"
+    arch = model.get("architecture")
+    if arch is None:
+        r.fail(
+            path,
+            f"is missing; give layers, attentionHeads, kvHeads, headDim, parameters and "
+            f"dtype, or a preset ({', '.join(sorted(PRESETS))})",
+        )
+        return None
+    arch = r.mapping(arch, path)
+    if arch is None:
+        return None
+    known = {"preset", "layers", "attentionHeads", "kvHeads", "headDim", "parameters", "dtype"}
+    r.unknown(arch, path, known)
+    base: Architecture | None = None
+    if "preset" in arch:
+        preset = r.string(arch, "preset", path, choices=tuple(sorted(PRESETS)))
+        if preset is None:
+            return None
+        base = PRESETS[preset]
+
+    def pick(key: str, attr: str, lo: int, hi: int) -> int | None:
+        default = getattr(base, attr) if base else None
+        return r.integer(arch, key, path, lo=lo, hi=hi, default=default)
+
+    layers = pick("layers", "layers", 1, 1024)
+    heads = pick("attentionHeads", "attention_heads", 1, 1024)
+    kv_heads = pick("kvHeads", "kv_heads", 1, 1024)
+    head_dim = pick("headDim", "head_dim", 1, 4096)
+    parameters = r.number(
+        arch, "parameters", path, lo=0, hi=1e13, default=base.parameters if base else None
+    )
+    dtype = r.string(
+        arch,
+        "dtype",
+        path,
+        choices=tuple(DTYPE_BYTES),
+        default=base.dtype if base else None,
+        required=base is None,
+    )
+    if None in (layers, heads, kv_heads, head_dim, parameters, dtype):
+        return None
+    assert layers and heads and kv_heads and head_dim and dtype and parameters is not None
+    if kv_heads > heads:
+        r.fail(f"{path}.kvHeads", f"must be at most attentionHeads ({heads}), got {kv_heads}")
+    elif heads % kv_heads:
+        r.fail(f"{path}.kvHeads", f"must divide attentionHeads ({heads}), got {kv_heads}")
+    return Architecture(layers, heads, kv_heads, head_dim, parameters, dtype)
+
+
+def _kv_slots(r: _Reader, obj: Any) -> dict[str, KvSlot]:
+    path = "spec.kvSlots"
+    slots = r.mapping(obj, path)
+    if slots is None:
+        return {}
+    if not slots:
+        r.fail(path, "must name at least one KV label, e.g. main: {prompt: 1, output: 1}")
+    if len(slots) > MAX_LABELS:
+        r.fail(path, f"has {len(slots)} labels; at most {MAX_LABELS} are allowed")
+    result: dict[str, KvSlot] = {}
+    for label, slot in slots.items():
+        lpath = f"{path}.{label}"
+        if not isinstance(label, str) or not label or len(label) > 63:
+            r.fail(lpath, "a label must be a non-empty string of at most 63 characters")
+            continue
+        s = r.mapping(slot, lpath)
+        if s is None:
+            continue
+        r.unknown(s, lpath, {"prompt", "output", "fixed"})
+        prompt = r.integer(s, "prompt", lpath, lo=0, hi=MAX_SLOT_MULTIPLIER, default=0)
+        output = r.integer(s, "output", lpath, lo=0, hi=MAX_SLOT_MULTIPLIER, default=0)
+        fixed = r.integer(s, "fixed", lpath, lo=0, hi=MAX_FIXED_TOKENS, default=0)
+        if None in (prompt, output, fixed):
+            continue
+        assert prompt is not None and output is not None and fixed is not None
+        if prompt == output == fixed == 0:
+            r.fail(lpath, "writes nothing; set prompt, output or fixed above 0, or drop the label")
+            continue
+        result[label] = KvSlot(prompt, output, fixed)
+    return result
+
+
+def parse_modelpool(doc: Any) -> ModelPool:
+    """Read a ModelPool manifest (a dict as from YAML). Raises SpecError listing every problem."""
+    r = _Reader()
+    top = r.mapping(doc, "manifest")
+    if top is None:
+        raise SpecError(r.errors)
+    api_version = top.get("apiVersion")
+    if api_version != f"{API_GROUP}/{API_VERSION}":
+        r.fail("apiVersion", f"must be {API_GROUP}/{API_VERSION}, got {api_version!r}")
+    if top.get("kind") != KIND:
+        r.fail("kind", f"must be {KIND}, got {top.get('kind')!r}")
+    meta = r.mapping(top.get("metadata"), "metadata") or {}
+    name = r.string(meta, "name", "metadata") or ""
+    namespace = meta.get("namespace") or "default"
+    spec = r.mapping(top.get("spec"), "spec")
+    if spec is None:
+        raise SpecError(r.errors)
+    r.unknown(
+        spec,
+        "spec",
+        {"model", "replicas", "tensorParallel", "gpu", "kv", "kvSlots", "limits", "admission"},
+    )
+
+    model = r.mapping(spec.get("model"), "spec.model") or {}
+    r.unknown(model, "spec.model", {"name", "architecture"})
+    model_name = r.string(model, "name", "spec.model") or ""
+    arch = _architecture(r, model) if model else None
+
+    replicas = r.integer(spec, "replicas", "spec", lo=0, hi=MAX_REPLICAS, default=1)
+    tp = r.integer(spec, "tensorParallel", "spec", lo=1, hi=MAX_TP, default=1)
+
+    gpu_obj = r.mapping(spec.get("gpu"), "spec.gpu") or {}
+    r.unknown(gpu_obj, "spec.gpu", {"memoryGiB", "memoryUtilization", "reservedGiB"})
+    memory = r.number(gpu_obj, "memoryGiB", "spec.gpu", lo=0, hi=4096, lo_open=True)
+    util = r.number(gpu_obj, "memoryUtilization", "spec.gpu", lo=0, hi=1, default=0.9, lo_open=True)
+    reserved = r.number(gpu_obj, "reservedGiB", "spec.gpu", lo=0, hi=4096, default=0.0)
+
+    kv_obj = r.mapping(spec.get("kv"), "spec.kv") or {}
+    r.unknown(kv_obj, "spec.kv", {"pageSize", "pages", "memoryFraction", "speculativeTokens"})
+    page_size = r.integer(kv_obj, "pageSize", "spec.kv", lo=1, hi=MAX_PAGE_SIZE)
+    pages: int | None = None
+    fraction: float | None = None
+    if "pages" in kv_obj and "memoryFraction" in kv_obj:
+        r.fail("spec.kv", "set either pages or memoryFraction, not both")
+    elif "memoryFraction" in kv_obj:
+        fraction = r.number(kv_obj, "memoryFraction", "spec.kv", lo=0, hi=1, lo_open=True)
+    else:
+        pages = r.integer(kv_obj, "pages", "spec.kv", lo=2, hi=MAX_PAGES)
+    spec_tokens = r.integer(
+        kv_obj, "speculativeTokens", "spec.kv", lo=0, hi=MAX_SPECULATIVE, default=0
+    )
+
+    slots = _kv_slots(r, spec.get("kvSlots"))
+
+    lim = r.mapping(spec.get("limits"), "spec.limits") or {}
+    r.unknown(lim, "spec.limits", {"maxSeqLen", "maxTokens"})
+    max_seq_len = r.integer(lim, "maxSeqLen", "spec.limits", lo=2, hi=MAX_SEQ_LEN)
+    max_tokens = r.integer(lim, "maxTokens", "spec.limits", lo=1, hi=MAX_SEQ_LEN)
+    if max_seq_len and max_tokens and max_tokens >= max_seq_len:
+        r.fail(
+            "spec.limits.maxTokens",
+            f"must be below maxSeqLen ({max_seq_len}) so a prompt fits, got {max_tokens}",
+        )
+
+    adm = r.mapping(spec.get("admission"), "spec.admission", required=False) or {}
+    r.unknown(adm, "spec.admission", {"minConcurrency", "policy", "backfill"})
+    min_conc = r.integer(adm, "minConcurrency", "spec.admission", lo=0, hi=MAX_PAGES, default=0)
+    policy = r.string(
+        adm,
+        "policy",
+        "spec.admission",
+        required=False,
+        choices=ADMISSION_POLICIES,
+        default="conservative",
+    )
+    backfill = adm.get("backfill", False)
+    if not isinstance(backfill, bool):
+        r.fail("spec.admission.backfill", f"must be true or false, got {backfill!r}")
+
+    if r.errors:
+        raise SpecError(r.errors)
+    assert arch and memory and util and reserved is not None and page_size and tp
+    assert replicas is not None and spec_tokens is not None and max_seq_len and max_tokens
+    assert min_conc is not None and policy
+    return ModelPool(
+        name=name,
+        namespace=str(namespace),
+        model_name=model_name,
+        architecture=arch,
+        replicas=replicas,
+        tensor_parallel=tp,
+        gpu=Gpu(memory, util, reserved),
+        kv=KvPool(page_size, pages, fraction, spec_tokens),
+        kv_slots=slots,
+        limits=Limits(max_seq_len, max_tokens),
+        admission=Admission(min_conc, policy, bool(backfill)),
+    )
