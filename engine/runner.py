@@ -1,0 +1,60 @@
+"""The model-runner interface the scheduler drives.
+
+Two runners sit behind it: the virtual-clock runner (step time from a cost model, tokens without
+a model, for benchmarks) and the torch runner (a real transformer on the paged KV cache). The
+scheduler, KV manager and ledger are the same for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """One request's share of a step: a prefill chunk, or the one token a decode row feeds."""
+
+    rid: str
+    token_ids: Sequence[int]  # tokens whose KV this step writes
+    start_pos: int  # position of token_ids[0]; equals the request's num_computed
+    page_ids: Sequence[int]  # the request's pages for the attended label, covering every position
+    sample: bool  # sample a token after this row (last prefill chunk, or decode)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    step: int
+    rows: Sequence[RowInput]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.rows)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    tokens: dict[str, int]  # the sampled token of every row that sampled
+    # Model time of this step in seconds when the runner keeps a virtual clock; None when the
+    # runner is real and wall-clock time is what counts.
+    duration_s: float | None = None
+
+
+class ModelRunner(Protocol):
+    eos_token_id: int
+
+    def run(self, batch: StepBatch) -> StepResult: ...
+
+    def release(self, rid: str) -> None:
+        """Forget per-request state (sampler seeds, say) once a request leaves."""
+        ...
