@@ -191,7 +191,7 @@ class Ledger:
         """Queue a request whose worst case is `pages`. One the pool can never hold is refused
         at once (never queued), with `refusal` as its message when the caller has a better one."""
         self._check_new(rid)
-        self._check_pages(pages, "pages")
+        self._check_pages(pages, "pages", bounded=False)
         if pages > self.usable_pages:
             message = refusal or (
                 f"this request needs {pages} KV pages but the pool holds {self.usable_pages} "
@@ -235,13 +235,15 @@ class Ledger:
         self.evictable -= hit.idle_pages  # the lease takes idle cached pages off the supply
         return self._decide(Admitted(rid, self.next_seq, pages, hit))
 
-    def admit_ready(self, peek: Callable[[str], Hit] = lambda rid: NO_HIT) -> list[Admitted]:
+    def admit_ready(self, peek: Callable[[str], Hit | None] = lambda rid: NO_HIT) -> list[Admitted]:
         """Admit heads in FIFO order while they fit. `peek(rid)` recomputes the head's hit each
-        time it is tried, without touching the prefix index's LRU."""
+        time it is tried, without touching the prefix index's LRU; it returns None when the
+        caller cannot tell that head's hit (a remote engine reported hits for the first few
+        waiting requests only), which stops admission there."""
         admitted = []
         while (rid := self.head) is not None:
             hit = peek(rid)
-            if not self.can_admit_head(hit):
+            if hit is None or not self.can_admit_head(hit):
                 break
             admitted.append(self.admit_head(hit))
         return admitted
@@ -319,7 +321,7 @@ class Ledger:
             raise InvariantBreach(
                 f"outstanding {self._outstanding} pages exceed supply {self.supply} (free "
                 f"{self.free} + evictable {self.evictable}); largest claim: "
-                f"{worst.rid if worst else '-'} with "
+                f"{worst.rid if worst else '-'!r} with "
                 f"{(worst.reserved - worst.held) if worst else 0} pages still to take"
             )
 
@@ -345,10 +347,10 @@ class Ledger:
         if rid in self._waiting or rid in self._running:
             raise DuplicateRequest(f"request {rid!r} is already known")
 
-    def _check_pages(self, pages: int, name: str) -> None:
+    def _check_pages(self, pages: int, name: str, bounded: bool = True) -> None:
         if isinstance(pages, bool) or not isinstance(pages, int) or pages < 0:
             raise InvalidPages(f"{name} must be a non-negative integer, got {pages!r}")
-        if pages > self.total_pages:
+        if bounded and pages > self.total_pages:
             raise InvalidPages(f"{name}={pages} exceeds the pool's {self.total_pages} pages")
 
     def _check_hit(self, hit: Hit, pages: int) -> None:
