@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from kvbank.capacity import SINK_PAGES
@@ -183,6 +183,18 @@ class Ledger:
             waiting=tuple((rid, w.pages) for rid, w in self._waiting.items()),
             running=running,
             next_seq=self.next_seq,
+        )
+
+    def copy(self) -> Ledger:
+        """An independent ledger in the same state: a caller that applies a batch of changes
+        all-or-nothing keeps one to go back to. Costs O(waiting + running)."""
+        return replace(
+            self,
+            _waiting=OrderedDict((rid, _Waiting(w.pages)) for rid, w in self._waiting.items()),
+            _running={
+                rid: Reservation(r.rid, r.reserved, r.held, r.seq)
+                for rid, r in self._running.items()
+            },
         )
 
     # ---- arrivals ------------------------------------------------------------------------------

@@ -1,0 +1,284 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Hit(_message.Message):
+    __slots__ = ("pages", "idle_pages")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    idle_pages: int
+    def __init__(self, pages: _Optional[int] = ..., idle_pages: _Optional[int] = ...) -> None: ...
+
+class Submit(_message.Message):
+    __slots__ = ("rid", "pages", "refusal")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    pages: int
+    refusal: str
+    def __init__(self, rid: _Optional[str] = ..., pages: _Optional[int] = ..., refusal: _Optional[str] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ("rid",)
+    RID_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    def __init__(self, rid: _Optional[str] = ...) -> None: ...
+
+class Take(_message.Message):
+    __slots__ = ("rid", "pages")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    pages: int
+    def __init__(self, rid: _Optional[str] = ..., pages: _Optional[int] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("rid",)
+    RID_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    def __init__(self, rid: _Optional[str] = ...) -> None: ...
+
+class Supply(_message.Message):
+    __slots__ = ("free", "evictable")
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_FIELD_NUMBER: _ClassVar[int]
+    free: int
+    evictable: int
+    def __init__(self, free: _Optional[int] = ..., evictable: _Optional[int] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("submit", "cancel", "take", "release", "supply")
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TAKE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    SUPPLY_FIELD_NUMBER: _ClassVar[int]
+    submit: Submit
+    cancel: Cancel
+    take: Take
+    release: Release
+    supply: Supply
+    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., take: _Optional[_Union[Take, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ...) -> None: ...
+
+class HeadHit(_message.Message):
+    __slots__ = ("rid", "hit")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    hit: Hit
+    def __init__(self, rid: _Optional[str] = ..., hit: _Optional[_Union[Hit, _Mapping]] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("rid", "tokens_per_label", "remaining_output")
+    class TokensPerLabelEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_LABEL_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    tokens_per_label: _containers.ScalarMap[str, int]
+    remaining_output: int
+    def __init__(self, rid: _Optional[str] = ..., tokens_per_label: _Optional[_Mapping[str, int]] = ..., remaining_output: _Optional[int] = ...) -> None: ...
+
+class RunningRequest(_message.Message):
+    __slots__ = ("rid", "reserved", "held")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    reserved: int
+    held: int
+    def __init__(self, rid: _Optional[str] = ..., reserved: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("engine_id", "total_pages", "next_seq", "running", "supply", "lease_ms")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    SUPPLY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    total_pages: int
+    next_seq: int
+    running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
+    supply: Supply
+    lease_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., total_pages: _Optional[int] = ..., next_seq: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class OpenSessionReply(_message.Message):
+    __slots__ = ("session", "next_seq")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    next_seq: int
+    def __init__(self, session: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("session", "report_seq", "applied_seq", "events", "hits", "admit", "progress")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    REPORT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    report_seq: int
+    applied_seq: int
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    hits: _containers.RepeatedCompositeFieldContainer[HeadHit]
+    admit: bool
+    progress: _containers.RepeatedCompositeFieldContainer[Progress]
+    def __init__(self, session: _Optional[int] = ..., report_seq: _Optional[int] = ..., applied_seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., hits: _Optional[_Iterable[_Union[HeadHit, _Mapping]]] = ..., admit: _Optional[bool] = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ...) -> None: ...
+
+class Admit(_message.Message):
+    __slots__ = ("reserved", "hit")
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    reserved: int
+    hit: Hit
+    def __init__(self, reserved: _Optional[int] = ..., hit: _Optional[_Union[Hit, _Mapping]] = ...) -> None: ...
+
+class Refuse(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
+
+class Restored(_message.Message):
+    __slots__ = ("reserved", "held")
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    reserved: int
+    held: int
+    def __init__(self, reserved: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...
+
+class Decision(_message.Message):
+    __slots__ = ("seq", "rid", "session", "admit", "refuse", "restored")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
+    REFUSE_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    rid: str
+    session: int
+    admit: Admit
+    refuse: Refuse
+    restored: Restored
+    def __init__(self, seq: _Optional[int] = ..., rid: _Optional[str] = ..., session: _Optional[int] = ..., admit: _Optional[_Union[Admit, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., restored: _Optional[_Union[Restored, _Mapping]] = ...) -> None: ...
+
+class PoolFigures(_message.Message):
+    __slots__ = ("total_pages", "usable_pages", "free", "evictable", "reserved", "held", "outstanding")
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    USABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    total_pages: int
+    usable_pages: int
+    free: int
+    evictable: int
+    reserved: int
+    held: int
+    outstanding: int
+    def __init__(self, total_pages: _Optional[int] = ..., usable_pages: _Optional[int] = ..., free: _Optional[int] = ..., evictable: _Optional[int] = ..., reserved: _Optional[int] = ..., held: _Optional[int] = ..., outstanding: _Optional[int] = ...) -> None: ...
+
+class ReportReply(_message.Message):
+    __slots__ = ("decisions", "waiting", "pool")
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    decisions: _containers.RepeatedCompositeFieldContainer[Decision]
+    waiting: int
+    pool: PoolFigures
+    def __init__(self, decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., waiting: _Optional[int] = ..., pool: _Optional[_Union[PoolFigures, _Mapping]] = ...) -> None: ...
+
+class FollowRequest(_message.Message):
+    __slots__ = ("follower_id", "from_seq")
+    FOLLOWER_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    follower_id: str
+    from_seq: int
+    def __init__(self, follower_id: _Optional[str] = ..., from_seq: _Optional[int] = ...) -> None: ...
+
+class AckRequest(_message.Message):
+    __slots__ = ("follower_id", "seq")
+    FOLLOWER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    follower_id: str
+    seq: int
+    def __init__(self, follower_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class AckReply(_message.Message):
+    __slots__ = ("log_first_seq",)
+    LOG_FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    log_first_seq: int
+    def __init__(self, log_first_seq: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Waiting(_message.Message):
+    __slots__ = ("rid", "pages")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    pages: int
+    def __init__(self, rid: _Optional[str] = ..., pages: _Optional[int] = ...) -> None: ...
+
+class Reservation(_message.Message):
+    __slots__ = ("rid", "reserved", "held", "seq")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    reserved: int
+    held: int
+    seq: int
+    def __init__(self, rid: _Optional[str] = ..., reserved: _Optional[int] = ..., held: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class FollowerState(_message.Message):
+    __slots__ = ("follower_id", "acked_seq")
+    FOLLOWER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    follower_id: str
+    acked_seq: int
+    def __init__(self, follower_id: _Optional[str] = ..., acked_seq: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("pool", "waiting", "running", "next_seq", "session", "log_first_seq", "log_length", "followers")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LOG_FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LOG_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolFigures
+    waiting: _containers.RepeatedCompositeFieldContainer[Waiting]
+    running: _containers.RepeatedCompositeFieldContainer[Reservation]
+    next_seq: int
+    session: int
+    log_first_seq: int
+    log_length: int
+    followers: _containers.RepeatedCompositeFieldContainer[FollowerState]
+    def __init__(self, pool: _Optional[_Union[PoolFigures, _Mapping]] = ..., waiting: _Optional[_Iterable[_Union[Waiting, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., next_seq: _Optional[int] = ..., session: _Optional[int] = ..., log_first_seq: _Optional[int] = ..., log_length: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerState, _Mapping]]] = ...) -> None: ...
