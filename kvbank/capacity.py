@@ -102,6 +102,36 @@ def count_pages(model: CapacityModel, request: RequestShape, cached_pages: int =
     return PageCount(per_label, tokens, output, min(cached_pages, total))
 
 
+@dataclass(frozen=True)
+class LabelGrowth:
+    """How one label of one request fills as it decodes: `base` tokens once its prompt is in,
+    `per_output` more per output token, never more than `worst` (count_pages's count, which
+    includes the speculative step)."""
+
+    base: int
+    per_output: int
+    worst: int
+
+
+def label_growth(
+    model: CapacityModel, request: RequestShape
+) -> tuple[dict[str, LabelGrowth], PageCount]:
+    """Per label, the request's token timeline, read off count_pages so that the worst case a
+    timeline reaches is exactly the one the ledger reserves."""
+    count = count_pages(model, request)
+    decode_positions = count.output_tokens + model.speculative_tokens
+    growth = {}
+    for label, worst in count.tokens_per_label.items():
+        rate = model.kv_slots[label].output
+        growth[label] = LabelGrowth(worst - rate * decode_positions, rate, worst)
+    return growth, count
+
+
+def pages_for_labels(tokens_per_label: Mapping[str, int], page_size: int) -> int:
+    """Pages a request holds with these tokens per label (the sum count_pages takes)."""
+    return sum(pages_for(tokens, page_size) for tokens in tokens_per_label.values())
+
+
 def worst_case(model: CapacityModel) -> tuple[RequestShape, PageCount]:
     """The request of this model that needs the most pages.
 

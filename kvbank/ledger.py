@@ -18,12 +18,15 @@ does no I/O: the engine (or the sidecar on its behalf) reports what the pool did
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from kvbank.capacity import SINK_PAGES
+from kvbank.peakfit import PeakShape, flat_shape
+from kvbank.peaktimeline import Hold, PeakPolicy, Timeline
 
 
 @dataclass(frozen=True)
@@ -111,12 +114,19 @@ class LedgerSnapshot:
 @dataclass
 class _Waiting:
     pages: int
+    shape: PeakShape | None = None
 
 
 @dataclass
 class Ledger:
     """FIFO, head-only admission against running totals. `debug` checks the safe-state invariant
-    after every change (tests run with it on)."""
+    after every change (tests run with it on).
+
+    With a `policy`, the ledger also keeps each running request's progress (a timeline) and
+    admits the head when the peak of the timeline fits rather than the sum of worst cases
+    (`policy.peak`), and lets a later request start past a blocked head when that cannot delay
+    the head's promised step (`policy.backfill`). The conservative test is tried first: what it
+    admits, the peak test admits too."""
 
     total_pages: int
     debug: bool = False
@@ -126,8 +136,14 @@ class Ledger:
     _waiting: OrderedDict[str, _Waiting] = field(default_factory=OrderedDict, repr=False)
     _running: dict[str, Reservation] = field(default_factory=dict, repr=False)
     _outstanding: int = 0
+    policy: PeakPolicy | None = None
+    # The last backfill promise: (head, steps from the pass that made it), None when none holds.
+    promised: tuple[str, int] | None = None
+    _timeline: Timeline | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.policy is not None:
+            self._timeline = Timeline(self.policy)
         if self.total_pages <= SINK_PAGES:
             raise InvalidPages(
                 f"a pool needs at least {SINK_PAGES + 1} pages, got {self.total_pages}"
@@ -188,22 +204,35 @@ class Ledger:
     def copy(self) -> Ledger:
         """An independent ledger in the same state: a caller that applies a batch of changes
         all-or-nothing keeps one to go back to. Costs O(waiting + running)."""
-        return replace(
+        twin = replace(
             self,
-            _waiting=OrderedDict((rid, _Waiting(w.pages)) for rid, w in self._waiting.items()),
+            _waiting=OrderedDict(
+                (rid, _Waiting(w.pages, w.shape)) for rid, w in self._waiting.items()
+            ),
             _running={
                 rid: Reservation(r.rid, r.reserved, r.held, r.seq)
                 for rid, r in self._running.items()
             },
         )
+        twin._timeline = copy.deepcopy(self._timeline)
+        return twin
 
     # ---- arrivals ------------------------------------------------------------------------------
 
-    def submit(self, rid: str, pages: int, refusal: str | None = None) -> Refused | None:
+    def submit(
+        self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None
+    ) -> Refused | None:
         """Queue a request whose worst case is `pages`. One the pool can never hold is refused
-        at once (never queued), with `refusal` as its message when the caller has a better one."""
+        at once (never queued), with `refusal` as its message when the caller has a better one.
+        `shape` (kvbank.peakfit.peak_shape) lets a policy ledger follow its progress; without
+        it the request counts at its worst case until released."""
         self._check_new(rid)
         self._check_pages(pages, "pages", bounded=False)
+        if shape is not None and shape.pages != pages:
+            raise InvalidPages(
+                f"request {rid!r}: its shape counts {shape.pages} worst-case pages but "
+                f"{pages} were given; build both from the same count_pages"
+            )
         if pages > self.usable_pages:
             message = refusal or (
                 f"this request needs {pages} KV pages but the pool holds {self.usable_pages} "
@@ -211,7 +240,7 @@ class Ledger:
                 f"{pages + SINK_PAGES} pages"
             )
             return self._decide(Refused(rid, self.next_seq, message))
-        self._waiting[rid] = _Waiting(pages)
+        self._waiting[rid] = _Waiting(pages, shape)
         return None
 
     def cancel(self, rid: str) -> None:
@@ -225,8 +254,20 @@ class Ledger:
         rid = self.head
         if rid is None:
             return False
-        need = self._waiting[rid].pages - hit.pages
-        return self._outstanding + need <= self.supply - hit.idle_pages
+        return self._fits(self._waiting[rid], hit)
+
+    def _fits(self, waiting: _Waiting, hit: Hit) -> bool:
+        need = waiting.pages - hit.pages
+        if self._outstanding + need <= self.supply - hit.idle_pages:
+            return True
+        timeline = self._timeline
+        if timeline is None or not timeline.peak_active:
+            return False
+        return timeline.fits(self._shape(waiting), Hold(hit.pages, hit.idle_pages), self.supply)
+
+    def _shape(self, waiting: _Waiting) -> PeakShape:
+        assert self.policy is not None
+        return waiting.shape or flat_shape(waiting.pages, self.policy.page_size)
 
     def admit_head(self, hit: Hit = NO_HIT) -> Admitted:
         """Admit the head, leasing its cached hit. Raises NotAdmissible when it does not fit."""
@@ -241,10 +282,16 @@ class Ledger:
                 f"hit; outstanding {self._outstanding} + that exceeds supply {self.supply} - "
                 f"{hit.idle_pages} leased idle pages"
             )
-        del self._waiting[rid]
+        return self._admit(rid, hit)
+
+    def _admit(self, rid: str, hit: Hit) -> Admitted:
+        waiting = self._waiting.pop(rid)
+        pages = waiting.pages
         self._running[rid] = Reservation(rid, pages, hit.pages, self.next_seq)
         self._outstanding += pages - hit.pages
         self.evictable -= hit.idle_pages  # the lease takes idle cached pages off the supply
+        if self._timeline is not None:
+            self._timeline.add(rid, waiting.shape, pages, Hold(hit.pages, hit.idle_pages))
         return self._decide(Admitted(rid, self.next_seq, pages, hit))
 
     def admit_ready(self, peek: Callable[[str], Hit | None] = lambda rid: NO_HIT) -> list[Admitted]:
@@ -258,6 +305,36 @@ class Ledger:
             if hit is None or not self.can_admit_head(hit):
                 break
             admitted.append(self.admit_head(hit))
+        self.promised = None
+        if rid is not None and self.policy is not None and self.policy.backfill:
+            admitted.extend(self._backfill(rid, peek))
+        return admitted
+
+    def _backfill(self, head: str, peek: Callable[[str], Hit | None]) -> list[Admitted]:
+        """EASY backfill: find the earliest step the blocked head surely fits, then let up to
+        `backfill_depth` later requests start now, each only if the head still fits at that
+        step beside it. The head is never delayed, so nothing starves."""
+        timeline, policy = self._timeline, self.policy
+        assert timeline is not None and policy is not None
+        if timeline.fallback or len(self._waiting) < 2:
+            return []
+        head_shape = self._shape(self._waiting[head])
+        start = timeline.promise(head_shape, self.supply)
+        if start is None:
+            return []
+        self.promised = (head, start)
+        admitted = []
+        for rid in list(self._waiting)[1 : 1 + policy.backfill_depth]:
+            waiting, hit = self._waiting[rid], peek(rid)
+            if hit is None:
+                break  # the caller cannot tell hits this far down the queue
+            try:
+                self._check_hit(hit, waiting.pages)
+            except InvalidPages:
+                continue  # a stale peek; the request waits for its turn
+            hold = Hold(hit.pages, hit.idle_pages)
+            if timeline.fits_behind(head_shape, start, self._shape(waiting), hold, self.supply):
+                admitted.append(self._admit(rid, hit))
         return admitted
 
     def restore(self, rid: str, reserved: int, held: int) -> Reservation:
@@ -271,6 +348,8 @@ class Ledger:
         res = Reservation(rid, reserved, held, self.next_seq)
         self._running[rid] = res
         self._outstanding += reserved - held
+        if self._timeline is not None:
+            self._timeline.restore(rid, reserved, held)
         self.next_seq += 1
         self._after_change()
         return res
@@ -289,7 +368,42 @@ class Ledger:
         res.held += pages
         self._outstanding -= pages
         self._take_supply(pages)
+        if self._timeline is not None:
+            self._timeline.take(rid, pages)
         self._after_change()
+
+    def advance(
+        self,
+        rid: str,
+        produced: int,
+        tokens_per_label: Mapping[str, int] | None = None,
+        chunks_left: int = 0,
+        exclusive: int | None = None,
+    ) -> None:
+        """A running request's progress after a step: output tokens produced so far, tokens
+        written per label (default: what `produced` implies), worst-case prefill chunks still
+        to run, and, when the pool knows it, how many of its held pages no other request
+        holds. A ledger without a policy only checks that the request runs."""
+        self.reservation(rid)
+        if self._timeline is None:
+            return
+        problem = self._timeline.check_advance(
+            rid, produced, tokens_per_label, chunks_left, exclusive
+        )
+        if problem is not None:
+            raise InvalidPages(problem)
+        self._timeline.advance(rid, produced, tokens_per_label, chunks_left, exclusive)
+        self._after_change()
+
+    def end_step(self) -> list[str]:
+        """Close a step; returns the running requests that did not advance in it (then the
+        ledger admits conservatively until a step in which all of them advance)."""
+        return [] if self._timeline is None else self._timeline.end_step()
+
+    @property
+    def stalled_steps(self) -> int:
+        """Steps in which some running request did not advance (peak-fit's assumption broke)."""
+        return 0 if self._timeline is None else self._timeline.stalled_steps
 
     def release(self, rid: str) -> Reservation:
         """A running request finished or was aborted: its unused promise is returned. The pages
@@ -298,6 +412,8 @@ class Ledger:
         if res is None:
             raise UnknownRequest(f"request {rid!r} is not running")
         self._outstanding -= res.reserved - res.held
+        if self._timeline is not None:
+            self._timeline.remove(rid)
         self._after_change()
         return res
 
@@ -311,6 +427,8 @@ class Ledger:
                 f"{self.usable_pages} usable pages"
             )
         self.free, self.evictable = free, evictable
+        if self._timeline is not None:
+            self._timeline.supply_reported()
         self._after_change()
 
     # ---- integrity -----------------------------------------------------------------------------
@@ -328,7 +446,18 @@ class Ledger:
             raise InvariantBreach(
                 f"outstanding total {self._outstanding} != sum of reserved - held {total}"
             )
-        if self._outstanding > self.supply:
+        timeline = self._timeline
+        if timeline is not None and self.policy is not None and self.policy.peak:
+            # Pages released but not yet reported back by the pool still count as supply.
+            supply = self.supply + timeline.pending_return
+            peak, step = timeline.peak()
+            if peak > supply:
+                raise InvariantBreach(
+                    f"the running requests may need {peak} more pages at step {step} from now "
+                    f"but supply is {supply} (free {self.free} + evictable {self.evictable} + "
+                    f"{timeline.pending_return} released, not yet reported)"
+                )
+        elif self._outstanding > self.supply:
             worst = max(self._running.values(), key=lambda r: r.reserved - r.held, default=None)
             raise InvariantBreach(
                 f"outstanding {self._outstanding} pages exceed supply {self.supply} (free "

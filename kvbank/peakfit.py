@@ -1,0 +1,225 @@
+"""Peak-fit admission: the pages admitted requests may hold at each future step, and its peak.
+
+Every running request advances at least one token per step (the scheduler's promise, checked
+each step by `Timeline.end_step`). So a request with `tokens` per label, `chunks` prefill chunks
+left and `remaining` output tokens still allowed holds at future step k (k = 0 is the next step)
+at most, per label,
+
+    min(worst, tokens + per_output * (1 + spec) * max(0, k - chunks + 1))
+
+tokens (a step writes the token after the last one written, hence the + 1: a request at d
+tokens needs the page of token d + 1 in the step that produces it), and after step
+chunks + remaining - 1 it has finished and returned its exclusive pages. Summed over the running
+requests, extra demand (pages beyond what each holds now, minus what finished ones return) only
+rises between two finishes, so its peak is at the step before a finish: one candidate step per
+running request. The timeline keeps that demand at the candidates (the profile, rebuilt once
+after each change: O(requests x candidates) in numpy), and an admission test evaluates only the
+newcomer's curve at them.
+
+Why this keeps the promise, and where each assumption is kept: docs/admission.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbank.capacity import CapacityModel, RequestShape, label_growth
+
+Steps = npt.NDArray[np.int64]
+NEVER = 1 << 40  # the finish step of a request whose progress the ledger is not told
+
+
+@dataclass(frozen=True)
+class PeakShape:
+    """A waiting request as the timeline sees it: per label its tokens once the prompt is in,
+    tokens per output token and worst-case tokens; its output budget; its worst-case number of
+    prefill chunks; and its worst-case pages (the ledger's reservation)."""
+
+    base: tuple[int, ...]
+    per_output: tuple[int, ...]
+    worst: tuple[int, ...]
+    output_budget: int
+    prefill_chunks: int
+    pages: int
+    labels: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.base)
+        if not n or len(self.per_output) != n or len(self.worst) != n:
+            raise ValueError(
+                f"a shape needs the same number (>= 1) of labels in base {self.base}, "
+                f"per_output {self.per_output} and worst {self.worst}"
+            )
+        if self.output_budget < 0 or self.prefill_chunks < 0 or self.pages < 0:
+            raise ValueError(
+                f"output_budget {self.output_budget}, prefill_chunks {self.prefill_chunks} and "
+                f"pages {self.pages} must be non-negative"
+            )
+
+
+def peak_shape(model: CapacityModel, request: RequestShape, prefill_chunks: int = 1) -> PeakShape:
+    """The shape of a request, read off the capacity function (never recounted here)."""
+    growth, count = label_growth(model, request)
+    labels = list(growth.values())
+    return PeakShape(
+        tuple(g.base for g in labels),
+        tuple(g.per_output for g in labels),
+        tuple(g.worst for g in labels),
+        count.output_tokens,
+        prefill_chunks,
+        count.total,
+        tuple(growth),
+    )
+
+
+@dataclass
+class Track:
+    """A running request's progress. `exclusive` pages return to the pool when it finishes;
+    the rest of what it holds is shared with other holders (a prefix) and stays."""
+
+    tokens: list[int]  # per label, never below the label's prompt tokens
+    rate: tuple[int, ...]  # tokens per label one step may add: per_output * (1 + spec)
+    worst: tuple[int, ...]
+    chunks: int  # prefill steps left (worst case)
+    remaining: int  # decode steps left at most: output budget - produced (NEVER: unknown)
+    held: int
+    exclusive: int
+    budget: int
+    base: tuple[int, ...]
+    labels: tuple[str, ...] = ()
+    produced: int = 0
+    moved: bool = True  # advanced since the last end_step
+
+    @property
+    def end(self) -> int:
+        """First step at which the request has surely finished."""
+        return min(NEVER, self.chunks + self.remaining)
+
+
+def track_for(shape: PeakShape, spec: int, held: int, exclusive: int, peak: bool) -> Track:
+    """The track of a request just admitted. Without peak, its curve is flat at its worst case
+    (the conservative reading), but its finish is still known, for backfill."""
+    if peak:
+        rate = tuple(r * (1 + spec) for r in shape.per_output)
+        tokens = list(shape.base)
+    else:
+        rate = tuple(0 for _ in shape.per_output)
+        tokens = list(shape.worst)
+    return Track(
+        tokens,
+        rate,
+        shape.worst,
+        shape.prefill_chunks,
+        shape.output_budget,
+        held,
+        exclusive,
+        shape.output_budget,
+        shape.base,
+        shape.labels,
+    )
+
+
+def flat_track(pages: int, page_size: int, held: int) -> Track:
+    """A request whose shape the ledger was not given: its worst case, until it is released."""
+    worst = (pages * page_size,)
+    return Track(list(worst), (0,), worst, 0, NEVER, held, 0, NEVER, (0,))
+
+
+class Profile:
+    """Extra demand of the running requests at their candidate steps, and the pages their
+    finishes return by then. Built from the tracks as they stand; immutable."""
+
+    def __init__(self, tracks: list[Track], page_size: int):
+        self.page_size = page_size
+        n = len(tracks)
+        self.count = n
+        rows = [len(t.tokens) for t in tracks]
+        self.row_starts = np.cumsum([0, *rows[:-1]], dtype=np.int64) if n else np.zeros(0, int)
+        self.tokens = np.array([x for t in tracks for x in t.tokens], dtype=np.int64)
+        self.rate = np.array([x for t in tracks for x in t.rate], dtype=np.int64)
+        self.worst = np.array([x for t in tracks for x in t.worst], dtype=np.int64)
+        self.chunks = np.repeat(np.array([t.chunks for t in tracks], dtype=np.int64), rows)
+        self.held = np.array([t.held for t in tracks], dtype=np.int64)
+        self.exclusive = np.array([t.exclusive for t in tracks], dtype=np.int64)
+        self.end = np.array([t.end for t in tracks], dtype=np.int64)
+        order = np.argsort(self.end, kind="stable")
+        self.ends_sorted = self.end[order]
+        self.returned_by = np.concatenate([[0], np.cumsum(self.exclusive[order])])
+        finite = self.end[self.end < NEVER]
+        self.candidates = np.unique(
+            np.concatenate([[0], np.maximum(self.end - 1, 0), finite]).astype(np.int64)
+        )
+        self.demand_at_candidates = self._evaluate(self.candidates)
+        self.finishes = np.unique(finite)
+
+    def _evaluate(self, ks: Steps) -> Steps:
+        if self.count == 0:
+            return np.zeros(len(ks), dtype=np.int64)
+        steps = np.maximum(ks[None, :] - self.chunks[:, None] + 1, 0)
+        tokens = np.minimum(self.worst[:, None], self.tokens[:, None] + self.rate[:, None] * steps)
+        pages = np.add.reduceat(-(-tokens // self.page_size), self.row_starts, axis=0)
+        growth = np.maximum(pages - self.held[:, None], 0)
+        term = np.where(ks[None, :] < self.end[:, None], growth, -self.exclusive[:, None])
+        return term.sum(axis=0)  # type: ignore[no-any-return]
+
+    def demand(self, ks: Steps) -> Steps:
+        """Extra demand at steps `ks` (sorted): read off the candidates, evaluated elsewhere."""
+        idx = np.minimum(np.searchsorted(self.candidates, ks), len(self.candidates) - 1)
+        known = self.candidates[idx] == ks
+        out = self.demand_at_candidates[idx].copy()
+        if not known.all():
+            out[~known] = self._evaluate(ks[~known])
+        return out  # type: ignore[no-any-return]
+
+    def returned(self, ks: Steps) -> Steps:
+        """Exclusive pages the running requests have returned by steps `ks`."""
+        return self.returned_by[np.searchsorted(self.ends_sorted, ks, side="right")]  # type: ignore[no-any-return]
+
+    def peak(self) -> tuple[int, int]:
+        """(highest extra demand, the step it is reached)."""
+        i = int(np.argmax(self.demand_at_candidates))
+        return int(self.demand_at_candidates[i]), int(self.candidates[i])
+
+
+def newcomer(
+    shape: PeakShape,
+    spec: int,
+    page_size: int,
+    ks: Steps,
+    start: int,
+    hit_pages: int,
+    idle_pages: int,
+    peak: bool,
+) -> Steps:
+    """Extra demand of a request started at step `start` with a leased hit, at steps `ks`:
+    nothing before it starts, its pages beyond the hit while it runs, minus its idle hit (the
+    only part of the hit it alone holds) once it has finished."""
+    worst = np.array(shape.worst, dtype=np.int64)[:, None]
+    if peak:
+        base = np.array(shape.base, dtype=np.int64)[:, None]
+        rate = np.array(shape.per_output, dtype=np.int64)[:, None] * (1 + spec)
+        steps = np.maximum(ks[None, :] - start - shape.prefill_chunks + 1, 0)
+        tokens = np.minimum(worst, base + rate * steps)
+    else:
+        tokens = np.broadcast_to(worst, (len(shape.worst), len(ks)))
+    pages = (-(-tokens // page_size)).sum(axis=0) - hit_pages
+    end = start + shape.prefill_chunks + shape.output_budget
+    out = np.where(ks < end, pages, -idle_pages)
+    return np.where(ks < start, 0, out)  # type: ignore[no-any-return]
+
+
+def steps_for(shape: PeakShape, start: int, candidates: Steps) -> Steps:
+    """The steps at which a request started at `start` may reach its peak beside the others:
+    the candidates from `start` on, its start and the step before its own finish."""
+    end = start + shape.prefill_chunks + shape.output_budget
+    extra = np.array([start, max(start, end - 1), end], dtype=np.int64)
+    return np.unique(np.concatenate([candidates[candidates >= start], extra]))
+
+
+def flat_shape(pages: int, page_size: int) -> PeakShape:
+    """A request whose shape the ledger was not given: its worst case until it is released."""
+    worst = (pages * page_size,)
+    return PeakShape(worst, (0,), worst, NEVER, 0, pages)

@@ -1,0 +1,272 @@
+"""The ledger's timeline of running requests: their progress, the peak-fit test and the EASY
+backfill promise. The ledger owns one when it is built with a `PeakPolicy`; without one it keeps
+its conservative reading alone.
+
+Cost: a test reads the cached profile and evaluates the newcomer at its candidate steps (one
+numpy pass over about as many steps as there are running requests); the profile is rebuilt once
+after any change (O(requests x candidates)), so a run of checks between steps pays it once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbank.peakfit import (
+    NEVER,
+    PeakShape,
+    Profile,
+    Track,
+    flat_track,
+    newcomer,
+    steps_for,
+    track_for,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PeakPolicy:
+    """How the ledger admits. `peak`: against the peak of the timeline (else the conservative
+    sum of worst cases). `backfill`: a request behind a blocked head may start if it cannot
+    delay the step the head is promised; at most `backfill_depth` of them are tried per pass."""
+
+    page_size: int
+    speculative_tokens: int = 0
+    peak: bool = True
+    backfill: bool = False
+    backfill_depth: int = 8
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.speculative_tokens < 0 or self.backfill_depth < 0:
+            raise ValueError(
+                f"page_size {self.page_size} must be >= 1, speculative_tokens "
+                f"{self.speculative_tokens} and backfill_depth {self.backfill_depth} >= 0"
+            )
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A hit as the timeline needs it: pages leased, of which `idle` only the index held."""
+
+    pages: int
+    idle: int
+
+
+class Timeline:
+    def __init__(self, policy: PeakPolicy):
+        self.policy = policy
+        self.tracks: dict[str, Track] = {}
+        self.stalled_steps = 0  # steps in which a running request did not advance
+        self.fallback = False  # admit conservatively until every request advances again
+        self.pending_return = 0  # exclusive pages released but not yet in a supply report
+        self._profile: Profile | None = None
+
+    @property
+    def peak_active(self) -> bool:
+        return self.policy.peak and not self.fallback
+
+    def profile(self) -> Profile:
+        if self._profile is None:
+            self._profile = Profile(list(self.tracks.values()), self.policy.page_size)
+        return self._profile
+
+    def _changed(self) -> None:
+        self._profile = None
+
+    # ---- membership ----------------------------------------------------------------------------
+
+    def add(self, rid: str, shape: PeakShape | None, reserved: int, hit: Hold) -> None:
+        """An admitted request. The shared part of its hit was exclusive to some running
+        holders, which no longer return it when they finish; the ledger is not told which, so
+        it takes it from the earliest finishers first: the fewest pages returned at every step,
+        so never more than the truth."""
+        self._pin(hit.pages - hit.idle)
+        if shape is None:
+            self.tracks[rid] = flat_track(reserved, self.policy.page_size, hit.pages)
+            self.tracks[rid].exclusive = hit.idle
+        else:
+            spec = self.policy.speculative_tokens
+            self.tracks[rid] = track_for(shape, spec, hit.pages, hit.idle, self.policy.peak)
+        self._changed()
+
+    def restore(self, rid: str, reserved: int, held: int) -> None:
+        """A request re-registered after a restart: worst case until released, and none of
+        its pages counted as returning (which of them are shared is not known)."""
+        self.tracks[rid] = flat_track(reserved, self.policy.page_size, held)
+        self._changed()
+
+    def remove(self, rid: str) -> None:
+        track = self.tracks.pop(rid)
+        self.pending_return += track.exclusive
+        self._changed()
+
+    def supply_reported(self) -> None:
+        self.pending_return = 0
+
+    def _pin(self, shared: int) -> None:
+        for track in sorted(self.tracks.values(), key=lambda t: t.end):
+            if shared <= 0:
+                break
+            moved = min(shared, track.exclusive)
+            track.exclusive -= moved
+            shared -= moved
+
+    # ---- progress ------------------------------------------------------------------------------
+
+    def take(self, rid: str, pages: int) -> None:
+        track = self.tracks[rid]
+        track.held += pages
+        track.exclusive += pages  # pages a request allocates are its own until shared
+        self._changed()
+
+    def check_advance(
+        self,
+        rid: str,
+        produced: int,
+        tokens_per_label: Mapping[str, int] | None,
+        chunks_left: int,
+        exclusive: int | None,
+    ) -> str | None:
+        """What is wrong with this progress report, or None."""
+        track = self.tracks[rid]
+        if track.budget == NEVER:
+            return None
+        if not track.produced <= produced <= track.budget:
+            return (
+                f"request {rid!r} reports {produced} output tokens; it had {track.produced} "
+                f"and may produce at most {track.budget}"
+            )
+        if not 0 <= chunks_left <= track.chunks:
+            return (
+                f"request {rid!r} reports {chunks_left} prefill chunks left; it had "
+                f"{track.chunks} (its worst case), and a count never rises"
+            )
+        if exclusive is not None and not 0 <= exclusive <= track.held:
+            return f"request {rid!r} reports {exclusive} exclusive pages of its {track.held}"
+        if tokens_per_label is not None:
+            if set(tokens_per_label) != set(track.labels):
+                return (
+                    f"request {rid!r} reports labels {sorted(tokens_per_label)}; it writes "
+                    f"{sorted(track.labels)}"
+                )
+            for label, worst in zip(track.labels, track.worst, strict=True):
+                if not 0 <= tokens_per_label[label] <= worst:
+                    return (
+                        f"request {rid!r} reports {tokens_per_label[label]} tokens in label "
+                        f"{label!r}; its worst case there is {worst}"
+                    )
+        return None
+
+    def advance(
+        self,
+        rid: str,
+        produced: int,
+        tokens_per_label: Mapping[str, int] | None,
+        chunks_left: int,
+        exclusive: int | None,
+    ) -> None:
+        """Record progress (checked by check_advance first). Tokens per label default to what
+        the output count implies; a label never counts below its prompt, whose pages the first
+        prefill chunk took whole."""
+        track = self.tracks[rid]
+        track.moved = True
+        if exclusive is not None:
+            track.exclusive = exclusive
+        if track.budget != NEVER:
+            track.produced, track.chunks = produced, chunks_left
+            track.remaining = track.budget - produced
+            if self.policy.peak:
+                for i, label in enumerate(track.labels):
+                    implied = track.base[i] + (track.rate[i] // (1 + self.spec)) * produced
+                    told = tokens_per_label[label] if tokens_per_label else implied
+                    track.tokens[i] = min(track.worst[i], max(told, track.base[i]))
+        self._changed()
+
+    @property
+    def spec(self) -> int:
+        return self.policy.speculative_tokens
+
+    def end_step(self) -> list[str]:
+        """Close a step: every running request must have advanced in it. If one did not, the
+        timeline's bound no longer holds for it: say so, count it, and admit conservatively
+        until a step in which every request advances."""
+        stalled = [rid for rid, t in self.tracks.items() if not t.moved and t.budget != NEVER]
+        for track in self.tracks.values():
+            track.moved = False
+        if stalled:
+            self.stalled_steps += 1
+            if not self.fallback:
+                log.warning(
+                    "%d running request(s) did not advance this step (%s); admitting "
+                    "conservatively until every running request advances each step",
+                    len(stalled),
+                    ", ".join(stalled[:5]),
+                )
+            self.fallback = True
+        elif self.fallback:
+            log.warning("every running request advanced again; peak-fit admission resumes")
+            self.fallback = False
+        self._changed()
+        return stalled
+
+    # ---- the tests -----------------------------------------------------------------------------
+
+    def fits(self, shape: PeakShape, hit: Hold, supply: int) -> bool:
+        """Whether the newcomer, started now with `hit`, keeps the peak within supply."""
+        return self._highest(shape, 0, hit, None) <= supply - hit.idle
+
+    def promise(self, head: PeakShape, supply: int) -> int | None:
+        """The earliest step from which the head surely fits, counting no cached hit for it (a
+        hit only helps), or None if none is in sight. Tried at each finish, in order."""
+        profile = self.profile()
+        for start in (0, *(int(s) for s in profile.finishes)):
+            if self._highest(head, start, Hold(0, 0), None) <= supply:
+                return start
+        return None
+
+    def fits_behind(
+        self, head: PeakShape, start: int, shape: PeakShape, hit: Hold, supply: int
+    ) -> bool:
+        """Whether the newcomer may start now without delaying the head promised `start`."""
+        if not self.fits(shape, hit, supply):
+            return False
+        return self._highest(head, start, Hold(0, 0), (shape, hit)) <= supply - hit.idle
+
+    def _highest(
+        self,
+        shape: PeakShape,
+        start: int,
+        hit: Hold,
+        beside: tuple[PeakShape, Hold] | None,
+    ) -> int:
+        """Highest extra demand with the newcomer started at `start` (and, if given, another
+        request started now beside the running ones)."""
+        profile = self.profile()
+        ks = steps_for(shape, start, profile.candidates)
+        if beside is not None:
+            ks = np.unique(np.concatenate([ks, steps_for(beside[0], 0, profile.candidates)]))
+            ks = ks[ks >= start]
+        total = profile.demand(ks) + self._newcomer(shape, ks, start, hit)
+        shared = hit.pages - hit.idle
+        if beside is not None:
+            other, other_hit = beside
+            total += self._newcomer(other, ks, 0, other_hit)
+            shared += other_hit.pages - other_hit.idle
+        if shared:
+            total += np.minimum(shared, profile.returned(ks))
+        return int(total.max())
+
+    def _newcomer(self, shape: PeakShape, ks: np.ndarray, start: int, hit: Hold) -> np.ndarray:
+        policy = self.policy
+        return newcomer(
+            shape, self.spec, policy.page_size, ks, start, hit.pages, hit.idle, self.peak_active
+        )
+
+    def peak(self) -> tuple[int, int]:
+        """(highest extra demand of the running requests, the step it is reached)."""
+        return self.profile().peak()
