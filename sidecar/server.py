@@ -1,0 +1,208 @@
+"""`kvbank sidecar`: the gRPC admission service beside one engine (rank 0 of a TP group).
+
+    kvbank sidecar --listen 127.0.0.1:50051 --metrics-port 9464 [--pool FILE]
+
+Loopback by default. Followers in other pods need `--listen` on the pod address, and then the
+server insists on a shared token (`--token-file`) and should get a certificate (`--tls-cert`,
+`--tls-key`). SIGTERM stops it gracefully: health turns NOT_SERVING, calls in flight get
+`--grace-s` seconds, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from kvbank.capacity import pool_pages
+from kvbank.check import ManifestError, load_documents
+from kvbank.modelpool import SpecError, parse_modelpool
+from kvbank.proto import admission_pb2 as pb
+from kvbank.proto import admission_pb2_grpc as pb_grpc
+from kvbank.sidecar.auth import TokenInterceptor
+from kvbank.sidecar.decision_log import DecisionLog
+from kvbank.sidecar.service import AdmissionService
+from kvbank.sidecar.state import AdmissionState
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admission"].full_name
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT (port 0: any)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=9464, help="Prometheus port (0: any, -1: off)"
+    )
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus listen address")
+    parser.add_argument("--pool", metavar="FILE", help="ModelPool manifest this sidecar serves")
+    parser.add_argument("--token-file", help="file holding the shared token callers must send")
+    parser.add_argument("--tls-cert", help="PEM server certificate (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--lease-s", type=float, default=10.0, help="default engine lease")
+    parser.add_argument("--follower-timeout-s", type=float, default=30.0)
+    parser.add_argument("--log-max", type=int, default=65536, help="decision log entries kept")
+    parser.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    parser.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period")
+    parser.add_argument("--debug", action="store_true", help="check the ledger after reports")
+
+
+class ConfigError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: str
+    metrics_port: int
+    metrics_host: str
+    pool_pages: int | None
+    token: str | None
+    tls: tuple[bytes, bytes] | None
+    lease_s: float
+    follower_timeout_s: float
+    log_max: int
+    max_message_bytes: int
+    grace_s: float
+    debug: bool
+
+
+def _read_pool(path: str) -> int:
+    docs = list(load_documents(path))
+    if len(docs) != 1:
+        raise ConfigError(f"--pool {path}: expected one ModelPool document, found {len(docs)}")
+    where, doc = docs[0]
+    try:
+        pool = parse_modelpool(doc)
+    except SpecError as exc:
+        raise ConfigError(f"{where}: " + "; ".join(str(e) for e in exc.errors)) from exc
+    return pool_pages(pool)
+
+
+def _is_loopback(listen: str) -> bool:
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    try:
+        pages = _read_pool(args.pool) if args.pool else None
+        token = Path(args.token_file).read_text().strip() if args.token_file else None
+        tls = None
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together; give both or neither")
+        if args.tls_cert:
+            tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes())
+    except (OSError, ManifestError) as exc:
+        raise ConfigError(str(exc)) from exc
+    if args.token_file and not token:
+        raise ConfigError(f"--token-file {args.token_file} is empty")
+    if not _is_loopback(args.listen) and token is None:
+        raise ConfigError(
+            f"--listen {args.listen} is not a loopback address: give --token-file (and "
+            "--tls-cert/--tls-key) so only the group's own ranks can reach the ledger"
+        )
+    return Config(
+        listen=args.listen,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        pool_pages=pages,
+        token=token,
+        tls=tls,
+        lease_s=args.lease_s,
+        follower_timeout_s=args.follower_timeout_s,
+        log_max=args.log_max,
+        max_message_bytes=args.max_message_bytes,
+        grace_s=args.grace_s,
+        debug=args.debug,
+    )
+
+
+async def serve(
+    config: Config, stop: asyncio.Event, on_ready: Callable[[int], None] | None = None
+) -> None:
+    """Run until `stop` is set, then shut down within the grace period. `on_ready` gets the
+    bound port once the server accepts calls."""
+    log = DecisionLog(config.log_max, config.follower_timeout_s)
+    state = AdmissionState(config.pool_pages, log, config.debug, config.lease_s)
+    interceptors = [TokenInterceptor(config.token)] if config.token else []
+    limit = config.max_message_bytes
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", limit)],
+    )
+    pb_grpc.add_AdmissionServicer_to_server(AdmissionService(state), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if config.tls:
+        port = server.add_secure_port(config.listen, grpc.ssl_server_credentials([config.tls]))
+    else:
+        port = server.add_insecure_port(config.listen)
+    metrics_note = "off"
+    http = None
+    if config.metrics_port >= 0:
+        http, _ = start_http_server(
+            config.metrics_port, addr=config.metrics_host, registry=state.metrics.registry
+        )
+        metrics_note = f"{config.metrics_host}:{http.server_port}"
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    host = config.listen.rsplit(":", 1)[0]
+    print(f"kvbank sidecar: serving on {host}:{port}, metrics {metrics_note}", flush=True)
+    if on_ready is not None:
+        on_ready(port)
+
+    async def housekeeping() -> None:
+        # Lease and follower checks at a tenth of the lease: a dead engine's reservations go
+        # within 1.1 leases.
+        while True:
+            await asyncio.sleep(min(config.lease_s, config.follower_timeout_s) / 10)
+            state.expire()
+            log.expire_followers()
+
+    chores = asyncio.create_task(housekeeping())
+    try:
+        await stop.wait()
+    finally:
+        chores.cancel()
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(config.grace_s)
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+        print("kvbank sidecar: stopped", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(config, stop)
+
+    try:
+        asyncio.run(main())
+    except OSError as exc:
+        print(f"error: cannot serve on {args.listen}: {exc}", file=sys.stderr)
+        return 1
+    return 0

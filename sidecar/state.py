@@ -1,0 +1,272 @@
+"""The sidecar's admission state: one engine session around one `Ledger`, and the decision log.
+
+Everything here runs on the server's event loop, one call at a time, so no locks are needed.
+
+Races between deciding (here) and applying (in the engine, one step later when it does not wait):
+
+- A supply report is measured by the engine before it applied the decisions it has not read
+  yet. An admission leased its idle hit pages in the ledger (`evictable -= idle`), but the
+  engine's pool still counts them evictable until it applies the admission. Taking the report
+  as is would give those pages out twice. So every report carries `applied_seq`, the last
+  decision the engine applied, and the idle pages of later admissions are taken off the
+  reported evictable count before `set_supply`. Nothing else differs between a decided and an
+  applied admission: the engine allocates nothing for a request before applying it.
+- A hit reported for a waiting head must still be there when the admission is applied: the
+  engine pins the pages of the hits it reports until the next report.
+- A cancel for a request already admitted (decided while the cancel was on its way) is the
+  engine's to turn into a release: the engine sends one report at a time and reads every
+  decision before it builds the next, so it knows what was admitted.
+- Retried reports (a lost reply) carry the same `report_seq` and get the first answer again;
+  nothing is applied twice.
+
+A report is all-or-nothing: it is applied to a copy of the ledger, which replaces the ledger
+only when every event succeeded, so bad input leaves the ledger as it was.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger, Refused
+from kvbank.proto import admission_pb2 as pb
+from kvbank.sidecar.decision_log import DecisionLog
+from kvbank.sidecar.metrics import SidecarMetrics
+
+
+class SessionGone(Exception):
+    """The report names a session this sidecar does not hold (it restarted, the lease expired,
+    or a newer session replaced it): the engine must open a new one."""
+
+
+class OutOfOrder(Exception):
+    """A sequence number that does not follow the last one."""
+
+
+class PoolMismatch(Exception):
+    """The engine's pool is not the pool this sidecar was started for."""
+
+
+@dataclass
+class Session:
+    id: int
+    engine_id: str
+    lease_s: float
+    last_report: float
+    report_seq: int = 0
+    applied_seq: int = -1
+    last_reply: pb.ReportReply | None = None
+    unapplied_idle: dict[int, int] = field(default_factory=dict)  # admission seq -> idle pages
+
+
+class AdmissionState:
+    def __init__(
+        self,
+        pool_pages: int | None = None,
+        log: DecisionLog | None = None,
+        debug: bool = False,
+        default_lease_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool_pages = pool_pages
+        self.debug = debug
+        self.default_lease_s = default_lease_s
+        self._clock = clock
+        self.log = log or DecisionLog()
+        self.ledger: Ledger | None = Ledger(pool_pages, debug=debug) if pool_pages else None
+        self.session: Session | None = None
+        self.metrics = SidecarMetrics(lambda: self.ledger)
+        self._session_ids = itertools.count(int(time.time() * 1000) << 8)
+        self._arrived: dict[str, float] = {}  # rid -> arrival time, for the wait histogram
+
+    # ---- the engine session --------------------------------------------------------------------
+
+    def open_session(self, req: pb.OpenSessionRequest) -> pb.OpenSessionReply:
+        if self.pool_pages is not None and req.total_pages != self.pool_pages:
+            raise PoolMismatch(
+                f"the engine runs a pool of {req.total_pages} pages but this sidecar was "
+                f"started for {self.pool_pages}; start both from the same ModelPool"
+            )
+        if req.next_seq < 0 or req.lease_ms < 0:
+            raise InvalidPages(
+                f"next_seq {req.next_seq} and lease_ms {req.lease_ms} must not be negative"
+            )
+        ledger = Ledger(req.total_pages, debug=self.debug, next_seq=req.next_seq)
+        if req.HasField("supply"):
+            ledger.set_supply(req.supply.free, req.supply.evictable)
+        restored = [ledger.restore(r.rid, r.reserved, r.held) for r in req.running]
+        ledger.check_integrity()  # the restored promises must fit what the pool reports
+        # Every check passed: only now does the old session (and its reservations) go.
+        if self.session is not None:
+            self.metrics.sessions_dropped.inc()
+        lease_s = req.lease_ms / 1000 if req.lease_ms else self.default_lease_s
+        self.session = Session(next(self._session_ids), req.engine_id, lease_s, self._clock())
+        self.ledger = ledger
+        self._arrived.clear()
+        self.log.reset(req.next_seq)
+        for res in restored:
+            self.log.append(
+                pb.Decision(
+                    seq=res.seq,
+                    rid=res.rid,
+                    session=self.session.id,
+                    restored=pb.Restored(reserved=res.reserved, held=res.held),
+                )
+            )
+        return pb.OpenSessionReply(session=self.session.id, next_seq=ledger.next_seq)
+
+    def expire(self) -> bool:
+        """Drop the session whose engine stopped reporting: its reservations go with it, so a
+        dead engine cannot hold the pool. Returns whether one was dropped."""
+        s = self.session
+        if s is None or self._clock() - s.last_report <= s.lease_s:
+            return False
+        self.session = None
+        self.ledger = Ledger(self.pool_pages, debug=self.debug) if self.pool_pages else None
+        self._arrived.clear()
+        self.metrics.sessions_dropped.inc()
+        return True
+
+    # ---- reports -------------------------------------------------------------------------------
+
+    def report(self, req: pb.ReportRequest) -> pb.ReportReply:
+        s = self.session
+        if s is None or req.session != s.id or self.ledger is None:
+            raise SessionGone(
+                f"session {req.session} is not open here (current: "
+                f"{s.id if s else 'none'}); open a new session and re-register what runs"
+            )
+        if req.report_seq == s.report_seq and s.last_reply is not None:
+            s.last_report = self._clock()
+            return s.last_reply  # a retry: the first answer, nothing applied twice
+        if req.report_seq != s.report_seq + 1:
+            raise OutOfOrder(
+                f"report {req.report_seq} arrived after report {s.report_seq}; reports must "
+                f"be numbered {s.report_seq + 1}, {s.report_seq + 2}, ..."
+            )
+        last_decided = self.ledger.next_seq - 1
+        if not s.applied_seq <= req.applied_seq <= last_decided:
+            raise OutOfOrder(
+                f"applied_seq {req.applied_seq} must lie between the last applied "
+                f"{s.applied_seq} and the last decision made {last_decided}"
+            )
+        hits: dict[str, Hit] = {}
+        for head in req.hits:
+            h = head.hit
+            if not 0 <= h.idle_pages <= h.pages:
+                raise InvalidPages(
+                    f"hit of {head.rid!r} must satisfy 0 <= idle_pages {h.idle_pages} <= "
+                    f"pages {h.pages}"
+                )
+            hits[head.rid] = Hit(h.pages, h.idle_pages) if h.pages else NO_HIT
+
+        unapplied = {q: i for q, i in s.unapplied_idle.items() if q > req.applied_seq}
+        ledger = self.ledger.copy()
+        decisions: list[Admitted | Refused] = []
+        now = self._clock()
+        arrived: list[str] = []
+        for event in req.events:
+            kind = event.WhichOneof("kind")
+            if kind == "submit":
+                ev = event.submit
+                refused = ledger.submit(ev.rid, ev.pages, ev.refusal or None)
+                if refused is not None:
+                    decisions.append(refused)
+                else:
+                    arrived.append(ev.rid)
+            elif kind == "cancel":
+                ledger.cancel(event.cancel.rid)
+            elif kind == "take":
+                ledger.take(event.take.rid, event.take.pages)
+            elif kind == "release":
+                res = ledger.release(event.release.rid)
+                unapplied.pop(res.seq, None)  # released before applied: its lease never comes
+            elif kind == "supply":
+                pending_idle = sum(unapplied.values())
+                evictable = max(0, event.supply.evictable - pending_idle)
+                ledger.set_supply(event.supply.free, evictable)
+            else:
+                raise InvalidPages(
+                    "an event must carry one of submit, cancel, take, release, supply"
+                )
+        if req.admit:
+            admitted = ledger.admit_ready(hits.get if req.hits else _no_hit)
+            waited = ledger.head is not None and (not admitted or ledger.head in hits)
+            decisions.extend(admitted)
+        else:
+            waited = False
+        if self.debug:
+            ledger.check_integrity()
+
+        # Every event succeeded: commit.
+        self.ledger = ledger
+        s.report_seq, s.applied_seq, s.last_report = req.report_seq, req.applied_seq, now
+        for rid in arrived:
+            self._arrived[rid] = now
+        reply = pb.ReportReply(waiting=ledger.waiting_count())
+        for d in sorted(decisions, key=lambda d: d.seq):
+            entry = self._record(d, s, now)
+            if isinstance(d, Admitted) and d.hit.idle_pages:
+                unapplied[d.seq] = d.hit.idle_pages
+            reply.decisions.append(entry)
+        s.unapplied_idle = unapplied
+        if waited:
+            self.metrics.waits.inc()
+        fill_pool(reply.pool, ledger)
+        s.last_reply = reply
+        return reply
+
+    def _record(self, d: Admitted | Refused, s: Session, now: float) -> pb.Decision:
+        entry = pb.Decision(seq=d.seq, rid=d.rid, session=s.id)
+        if isinstance(d, Admitted):
+            entry.admit.reserved = d.reserved
+            entry.admit.hit.pages = d.hit.pages
+            entry.admit.hit.idle_pages = d.hit.idle_pages
+            self.metrics.admissions.inc()
+            arrived = self._arrived.pop(d.rid, None)
+            if arrived is not None:
+                self.metrics.admission_wait.observe(now - arrived)
+        else:
+            entry.refuse.message = d.message
+            self.metrics.rejections.inc()
+        self.log.append(entry)
+        return entry
+
+    # ---- status --------------------------------------------------------------------------------
+
+    def status(self) -> pb.StatusReply:
+        reply = pb.StatusReply(
+            session=self.session.id if self.session else 0,
+            log_first_seq=self.log.first_seq,
+            log_length=len(self.log),
+            next_seq=self.log.next_seq,
+        )
+        for fid, mark in sorted(self.log.followers.items()):
+            reply.followers.add(follower_id=fid, acked_seq=mark.acked_seq)
+        if self.ledger is None:
+            return reply
+        snap = self.ledger.snapshot()
+        fill_pool(reply.pool, self.ledger)
+        reply.next_seq = snap.next_seq
+        for rid, pages in snap.waiting:
+            reply.waiting.add(rid=rid, pages=pages)
+        for res in snap.running:
+            reply.running.add(rid=res.rid, reserved=res.reserved, held=res.held, seq=res.seq)
+        return reply
+
+
+def _no_hit(rid: str) -> Hit:
+    return NO_HIT
+
+
+def fill_pool(pool: pb.PoolFigures, ledger: Ledger) -> None:
+    pool.total_pages = ledger.total_pages
+    pool.usable_pages = ledger.usable_pages
+    pool.free = ledger.free
+    pool.evictable = ledger.evictable
+    pool.outstanding = ledger.outstanding
+    running = ledger.running()
+    pool.reserved = sum(r.reserved for r in running)
+    pool.held = sum(r.held for r in running)
