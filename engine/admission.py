@@ -1,0 +1,125 @@
+"""How the engine talks to the banker's ledger: events in, ordered decisions out.
+
+The engine never reads or changes a `Ledger` directly; it sends events to an `AdmissionBackend`
+and applies the decisions the backend has ready. Two implementations sit behind the protocol: the
+embedded one here, which wraps `kvbank.ledger.Ledger` in-process and decides synchronously, and a
+gRPC one that forwards the same events to a sidecar and may answer a step later. The step loop
+never blocks on either: `poll()` returns what is decided now, possibly nothing.
+
+Events carry only numbers the engine computed itself: a request's page need comes from
+`kvbank.capacity.count_pages` over the server's own token counts, never from a client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from kvbank.ledger import NO_HIT, Admitted, Decision, Hit, InvariantBreach, Ledger, Refused
+
+
+class AdmissionBackend(Protocol):
+    def submit(self, rid: str, pages: int, refusal: str | None = None) -> None:
+        """A request arrived; `pages` is its worst case from count_pages. FIFO from here."""
+        ...
+
+    def cancel(self, rid: str) -> None:
+        """A waiting request left before it was admitted."""
+        ...
+
+    def report_hits(self, hits: Mapping[str, Hit]) -> None:
+        """The cached hits of the first waiting requests, computed by peek. The engine has
+        pinned these pages (see `kvbank.engine.banker`), so they hold until a decision is
+        applied; a hit reported again for the same request only grows."""
+        ...
+
+    def take(self, rid: str, pages: int) -> None:
+        """A running request allocated `pages` more pages. Raises when that exceeds its
+        reservation: an engine bug, never to be absorbed."""
+        ...
+
+    def release(self, rid: str) -> None:
+        """A running request finished or was aborted."""
+        ...
+
+    def set_supply(self, free: int, evictable: int) -> None:
+        """The pool's free and evictable page counts after a change."""
+        ...
+
+    def poll(self, room: int) -> list[Decision]:
+        """Decisions available now, in any order (the engine sorts them by sequence number).
+        `room` is how many more requests the engine can start this step; a backend may use it
+        to hold admissions back and must tolerate receiving no call for a while."""
+        ...
+
+    def outstanding(self) -> int:
+        """Pages admitted requests may still take, as far as the backend knows."""
+        ...
+
+    def check_integrity(self, free: int, evictable: int) -> None:
+        """Raise InvariantBreach unless the ledger is safe and agrees with the pool's supply."""
+        ...
+
+
+class EmbeddedBackend:
+    """The ledger in-process. Decides during `poll`, admitting at most `room` heads, each with
+    the hit last reported for it (no hit when none was reported)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self._hits: dict[str, Hit] = {}
+        self._refused: list[Refused] = []
+
+    def submit(self, rid: str, pages: int, refusal: str | None = None) -> None:
+        refused = self.ledger.submit(rid, pages, refusal)
+        if refused is not None:
+            self._refused.append(refused)
+
+    def cancel(self, rid: str) -> None:
+        self._hits.pop(rid, None)
+        self.ledger.cancel(rid)
+
+    def report_hits(self, hits: Mapping[str, Hit]) -> None:
+        self._hits.update(hits)
+
+    def take(self, rid: str, pages: int) -> None:
+        self.ledger.take(rid, pages)
+
+    def release(self, rid: str) -> None:
+        self.ledger.release(rid)
+
+    def set_supply(self, free: int, evictable: int) -> None:
+        ledger = self.ledger
+        if free != ledger.free or evictable != ledger.evictable:
+            ledger.set_supply(free, evictable)
+
+    def poll(self, room: int) -> list[Decision]:
+        decisions: list[Decision] = list(self._refused)
+        self._refused.clear()
+        ledger = self.ledger
+        while room > 0 and (rid := ledger.head) is not None:
+            hit = self._hits.get(rid, NO_HIT)
+            if not ledger.can_admit_head(hit):
+                break
+            decisions.append(ledger.admit_head(hit))
+            self._hits.pop(rid, None)
+            room -= 1
+        return decisions
+
+    def outstanding(self) -> int:
+        return self.ledger.outstanding
+
+    def check_integrity(self, free: int, evictable: int) -> None:
+        self.ledger.check_integrity()
+        if (free, evictable) != (self.ledger.free, self.ledger.evictable):
+            raise InvariantBreach(
+                f"the pool's supply (free {free}, evictable {evictable}) differs from the "
+                f"ledger's (free {self.ledger.free}, evictable {self.ledger.evictable})"
+            )
+
+
+def embedded(total_pages: int, debug: bool = False) -> EmbeddedBackend:
+    return EmbeddedBackend(Ledger(total_pages, debug=debug))
+
+
+__all__ = ["AdmissionBackend", "Admitted", "Decision", "EmbeddedBackend", "Hit", "Refused"]

@@ -1,0 +1,141 @@
+"""The banker policy: admission through the ledger (`AdmissionBackend`), never a preemption.
+
+Each step, before asking for decisions, the engine pins the cached hit of the first waiting
+requests and reports it. Why pin rather than only protect: a remote backend may decide a step
+later, and a page reported as a hit must still be there when the `Admitted` is applied, or the
+request would need more pages than it reserved. A pinned page is held, so it leaves the evictable
+supply at once (the pool reports the lower supply) and the hit is reported with no idle part.
+That changes no decision: leasing an idle page saves the request one page of need and costs the
+supply one page, so `outstanding + need <= supply` reads the same either way. To keep the ledger
+safe while a pin waits, the head pins idle pages only up to the slack (`supply - outstanding`),
+and the requests behind it pin only pages a running request already holds (pinning those costs
+no supply, so they cannot crowd out the head's admission).
+
+Decisions are applied in sequence order and at most once: a sequence number at or below the last
+applied one is skipped, so a backend that resends is harmless.
+"""
+
+from __future__ import annotations
+
+from kvbank.engine.admission import AdmissionBackend, EmbeddedBackend
+from kvbank.engine.policy import AdmissionPolicy, register
+from kvbank.engine.request import FinishReason, Request
+from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, Ledger
+
+
+class BankerPolicy(AdmissionPolicy):
+    name = "banker"
+
+    def __init__(self, backend: AdmissionBackend, hit_window: int = 4) -> None:
+        self.backend = backend
+        self.hit_window = hit_window
+        self._last_seq = -1
+        self._reported: dict[str, int] = {}  # rid -> pinned pages last reported
+
+    def on_arrival(self, req: Request) -> None:
+        # The page need is the engine's own count_pages result, never a client's number.
+        self.backend.submit(req.rid, req.count.total)
+
+    def on_cancel(self, req: Request) -> None:
+        self.sched.kv.unpin(req)
+        self._reported.pop(req.rid, None)
+        self.backend.cancel(req.rid)
+
+    def admit(self) -> None:
+        sched = self.sched
+        while True:
+            self._pin_and_report()
+            room = 1 if sched.can_start() else 0
+            decisions = self.backend.poll(room)
+            if not self._apply(decisions) or not room:
+                return
+
+    def _pin_and_report(self) -> None:
+        sched, kv = self.sched, self.sched.kv
+        slack = max(0, kv.supply - self.backend.outstanding())
+        hits: dict[str, Hit] = {}
+        for position, req in enumerate(sched.waiting):
+            if position >= self.hit_window:
+                break
+            if not req.cacheable:
+                continue
+            before = kv.supply
+            pinned = kv.pin(req, slack if position == 0 else 0)
+            slack -= before - kv.supply
+            if pinned != self._reported.get(req.rid, 0):
+                hits[req.rid] = Hit(pinned, 0)
+                self._reported[req.rid] = pinned
+        if hits:
+            self.backend.set_supply(kv.free, kv.evictable)
+            self.backend.report_hits(hits)
+
+    def _apply(self, decisions: list[Decision]) -> bool:
+        """Apply decisions in sequence order; True when any request was admitted."""
+        sched = self.sched
+        admitted = False
+        for decision in sorted(decisions, key=lambda d: d.seq):
+            if decision.seq <= self._last_seq:
+                continue
+            self._last_seq = decision.seq
+            req = sched.waiting_by_rid.get(decision.rid)
+            if req is None:  # aborted while the decision was on its way
+                if isinstance(decision, Admitted):
+                    self.backend.release(decision.rid)
+                continue
+            self._reported.pop(req.rid, None)
+            if not isinstance(decision, Admitted):
+                sched.kv.unpin(req)
+                sched.dequeue(req)
+                sched.finish(req, FinishReason.REJECTED)
+                continue
+            if decision.reserved != req.count.total:
+                raise InvariantBreach(
+                    f"request {req.rid!r} was admitted for {decision.reserved} pages but the "
+                    f"engine counts {req.count.total}"
+                )
+            labels = max(1, len(req.layout))
+            depth = decision.hit.pages // labels
+            if decision.hit.pages > sched.kv.pinned_pages(req):
+                raise InvariantBreach(
+                    f"request {req.rid!r} was admitted with a {decision.hit.pages}-page hit but "
+                    f"only {sched.kv.pinned_pages(req)} pages are pinned for it"
+                )
+            sched.kv.unpin(req, keep=depth)
+            sched.start(req, {name: list(chain) for name, chain in req.pinned.items()})
+            admitted = True
+        return admitted
+
+    def on_shortage(self, req: Request) -> Request | None:
+        raise InvariantBreach(
+            f"request {req.rid!r} could not grow: it holds {req.held} of its {req.count.total} "
+            f"reserved pages, supply is {self.sched.kv.supply}, ledger outstanding "
+            f"{self.backend.outstanding()}"
+        )
+
+    def on_take(self, req: Request, pages: int) -> None:
+        self.backend.take(req.rid, pages)  # raises if past the reservation: a bug, never absorbed
+
+    def on_release(self, req: Request) -> None:
+        self.backend.release(req.rid)
+
+    def end_step(self) -> None:
+        kv = self.sched.kv
+        self.backend.set_supply(kv.free, kv.evictable)
+
+    def check_integrity(self) -> None:
+        kv = self.sched.kv
+        self.backend.check_integrity(kv.free, kv.evictable)
+
+    def protected_pages(self) -> frozenset[int]:
+        return frozenset()  # the head's hit is pinned, not merely protected
+
+
+def _banker(backend: AdmissionBackend | None) -> AdmissionPolicy:
+    if backend is None:
+        raise ValueError("the banker policy needs an admission backend")
+    return BankerPolicy(backend)
+
+
+register("banker", _banker)
+
+__all__ = ["BankerPolicy", "EmbeddedBackend", "Ledger"]

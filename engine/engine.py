@@ -1,0 +1,192 @@
+"""The engine: requests in, tokens out, one `step()` at a time.
+
+    engine = Engine(EngineConfig(model, total_pages), runner, admission_backend)
+    engine.add_request("r1", prompt_ids, max_tokens=64)
+    while engine.has_work():
+        for out in engine.step():
+            ...  # out.new_token_ids, out.finished, out.finish_reason
+
+`step()` = schedule -> run -> postprocess. It never blocks on the admission backend: decisions
+not ready this step are applied at a later one. Not thread-safe: one caller drives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbank.capacity import CapacityModel, RequestShape, count_pages, refusal
+from kvbank.engine.admission import AdmissionBackend, embedded
+from kvbank.engine.kv import KVCache
+from kvbank.engine.policy import make_policy
+from kvbank.engine.request import FinishReason, Request, Status, make_request
+from kvbank.engine.runner import ModelRunner, SamplingParams, StepResult
+from kvbank.engine.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: CapacityModel
+    total_pages: int  # per rank, the sink page included
+    policy: str = "banker"
+    max_batch_tokens: int = 2048  # tokens one step may compute, decode rows included
+    max_running: int = 256
+    debug: bool = False  # deep integrity checks after every step (tests turn it on)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    rid: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    message: str = ""  # why a request was rejected
+
+
+class RequestRejected(ValueError):
+    """A request the engine will not take; the message says what was wrong and what to change.
+    Nothing was queued."""
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        admission_backend: AdmissionBackend | None = None,
+    ) -> None:
+        if admission_backend is None and config.policy == "banker":
+            admission_backend = embedded(config.total_pages, debug=config.debug)
+        self.config = config
+        self.runner = runner
+        self.backend = admission_backend
+        self.kv = KVCache(config.total_pages, config.model.page_size)
+        self.policy = make_policy(config.policy, admission_backend)
+        self.sched = Scheduler(
+            config.model, self.kv, self.policy, config.max_batch_tokens, config.max_running
+        )
+        self.steps = 0
+        self.last_result: StepResult | None = None
+        self.last_rows = 0
+        self._arrivals = 0
+        self._known: set[str] = set()
+        self._aborted: list[RequestOutput] = []
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        rid: str,
+        prompt_token_ids: list[int],
+        max_tokens: int | None = None,
+        *,
+        extra_tokens: dict[str, int] | None = None,
+        labels: frozenset[str] | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> Request:
+        """Queue a request. Raises RequestRejected (a ValueError) for an empty prompt, a
+        max_tokens below 1, a duplicate id, or a request the pool can never hold."""
+        model = self.config.model
+        if not prompt_token_ids:
+            raise RequestRejected(f"request {rid!r} has an empty prompt; send at least one token")
+        if max_tokens is not None and max_tokens <= 0:
+            raise RequestRejected(
+                f"request {rid!r} has max_tokens={max_tokens}; it must be at least 1 "
+                f"(or omitted for the model's limit of {model.max_tokens})"
+            )
+        if rid in self._known:
+            raise RequestRejected(f"request id {rid!r} is already in use")
+        shape = RequestShape(len(prompt_token_ids), max_tokens, dict(extra_tokens or {}), labels)
+        if labels is not None and not labels <= set(model.kv_slots):
+            raise RequestRejected(
+                f"request {rid!r} names labels {sorted(labels - set(model.kv_slots))} the model "
+                f"does not have; it has {sorted(model.kv_slots)}"
+            )
+        if count_pages(model, shape).output_tokens < 1:
+            raise RequestRejected(
+                f"request {rid!r} has a {len(prompt_token_ids)}-token prompt, which leaves no "
+                f"room for output under max_seq_len {model.max_seq_len}; shorten the prompt "
+                f"to at most {model.max_seq_len - 1} tokens"
+            )
+        message = refusal(model, shape, self.config.total_pages)
+        if message is not None:
+            self.sched.stats.rejected += 1
+            raise RequestRejected(f"request {rid!r}: {message}")
+        req = make_request(
+            model,
+            rid,
+            list(prompt_token_ids),
+            max_tokens,
+            extra_tokens,
+            labels,
+            sampling,
+            arrival=self._arrivals,
+        )
+        self._arrivals += 1
+        self._known.add(rid)
+        self.sched.enqueue(req)
+        self.policy.on_arrival(req)
+        return req
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request wherever it is; its final output comes with the next step. False when
+        the request is unknown or already finished."""
+        sched = self.sched
+        req = sched.waiting_by_rid.get(rid) or sched.running.get(rid)
+        if req is None:
+            return False
+        if req.status is Status.WAITING:
+            sched.dequeue(req)
+            self.policy.on_cancel(req)
+        sched.finish(req, FinishReason.ABORT)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.sched.waiting or self.sched.running or self.sched.finished)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.sched.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.sched.waiting)
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """schedule -> run -> postprocess. Returns the new tokens of every row that sampled and
+        every request that finished (or was aborted or rejected) since the last step."""
+        sched = self.sched
+        batch = sched.schedule(self.steps)
+        self.steps += 1
+        self.last_rows = len(batch.rows)
+        result = self.runner.run(batch) if batch.rows else StepResult({}, 0.0)
+        self.last_result = result
+        sched.postprocess(result, self.runner.eos_token_id)
+        outputs = self._outputs(result)
+        if self.config.debug:
+            self.check_integrity(deep=True)
+        return outputs
+
+    def _outputs(self, result: StepResult) -> list[RequestOutput]:
+        sched = self.sched
+        done = {f.req.rid: f for f in sched.finished}
+        outputs = []
+        for rid, row in sched.rows.items():
+            if not row.sample or rid in done:
+                continue
+            outputs.append(RequestOutput(rid, [result.tokens[rid]]))
+        for fin in sched.finished:
+            rid = fin.req.rid
+            new = [result.tokens[rid]] if rid in sched.rows and sched.rows[rid].sample else []
+            outputs.append(RequestOutput(rid, new, True, fin.reason))
+            self._known.discard(rid)
+            self.runner.release(rid)
+        sched.finished.clear()
+        sched.rows = {}
+        return outputs
+
+    def check_integrity(self, deep: bool = False) -> None:
+        """free + held + cached == usable pages; every running request within its worst case;
+        the ledger safe and agreeing with the pool's supply. Raises InvariantBreach."""
+        self.sched.check_integrity(deep)

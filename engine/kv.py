@@ -1,0 +1,208 @@
+"""The KV manager: a request's page tables per label over one shared pool and prefix index.
+
+Pages of a label are allocated as that label's tokens are written (`grow`); a label the request
+does not write takes none (its rows go to the sink page). Supply is what the pool can still hand
+out, free plus evictable, as running totals: nothing here walks the pool on the step path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from kvbank.capacity import pages_for
+from kvbank.engine.pages import OutOfPages, PagePool
+from kvbank.engine.prefix import PrefixIndex
+from kvbank.engine.request import Request
+from kvbank.ledger import InvariantBreach
+
+Chains = dict[str, list[int]]  # label -> cached pages from the root, all labels equally deep
+
+
+class KVCache:
+    def __init__(self, total_pages: int, page_size: int) -> None:
+        self.pool = PagePool(total_pages)
+        self.index = PrefixIndex(self.pool, page_size)
+        self.page_size = page_size
+        # Pages the waiting head will reuse; eviction takes them only after every other idle
+        # page. Called only when an eviction happens, so the common step pays nothing for it.
+        self.protected: Callable[[], Collection[int]] = frozenset
+
+    @property
+    def free(self) -> int:
+        return self.pool.free
+
+    @property
+    def evictable(self) -> int:
+        return self.index.evictable
+
+    @property
+    def supply(self) -> int:
+        return self.pool.free + self.index.evictable
+
+    # ---- prefix hits ---------------------------------------------------------------------------
+
+    def peek(self, req: Request, after: Chains | None = None) -> Chains:
+        """The request's cached prefix, per label, without re-stamping the LRU. Empty for a
+        request with an unkeyed label (see `Request.cacheable`)."""
+        if not req.cacheable:
+            return {}
+        limit = req.max_hit_pages
+        chains = {
+            lay.name: self.index.match(lay.name, req.prompt, limit, (after or {}).get(lay.name, ()))
+            for lay in req.layout
+        }
+        depth = min((len(c) for c in chains.values()), default=0)
+        return {name: chain[:depth] for name, chain in chains.items()} if depth else {}
+
+    def idle_pages(self, chains: Chains) -> int:
+        """Pages of a hit that only the index holds: leasing them takes them off the supply."""
+        refcount = self.pool.refcount
+        return sum(1 for chain in chains.values() for page in chain if refcount[page] == 0)
+
+    def pin(self, req: Request, max_idle: int) -> int:
+        """Hold a waiting request's hit so that eviction cannot take it before its admission is
+        applied. Pins only grow while the request waits, and take at most `max_idle` pages that
+        only the index holds. Returns the pinned depth in pages, all labels."""
+        chains = self.peek(req, req.pinned or None)
+        if not chains:
+            return self.pinned_pages(req)
+        old_depth = len(next(iter(req.pinned.values()), ()))
+        new_depth = len(next(iter(chains.values())))
+        refcount = self.pool.refcount
+        depth = old_depth
+        while depth < new_depth:
+            idle = sum(1 for chain in chains.values() if refcount[chain[depth]] == 0)
+            if idle > max_idle:
+                break
+            max_idle -= idle
+            for name, chain in chains.items():
+                self.pool.hold(chain[depth])
+                req.pinned.setdefault(name, []).append(chain[depth])
+            depth += 1
+        return self.pinned_pages(req)
+
+    @staticmethod
+    def pinned_pages(req: Request) -> int:
+        return sum(len(chain) for chain in req.pinned.values())
+
+    def unpin(self, req: Request, keep: int = 0) -> None:
+        """Drop pins past the first `keep` pages per label. Not a use: no re-stamp."""
+        for chain in req.pinned.values():
+            for page in chain[keep:]:
+                self._drop(page)
+            del chain[keep:]
+        if not keep:
+            req.pinned.clear()
+
+    def lease(self, req: Request, chains: Chains) -> int:
+        """Give an admitted request its cached prefix: it skips those positions. Pages already
+        pinned for it keep their reference; the rest are held now. Returns pages leased."""
+        pinned = req.pinned
+        leased = 0
+        for name, chain in chains.items():
+            table = req.pages.setdefault(name, [])
+            have = len(pinned.get(name, ()))
+            for position, page in enumerate(chain):
+                if position >= have:
+                    self.pool.hold(page)
+                table.append(page)
+            leased += len(chain)
+            self.index.touch(chain)
+        req.pinned = {}
+        depth = len(next(iter(chains.values()), ()))
+        req.num_computed = depth * self.page_size
+        req.indexed = depth
+        req.held += leased
+        req.hit_pages = leased
+        return leased
+
+    # ---- growth --------------------------------------------------------------------------------
+
+    def need(self, req: Request, positions: int) -> int:
+        """New pages the request must allocate to have room for `positions` positions."""
+        prompt_len = len(req.prompt)
+        size = self.page_size
+        missing = 0
+        for lay in req.layout:
+            want = pages_for(lay.tokens_at(positions, prompt_len), size)
+            have = len(req.pages.get(lay.name, ()))
+            if want > have:
+                missing += want - have
+        return missing
+
+    def grow(self, req: Request, positions: int) -> int:
+        """Allocate room for `positions` positions, evicting idle cached pages if the free list
+        runs out. All or nothing: raises OutOfPages, changing nothing, when supply is short."""
+        missing = self.need(req, positions)
+        if not missing:
+            return 0
+        if missing > self.supply:
+            raise OutOfPages(f"request {req.rid!r} needs {missing} pages, supply is {self.supply}")
+        prompt_len = len(req.prompt)
+        protected: Collection[int] | None = None
+        for lay in req.layout:
+            want = pages_for(lay.tokens_at(positions, prompt_len), self.page_size)
+            table = req.pages.setdefault(lay.name, [])
+            while len(table) < want:
+                if not self.pool.free:
+                    if protected is None:
+                        protected = self.protected()
+                    self.index.evict(protected)
+                table.append(self.pool.allocate())
+        req.held += missing
+        return missing
+
+    def index_prompt(self, req: Request) -> None:
+        """Offer the request's newly computed full prompt pages to the prefix index. Each is
+        chained under the request's own previous page, which it holds, so nothing is ever
+        chained under a page only the index holds."""
+        if not req.index_open or not req.cacheable:
+            return
+        full = min(req.num_computed, len(req.prompt)) // self.page_size
+        while req.indexed < full:
+            position = req.indexed
+            key = self.index.page_key(req.prompt, position)
+            for lay in req.layout:
+                table = req.pages[lay.name]
+                parent = table[position - 1] if position else None
+                if not self.index.insert(lay.name, parent, key, table[position]):
+                    req.index_open = False
+                    return
+            req.indexed += 1
+
+    def release(self, req: Request) -> None:
+        """Drop every page of the request. Indexed pages become cached, re-stamped as just
+        used; the rest go back to the free list."""
+        for table in req.pages.values():
+            self.index.touch(table)
+            for page in table:
+                self._drop(page)
+        req.pages = {}
+        req.held = 0
+        req.indexed = 0
+        req.index_open = True
+        self.unpin(req)
+
+    def _drop(self, page: int) -> None:
+        indexed = page in self.index
+        if self.pool.drop(page, indexed) and indexed:
+            self.index.on_idle(page)
+
+    # ---- integrity -----------------------------------------------------------------------------
+
+    def check_integrity(self, deep: bool = False) -> None:
+        self.pool.check_integrity(deep)
+        if deep:
+            self.index.check_integrity()
+
+    def check_request(self, req: Request) -> None:
+        """No request holds more pages than its worst case, and its count matches its tables."""
+        if req.held > req.count.total:
+            raise InvariantBreach(
+                f"request {req.rid!r} holds {req.held} pages but may need at most {req.count.total}"
+            )
+        tables = sum(len(table) for table in req.pages.values())
+        if tables != req.held:
+            raise InvariantBreach(
+                f"request {req.rid!r} counts {req.held} pages but its tables hold {tables}"
+            )

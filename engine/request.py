@@ -1,0 +1,148 @@
+"""A request inside the engine: its tokens, its page tables per KV label, and how far it got.
+
+Progress is two numbers, not a phase: `num_tokens` (prompt plus output so far) and `num_computed`
+(positions whose KV is written). A row computes positions [num_computed, num_tokens); when it
+reaches num_tokens it samples. A fresh request, one resumed after preemption and a decoding one
+are the same case.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvbank.capacity import CapacityModel, PageCount, RequestShape, count_pages, pages_for
+from kvbank.engine.runner import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # the model's stop token
+    LENGTH = "length"  # max_tokens, or the max_seq_len cap on it
+    ABORT = "abort"  # the client went away
+    REJECTED = "rejected"  # the pool can never hold it
+
+
+@dataclass(frozen=True)
+class LabelLayout:
+    """What one request writes into one KV label, as `count_pages` counts it."""
+
+    name: str
+    per_prompt: int
+    per_output: int
+    base: int  # fixed tokens plus the request's extra tokens, written with its first chunk
+    keyed: bool  # the label's tokens are exactly the prompt tokens: the prefix cache keys it
+
+    def tokens_at(self, positions: int, prompt_tokens: int) -> int:
+        """Label tokens once `positions` positions (prompt first, then output) are written."""
+        if positions <= 0:
+            return 0
+        prompt_part = min(positions, prompt_tokens)
+        return (
+            self.per_prompt * prompt_part + self.base + self.per_output * (positions - prompt_part)
+        )
+
+
+def layout_for(model: CapacityModel, shape: RequestShape) -> tuple[LabelLayout, ...]:
+    """The labels a request writes; the others go to the sink page and take no page. A label is
+    keyed for the prefix cache only when its tokens are exactly the prompt tokens (prompt 1,
+    fixed 0, no extra tokens for this request): anything else (an image's tokens, an encoder
+    window) is not described by the prompt, so two equal prompts do not mean equal KV there."""
+    layouts = []
+    for name, slot in model.kv_slots.items():
+        if shape.labels is not None and name not in shape.labels:
+            continue
+        extra = shape.extra_tokens.get(name, 0)
+        keyed = slot.prompt == 1 and slot.fixed == 0 and extra == 0
+        layouts.append(LabelLayout(name, slot.prompt, slot.output, slot.fixed + extra, keyed))
+    return tuple(layouts)
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt: list[int]
+    shape: RequestShape
+    count: PageCount  # worst case, from the one capacity function
+    layout: tuple[LabelLayout, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival: int = 0  # arrival order
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    pages: dict[str, list[int]] = field(default_factory=dict)  # label -> page table
+    held: int = 0  # pages referenced, all labels, shared prefix pages included
+    indexed: int = 0  # prompt pages already offered to the prefix index
+    index_open: bool = True  # False once a chain diverged from the index
+    pinned: dict[str, list[int]] = field(default_factory=dict)  # waiting: hit pages held for it
+    hit_pages: int = 0  # cached pages leased at the last admission (all labels)
+    admitted_at: int = -1  # admission order, for preemption's "most recently admitted"
+    preemptions: int = 0
+    page_size: int = 16
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def max_output(self) -> int:
+        return self.count.output_tokens
+
+    @property
+    def cacheable(self) -> bool:
+        """Only a request whose every label is keyed can skip positions: a hit in one label
+        would leave the others' KV for those positions unwritten."""
+        return all(label.keyed for label in self.layout)
+
+    def token(self, position: int) -> int:
+        prompt_len = len(self.prompt)
+        return (
+            self.prompt[position] if position < prompt_len else self.output[position - prompt_len]
+        )
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        prompt_len = len(self.prompt)
+        if stop <= prompt_len:
+            return self.prompt[start:stop]
+        return (self.prompt + self.output)[start:stop]
+
+    def pages_at(self, positions: int) -> int:
+        """Pages the request holds once `positions` positions are written (all labels)."""
+        prompt_len = len(self.prompt)
+        size = self.page_size
+        return sum(pages_for(lay.tokens_at(positions, prompt_len), size) for lay in self.layout)
+
+    @property
+    def max_hit_pages(self) -> int:
+        """Full prompt pages a hit may cover per label, leaving at least one position to compute
+        (the last one gives the logits) and never a shared page to write into."""
+        return min(len(self.prompt), self.num_tokens - 1) // self.page_size
+
+
+def make_request(
+    model: CapacityModel,
+    rid: str,
+    prompt: list[int],
+    max_tokens: int | None = None,
+    extra_tokens: dict[str, int] | None = None,
+    labels: frozenset[str] | None = None,
+    sampling: SamplingParams | None = None,
+    arrival: int = 0,
+) -> Request:
+    shape = RequestShape(len(prompt), max_tokens, dict(extra_tokens or {}), labels)
+    return Request(
+        rid=rid,
+        prompt=list(prompt),
+        shape=shape,
+        count=count_pages(model, shape),
+        layout=layout_for(model, shape),
+        sampling=sampling or SamplingParams(),
+        arrival=arrival,
+        page_size=model.page_size,
+    )
