@@ -1,0 +1,153 @@
+"""Whether a ModelPool may exist: the foundation's holdability rules plus every CapacityPolicy
+that selects its namespace. The webhook and reconcile both call `decide`, so a spec that slipped
+past the webhook (it was down, or two applies raced a quota) is judged by the same rules.
+
+Violation lines are the ones `kvbank check` prints: the parser's field errors and
+`holdability(pool).violations` verbatim, then the policy's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvbank.capacity import Holdability, holdability
+from kvbank.modelpool import KIND, ModelPool, SpecError, parse_modelpool
+from kvbank.operator.cluster import KVBANK, Cluster
+from kvbank.operator.policy import (
+    CapacityPolicy,
+    PoolUsage,
+    gpus,
+    matching,
+    parse_capacity_policy,
+    policy_violations,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Decision:
+    pool: ModelPool | None
+    held: Holdability | None
+    violations: tuple[str, ...]
+    reason: str  # a CamelCase reason for the Accepted condition
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+@dataclass(frozen=True)
+class Neighbourhood:
+    """What the policy needs besides the pool: its namespace's labels, the policies, and the
+    namespace's other pools that count against the GPU quota."""
+
+    namespace_labels: Mapping[str, str]
+    policies: Sequence[CapacityPolicy]
+    others: Sequence[PoolUsage]
+
+
+def decide(doc: Mapping[str, Any], around: Neighbourhood) -> Decision:
+    try:
+        pool = parse_modelpool(doc)
+    except SpecError as exc:
+        return Decision(None, None, tuple(str(e) for e in exc.errors), "InvalidSpec")
+    held = holdability(pool)
+    over = policy_violations(
+        pool, held.pages, matching(around.policies, around.namespace_labels), around.others
+    )
+    reason = "Unholdable" if not held.ok else "OverPolicy" if over else "Holdable"
+    return Decision(pool, held, (*held.violations, *over), reason)
+
+
+def message(namespace: str, name: str, decision: Decision) -> str:
+    count = len(decision.violations)
+    lines = "".join(f"\n  - {v}" for v in decision.violations)
+    return f"{KIND} {namespace}/{name}: {count} violation(s):{lines}"
+
+
+def _accepted_false(doc: Mapping[str, Any]) -> bool:
+    for cond in (doc.get("status") or {}).get("conditions") or []:
+        if isinstance(cond, Mapping) and cond.get("type") == "Accepted":
+            return cond.get("status") == "False"
+    return False
+
+
+def _created_key(doc: Mapping[str, Any]) -> tuple[str, str]:
+    meta = doc.get("metadata") or {}
+    return str(meta.get("creationTimestamp") or "~"), str(meta.get("name") or "")
+
+
+def usage(
+    docs: Sequence[Mapping[str, Any]], name: str, before: tuple[str, str] | None
+) -> list[PoolUsage]:
+    """The namespace's other pools that hold GPUs: not this one, not one refused, and — when
+    `before` is given (reconcile) — only those created earlier, so of two pools that raced a
+    quota the later one is refused and the earlier one keeps its GPUs, whichever reconciles
+    first. The webhook passes None: a pool being applied comes after all that exist."""
+    result = []
+    for doc in docs:
+        meta = doc.get("metadata") or {}
+        if meta.get("name") == name or _accepted_false(doc):
+            continue
+        if before is not None and _created_key(doc) >= before:
+            continue
+        try:
+            pool = parse_modelpool(doc)
+        except SpecError:
+            continue  # a malformed pool renders nothing, so it holds no GPUs
+        result.append(PoolUsage(pool.name, gpus(pool)))
+    return result
+
+
+async def neighbourhood(
+    cluster: Cluster, doc: Mapping[str, Any], *, earlier_only: bool
+) -> Neighbourhood:
+    meta = doc.get("metadata") or {}
+    namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name") or "")
+    ns = await cluster.get("v1", "Namespace", namespace)
+    labels = dict(((ns or {}).get("metadata") or {}).get("labels") or {})
+    labels.setdefault("kubernetes.io/metadata.name", namespace)
+    policies = []
+    for policy_doc in await cluster.list(KVBANK, "CapacityPolicy"):
+        try:
+            policies.append(parse_capacity_policy(policy_doc))
+        except SpecError as exc:
+            # Stored before the webhook existed; refusing every pool over it would be worse.
+            log.warning("ignoring malformed CapacityPolicy: %s", exc)
+    pools = await cluster.list(KVBANK, KIND, namespace)
+    before = _created_key(doc) if earlier_only else None
+    return Neighbourhood(labels, policies, usage(pools, name, before))
+
+
+def spec_changed(doc: Mapping[str, Any], old: Mapping[str, Any] | None) -> bool:
+    return old is None or old.get("spec") != doc.get("spec")
+
+
+async def review(
+    cluster: Cluster, doc: Mapping[str, Any], old: Mapping[str, Any] | None
+) -> str | None:
+    """The webhook's answer: None to admit, else the message for kubectl. An update that leaves
+    the spec alone (labels, finalizers, the operator's own annotations) is admitted unjudged,
+    so a pool that slipped past can still be relabelled or deleted."""
+    if not spec_changed(doc, old):
+        return None
+    around = await neighbourhood(cluster, doc, earlier_only=False)
+    decision = decide(doc, around)
+    if decision.ok:
+        return None
+    meta = doc.get("metadata") or {}
+    return message(str(meta.get("namespace") or "default"), str(meta.get("name")), decision)
+
+
+def review_policy(doc: Mapping[str, Any]) -> str | None:
+    try:
+        parse_capacity_policy(doc)
+    except SpecError as exc:
+        name = (doc.get("metadata") or {}).get("name")
+        lines = "".join(f"\n  - {e}" for e in exc.errors)
+        return f"CapacityPolicy {name}: {len(exc.errors)} violation(s):{lines}"
+    return None

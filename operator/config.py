@@ -1,0 +1,194 @@
+"""The operator's flags. Every flag has an environment variable, so the chart can set them either
+way and a developer can run the operator locally with a kubeconfig."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbank.operator.certs import service_names
+from kvbank.operator.render.names import RenderSettings
+from kvbank.operator.webhook_tls import TLSSettings
+
+CERT_MODES = ("self-signed", "cert-manager", "none")
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def _int_env(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _float_env(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    api = parser.add_argument_group("Kubernetes API")
+    api.add_argument(
+        "--kubeconfig",
+        default=_env("KUBECONFIG"),
+        help="kubeconfig file; default: in-cluster ServiceAccount, then ~/.kube/config",
+    )
+    api.add_argument(
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        default=[n for n in (_env("KVBANK_WATCH_NAMESPACES") or "").split(",") if n],
+        help="watch only this namespace (repeatable; env KVBANK_WATCH_NAMESPACES, "
+        "comma-separated); default: every namespace",
+    )
+    api.add_argument(
+        "--api-timeout",
+        type=float,
+        default=_float_env("KVBANK_API_TIMEOUT", 10.0),
+        help="seconds per Kubernetes API request",
+    )
+
+    hook = parser.add_argument_group("validating webhook")
+    hook.add_argument(
+        "--webhook-listen",
+        default=_env("KVBANK_WEBHOOK_LISTEN", "0.0.0.0"),
+        help="address the webhook server binds",
+    )
+    hook.add_argument("--webhook-port", type=int, default=_int_env("KVBANK_WEBHOOK_PORT", 9443))
+    hook.add_argument(
+        "--cert-mode",
+        choices=CERT_MODES,
+        default=_env("KVBANK_CERT_MODE", "self-signed"),
+        help="self-signed: the operator keeps its own CA in a Secret and patches "
+        "the CA bundle; cert-manager: serve the files cert-manager mounts; none: "
+        "serve no webhook (CEL and reconcile still judge every spec)",
+    )
+    hook.add_argument(
+        "--operator-namespace",
+        default=_env("KVBANK_OPERATOR_NAMESPACE", _env("POD_NAMESPACE", "kvbank-system")),
+        help="namespace of the webhook Service and certificate Secret",
+    )
+    hook.add_argument(
+        "--webhook-service",
+        default=_env("KVBANK_WEBHOOK_SERVICE", "kvbank-webhook"),
+        help="Service name the apiserver calls (the certificate's DNS names)",
+    )
+    hook.add_argument(
+        "--webhook-secret",
+        default=_env("KVBANK_WEBHOOK_SECRET", "kvbank-webhook-tls"),
+        help="Secret holding the self-signed CA and serving certificate",
+    )
+    hook.add_argument(
+        "--webhook-configuration",
+        default=_env("KVBANK_WEBHOOK_CONFIGURATION", "kvbank-operator"),
+        help="ValidatingWebhookConfiguration whose caBundle is patched ('' for none)",
+    )
+    hook.add_argument(
+        "--webhook-cert-dir",
+        type=Path,
+        default=_env("KVBANK_WEBHOOK_CERT_DIR"),
+        help="cert-manager mode: directory with tls.crt and tls.key",
+    )
+    hook.add_argument(
+        "--webhook-extra-san",
+        action="append",
+        default=[],
+        help="another DNS name or IP for the certificate (repeatable)",
+    )
+    hook.add_argument(
+        "--cert-check-interval",
+        type=float,
+        default=_float_env("KVBANK_CERT_CHECK_INTERVAL", 3600.0),
+        help="seconds between certificate renewal checks",
+    )
+
+    status = parser.add_argument_group("status")
+    status.add_argument(
+        "--status-interval",
+        type=float,
+        default=_float_env("KVBANK_STATUS_INTERVAL", 30.0),
+        help="seconds between reads of the sidecars' live figures",
+    )
+    status.add_argument(
+        "--status-concurrency",
+        type=int,
+        default=_int_env("KVBANK_STATUS_CONCURRENCY", 8),
+        help="sidecars asked at once, per pool",
+    )
+    status.add_argument(
+        "--status-timeout",
+        type=float,
+        default=_float_env("KVBANK_STATUS_TIMEOUT", 2.0),
+        help="seconds one sidecar has to answer",
+    )
+
+    pods = parser.add_argument_group("rendered pods")
+    pods.add_argument(
+        "--image", default=_env("KVBANK_IMAGE", RenderSettings.image), help="engine + sidecar image"
+    )
+    pods.add_argument(
+        "--image-pull-policy", default=_env("KVBANK_IMAGE_PULL_POLICY", "IfNotPresent")
+    )
+    pods.add_argument("--gpu-resource", default=_env("KVBANK_GPU_RESOURCE", "nvidia.com/gpu"))
+    pods.add_argument(
+        "--termination-grace-seconds",
+        type=int,
+        default=_int_env("KVBANK_TERMINATION_GRACE_SECONDS", 600),
+        help="how long a replaced pod may finish its admitted requests",
+    )
+    pods.add_argument(
+        "--liveness",
+        default=_env("KVBANK_LIVENESS", "http://0.0.0.0:8080/healthz"),
+        help="kopf liveness endpoint ('' for none)",
+    )
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    kubeconfig: str | None
+    namespaces: tuple[str, ...]
+    api_timeout: float
+    webhook_listen: str
+    webhook_port: int
+    tls: TLSSettings
+    cert_check_interval: float
+    status_interval: float
+    status_concurrency: int
+    status_timeout: float
+    render: RenderSettings
+    liveness: str | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> OperatorConfig:
+        if args.cert_mode == "cert-manager" and not args.webhook_cert_dir:
+            raise SystemExit("--cert-mode cert-manager needs --webhook-cert-dir (tls.crt, tls.key)")
+        names = service_names(
+            args.webhook_service, args.operator_namespace, tuple(args.webhook_extra_san)
+        )
+        return cls(
+            kubeconfig=args.kubeconfig,
+            namespaces=tuple(args.namespaces),
+            api_timeout=args.api_timeout,
+            webhook_listen=args.webhook_listen,
+            webhook_port=args.webhook_port,
+            tls=TLSSettings(
+                mode=args.cert_mode,
+                secret_name=args.webhook_secret,
+                namespace=args.operator_namespace,
+                names=names,
+                webhook_configuration=args.webhook_configuration or None,
+                cert_dir=Path(args.webhook_cert_dir) if args.webhook_cert_dir else None,
+            ),
+            cert_check_interval=args.cert_check_interval,
+            status_interval=args.status_interval,
+            status_concurrency=args.status_concurrency,
+            status_timeout=args.status_timeout,
+            render=RenderSettings(
+                image=args.image,
+                image_pull_policy=args.image_pull_policy,
+                gpu_resource=args.gpu_resource,
+                termination_grace_seconds=args.termination_grace_seconds,
+            ),
+            liveness=args.liveness or None,
+        )

@@ -1,0 +1,240 @@
+"""The ModelPool CRD: the openAPIV3Schema of exactly the fields `parse_modelpool` reads, with the
+parser's own bounds, plus the CEL rules of `modelpool_rules`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbank.modelpool import (
+    ADMISSION_POLICIES,
+    API_GROUP,
+    API_VERSION,
+    DTYPE_BYTES,
+    KIND,
+    MAX_FIXED_TOKENS,
+    MAX_LABELS,
+    MAX_PAGE_SIZE,
+    MAX_PAGES,
+    MAX_REPLICAS,
+    MAX_SEQ_LEN,
+    MAX_SLOT_MULTIPLIER,
+    MAX_SPECULATIVE,
+    MAX_TP,
+    PRESETS,
+)
+from kvbank.operator.crd.modelpool_rules import architecture_rules, root_rules, spec_rules
+from kvbank.operator.crd.openapi import (
+    MAX_LABEL_VALUE_LENGTH,
+    Schema,
+    column,
+    crd,
+    enum,
+    integer,
+    number,
+    obj,
+    rule,
+    string,
+)
+
+PLURAL = "modelpools"
+MAX_CONDITIONS = 8
+MAX_MESSAGE_LENGTH = 32768
+
+
+def _architecture() -> Schema:
+    return obj(
+        {
+            "preset": enum(tuple(sorted(PRESETS)), "a published model shape; fields given win"),
+            "layers": integer(1, 1024),
+            "attentionHeads": integer(1, 1024),
+            "kvHeads": integer(1, 1024),
+            "headDim": integer(1, 4096),
+            "parameters": number(0, 1e13, "parameter count, for the weights' memory"),
+            "dtype": enum(tuple(DTYPE_BYTES)),
+        },
+        rules=architecture_rules(),
+    )
+
+
+def _kv_slot() -> Schema:
+    return obj(
+        {
+            "prompt": integer(0, MAX_SLOT_MULTIPLIER, "tokens written per prompt token"),
+            "output": integer(0, MAX_SLOT_MULTIPLIER, "tokens written per output token"),
+            "fixed": integer(0, MAX_FIXED_TOKENS, "tokens written once per request"),
+        },
+        rules=[
+            rule(
+                "(has(self.prompt) ? self.prompt : 0) + (has(self.output) ? self.output : 0)"
+                " + (has(self.fixed) ? self.fixed : 0) > 0",
+                message="writes nothing; set prompt, output or fixed above 0, or drop the label",
+            )
+        ],
+    )
+
+
+def _spec() -> Schema:
+    kv_slots: Schema = {
+        "type": "object",
+        "description": "what ONE request writes into each KV label",
+        "minProperties": 1,
+        "maxProperties": MAX_LABELS,
+        "additionalProperties": _kv_slot(),
+        "x-kubernetes-validations": [
+            rule(
+                f"self.all(k, k.size() >= 1 && k.size() <= {MAX_LABEL_VALUE_LENGTH})",
+                message=f"a label must be a non-empty string of at most "
+                f"{MAX_LABEL_VALUE_LENGTH} characters",
+            )
+        ],
+    }
+    return obj(
+        {
+            "model": obj(
+                {"name": string(description="served model name"), "architecture": _architecture()},
+                required=("name", "architecture"),
+            ),
+            "replicas": {**integer(0, MAX_REPLICAS, "tensor-parallel groups"), "default": 1},
+            "tensorParallel": {**integer(1, MAX_TP, "ranks (GPUs) per group"), "default": 1},
+            "gpu": obj(
+                {
+                    "memoryGiB": number(0, 4096, exclusive_minimum=True),
+                    "memoryUtilization": number(0, 1, exclusive_minimum=True),
+                    "reservedGiB": number(0, 4096),
+                },
+                required=("memoryGiB",),
+            ),
+            "kv": obj(
+                {
+                    "pageSize": integer(1, MAX_PAGE_SIZE, "tokens per page"),
+                    "pages": integer(2, MAX_PAGES, "pages per rank"),
+                    "memoryFraction": number(
+                        0, 1, "of the memory weights and reserve leave", exclusive_minimum=True
+                    ),
+                    "speculativeTokens": integer(0, MAX_SPECULATIVE),
+                },
+                required=("pageSize",),
+                rules=[
+                    rule(
+                        "!(has(self.pages) && has(self.memoryFraction))",
+                        message="set either pages or memoryFraction, not both",
+                    ),
+                    rule(
+                        "has(self.pages) || has(self.memoryFraction)",
+                        message="set pages (per rank) or memoryFraction",
+                    ),
+                ],
+            ),
+            "kvSlots": kv_slots,
+            "limits": obj(
+                {"maxSeqLen": integer(2, MAX_SEQ_LEN), "maxTokens": integer(1, MAX_SEQ_LEN)},
+                required=("maxSeqLen", "maxTokens"),
+                rules=[
+                    rule(
+                        "self.maxTokens < self.maxSeqLen",
+                        message_expression="'maxTokens must be below maxSeqLen (' + "
+                        "string(self.maxSeqLen) + ') so a prompt fits, got ' + "
+                        "string(self.maxTokens)",
+                    )
+                ],
+            ),
+            "admission": obj(
+                {
+                    "minConcurrency": integer(0, MAX_PAGES, "worst-case requests held at once"),
+                    "policy": enum(ADMISSION_POLICIES),
+                    "backfill": {"type": "boolean"},
+                }
+            ),
+        },
+        required=("model", "gpu", "kv", "kvSlots", "limits"),
+        rules=spec_rules(),
+    )
+
+
+def _condition() -> Schema:
+    return obj(
+        {
+            "type": string(64),
+            "status": enum(("True", "False", "Unknown")),
+            "reason": string(128),
+            "message": {"type": "string", "maxLength": MAX_MESSAGE_LENGTH},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer", "minimum": 0},
+        },
+        required=("type", "status"),
+    )
+
+
+def _status() -> Schema:
+    count = {"type": "integer", "minimum": 0}
+    live = obj(
+        {
+            "pagesTotal": count,
+            "freePages": count,
+            "evictablePages": count,
+            "reservedPages": count,
+            "outstandingPages": count,
+            "queueDepth": count,
+            "sidecarsReporting": count,
+            "sidecarsExpected": count,
+            "updatedAt": {"type": "string", "format": "date-time"},
+        },
+        description="summed over the replicas' rank-0 sidecars at updatedAt",
+    )
+    return obj(
+        {
+            "observedGeneration": count,
+            "replicas": count,
+            "readyReplicas": count,
+            "pages": count,
+            "worstRequestPages": count,
+            "worstConcurrency": count,
+            "workload": enum(("StatefulSet", "LeaderWorkerSet")),
+            "configHash": string(64),
+            "conditions": {
+                "type": "array",
+                "maxItems": MAX_CONDITIONS,
+                "items": _condition(),
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+            "live": live,
+        }
+    )
+
+
+def modelpool_crd() -> dict[str, Any]:
+    schema = obj(
+        {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": _spec(),
+            "status": _status(),
+        },
+        required=("spec",),
+        rules=root_rules(),
+        description="A model served by tensor-parallel groups whose KV pool must hold what the "
+        "spec promises.",
+    )
+    return crd(
+        group=API_GROUP,
+        kind=KIND,
+        plural=PLURAL,
+        singular="modelpool",
+        scope="Namespaced",
+        version=API_VERSION,
+        schema=schema,
+        short_names=["mp"],
+        status_subresource=True,
+        printer_columns=[
+            column("Model", ".spec.model.name"),
+            column("Replicas", ".spec.replicas", "integer"),
+            column("TP", ".spec.tensorParallel", "integer"),
+            column("Pages", ".status.pages", "integer", "KV pages per rank"),
+            column("Worst-Case", ".status.worstConcurrency", "integer", "worst-case requests held"),
+            column("Ready", ".status.readyReplicas", "integer", "groups with every rank ready"),
+            column("Accepted", '.status.conditions[?(@.type=="Accepted")].status'),
+            column("Age", ".metadata.creationTimestamp", "date"),
+        ],
+    )

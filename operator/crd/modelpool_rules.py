@@ -1,0 +1,156 @@
+"""CEL rules for the ModelPool CRD, derived from the capacity rules in `kvbank.capacity`.
+
+CEL runs in the apiserver even when the operator is down, so it rejects what it can state
+exactly: ranges the schema cannot, TP splitting the heads (presets included), and — for the
+common single-label pool sized in pages — the worst-case request and `minConcurrency`. With one
+label, pages are a monotone function of tokens and tokens are linear in the prompt along
+prompt + output = maxSeqLen, so the worst case sits at an end of the prompt range (the argument
+of `kvbank.capacity.worst_case`). Several labels step at different prompts; that case, the
+memory fit and the policy are the webhook's.
+
+Every number here is bounded by the schema so products stay far inside CEL's int64 (overflow is
+an evaluation error, not a wrap): tokens <= 64 x 2^22 + 2^22 + 64 x (2^22 + 64) < 2^29, and
+minConcurrency x worst <= 2^24 x 2^29 = 2^53.
+"""
+
+from __future__ import annotations
+
+from kvbank.capacity import SINK_PAGES
+from kvbank.modelpool import PRESETS
+from kvbank.operator.crd.openapi import rule
+
+MAX_POOL_NAME_LENGTH = 40  # leaves room for "-ranks", pod ordinals and revision hashes in 63
+
+ARCH = "self.model.architecture"
+ARCH_FIELDS = ("layers", "attentionHeads", "kvHeads", "headDim", "parameters", "dtype")
+
+
+def _or_default(path: str, field: str, default: int | str) -> str:
+    return f"(has({path}.{field}) ? {path}.{field} : {default})"
+
+
+def _preset_map(attr: str) -> str:
+    items = ", ".join(f"'{name}': {getattr(arch, attr)}" for name, arch in sorted(PRESETS.items()))
+    return "{" + items + "}"
+
+
+def _preset_or_field(path: str, field: str, attr: str) -> tuple[str, str]:
+    """(CEL value, CEL 'is known') of an architecture field a preset may supply."""
+    value = (
+        f"(has({path}.{field}) ? {path}.{field} : "
+        f"(has({path}.preset) ? {_preset_map(attr)}[{path}.preset] : 1))"
+    )
+    return value, f"(has({path}.{field}) || has({path}.preset))"
+
+
+def architecture_rules() -> list[dict[str, str]]:
+    heads, heads_known = _preset_or_field("self", "attentionHeads", "attention_heads")
+    kv, kv_known = _preset_or_field("self", "kvHeads", "kv_heads")
+    complete = " && ".join(f"has(self.{f})" for f in ARCH_FIELDS)
+    return [
+        rule(
+            f"has(self.preset) || ({complete})",
+            message=(
+                "give a preset ("
+                + ", ".join(sorted(PRESETS))
+                + ") or all of "
+                + ", ".join(ARCH_FIELDS)
+            ),
+        ),
+        rule(
+            f"!({heads_known} && {kv_known}) || {kv} <= {heads}",
+            message_expression=(
+                f"'kvHeads must be at most attentionHeads (' + string({heads}) + '), got ' + "
+                f"string({kv})"
+            ),
+        ),
+        rule(
+            f"!({heads_known} && {kv_known}) || {kv} > {heads} || {heads} % {kv} == 0",
+            message_expression=(
+                f"'kvHeads must divide attentionHeads (' + string({heads}) + '), got ' + "
+                f"string({kv})"
+            ),
+        ),
+    ]
+
+
+def _worst_pages(slot: str) -> str:
+    """Pages of the single label's worst-case request (see the module docstring)."""
+    prompt = _or_default(slot, "prompt", 0)
+    output = _or_default(slot, "output", 0)
+    fixed = _or_default(slot, "fixed", 0)
+    seq, out = "self.limits.maxSeqLen", "self.limits.maxTokens"
+    spec = _or_default("self.kv", "speculativeTokens", 0)
+    page = "self.kv.pageSize"
+    longest_output = f"({prompt} * ({seq} - {out}) + {fixed} + {output} * ({out} + {spec}))"
+    longest_prompt = f"({prompt} * ({seq} - 1) + {fixed} + {output} * (1 + {spec}))"
+    most = f"({longest_output} > {longest_prompt} ? {longest_output} : {longest_prompt})"
+    return f"(({most} + {page} - 1) / {page})"
+
+
+def spec_rules() -> list[dict[str, str]]:
+    tp = _or_default("self", "tensorParallel", 1)
+    heads, heads_known = _preset_or_field(ARCH, "attentionHeads", "attention_heads")
+    kv, kv_known = _preset_or_field(ARCH, "kvHeads", "kv_heads")
+    worst = _worst_pages("self.kvSlots[k]")
+    worst_value = f"self.kvSlots.map(k, {worst})[0]"
+    usable = f"(self.kv.pages - {SINK_PAGES})"
+    single_paged = (
+        "!has(self.kv.pages) || self.kvSlots.size() != 1 "
+        "|| self.limits.maxTokens >= self.limits.maxSeqLen"
+    )
+    min_conc = "self.admission.minConcurrency"
+    return [
+        rule(
+            f"!{heads_known} || {heads} % {tp} == 0",
+            message_expression=(
+                f"'tensorParallel=' + string({tp}) + ' does not divide "
+                f"model.architecture.attentionHeads=' + string({heads}) + "
+                "'. Use a tensorParallel that divides it.'"
+            ),
+        ),
+        rule(
+            f"!{kv_known} || {kv} % {tp} == 0 || {tp} % {kv} == 0",
+            message_expression=(
+                f"'tensorParallel=' + string({tp}) + ' cannot split "
+                f"model.architecture.kvHeads=' + string({kv}) + "
+                "': one must divide the other. Use a divisor or a multiple of kvHeads.'"
+            ),
+        ),
+        rule(
+            f"{single_paged} || self.kvSlots.all(k, {worst} <= {usable})",
+            message_expression=(
+                "'kv.pages=' + string(self.kv.pages) + ' cannot hold one worst-case request (' + "
+                f"string({worst_value}) + ' pages at pageSize ' + string(self.kv.pageSize) + "
+                "'). Raise kv.pages to at least ' + "
+                f"string({worst_value} + {SINK_PAGES}) + "
+                "', or lower limits.maxSeqLen or limits.maxTokens (kvbank check prints how far).'"
+            ),
+        ),
+        rule(
+            f"{single_paged} || !has(self.admission) || !has({min_conc}) || "
+            f"self.kvSlots.all(k, {worst} > {usable} || {usable} / {worst} >= {min_conc})",
+            message_expression=(
+                f"'admission.minConcurrency=' + string({min_conc}) + ' needs ' + "
+                f"string({min_conc} * {worst_value} + {SINK_PAGES}) + ' pages but kv.pages=' + "
+                f"string(self.kv.pages) + ' holds ' + string({usable} / {worst_value}) + "
+                "' worst-case requests. Raise kv.pages to at least ' + "
+                f"string({min_conc} * {worst_value} + {SINK_PAGES}) + "
+                "', or lower admission.minConcurrency to ' + "
+                f"string({usable} / {worst_value}) + '.'"
+            ),
+        ),
+    ]
+
+
+def root_rules() -> list[dict[str, str]]:
+    return [
+        rule(
+            f"self.metadata.name.size() <= {MAX_POOL_NAME_LENGTH}",
+            message_expression=(
+                f"'metadata.name must be at most {MAX_POOL_NAME_LENGTH} characters (its pods, "
+                "Services and revision hashes add suffixes within 63), got ' + "
+                "string(self.metadata.name.size())"
+            ),
+        )
+    ]

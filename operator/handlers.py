@@ -1,0 +1,138 @@
+"""The kopf handlers: decorators only, each a call into the logic modules. `register` binds them
+to a registry and a Runtime, so tests register them with a fake cluster and call them directly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import kopf
+
+from kvbank.modelpool import API_GROUP, API_VERSION
+from kvbank.operator import admission, live, reconcile
+from kvbank.operator.cluster import Cluster, KubeError, KubeUnavailable
+from kvbank.operator.config import OperatorConfig
+from kvbank.operator.webhook_tls import ServerTLS, refresh_tls
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+POOLS = (API_GROUP, API_VERSION, "modelpools")
+POLICIES = (API_GROUP, API_VERSION, "capacitypolicies")
+RETRY_UNAVAILABLE = 10.0  # seconds; the API was down or slow
+RETRY_REFUSED = 60.0  # seconds; the API refused a request (RBAC being installed, say)
+
+
+@dataclass
+class Runtime:
+    config: OperatorConfig
+    cluster: Cluster
+    source: live.SidecarStatusSource
+    tls: ServerTLS | None
+
+
+async def _guarded(call: Awaitable[T]) -> T:
+    """API failures become kopf retries with a delay, never a crashed handler."""
+    try:
+        return await call
+    except KubeUnavailable as exc:
+        raise kopf.TemporaryError(str(exc), delay=RETRY_UNAVAILABLE) from exc
+    except KubeError as exc:
+        raise kopf.TemporaryError(str(exc), delay=RETRY_REFUSED) from exc
+
+
+def configure(settings: kopf.OperatorSettings, rt: Runtime) -> None:
+    # Progress lives in annotations: the ModelPool status schema stays exactly ours.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = rt.config.api_timeout * 3
+    if rt.tls is not None:
+        settings.admission.server = kopf.WebhookServer(
+            addr=rt.config.webhook_listen,
+            port=rt.config.webhook_port,
+            certfile=str(rt.tls.cert_file),
+            pkeyfile=str(rt.tls.key_file),
+            context=rt.tls.context,
+        )
+        settings.admission.managed = None  # the chart owns the configuration; we patch its CA
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+async def renew_forever(rt: Runtime) -> None:
+    assert rt.tls is not None
+    while True:
+        await asyncio.sleep(rt.config.cert_check_interval)
+        try:
+            if await refresh_tls(rt.cluster, rt.config.tls, rt.tls, now()):
+                log.info("webhook certificate renewed")
+        except (KubeError, OSError, RuntimeError) as exc:
+            log.error("webhook certificate renewal failed, retrying next interval: %s", exc)
+
+
+def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        configure(settings, rt)
+        if rt.tls is not None:
+            await _guarded(refresh_tls(rt.cluster, rt.config.tls, rt.tls, now()))
+            memo["renewal"] = asyncio.create_task(renew_forever(rt))
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        task = memo.get("renewal")
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    @kopf.on.validate(
+        *POOLS, id="validate-modelpool", operations=["CREATE", "UPDATE"], registry=registry
+    )
+    async def validate_modelpool(body: kopf.Body, **kwargs: Any) -> None:
+        try:
+            refusal = await admission.review(rt.cluster, body, kwargs.get("old"))
+        except KubeError as exc:
+            raise kopf.AdmissionError(f"cannot judge the ModelPool now: {exc}", code=503) from exc
+        if refusal:
+            raise kopf.AdmissionError(refusal, code=422)
+
+    @kopf.on.validate(
+        *POLICIES, id="validate-capacitypolicy", operations=["CREATE", "UPDATE"], registry=registry
+    )
+    async def validate_policy(body: kopf.Body, **_: Any) -> None:
+        refusal = admission.review_policy(body)
+        if refusal:
+            raise kopf.AdmissionError(refusal, code=422)
+
+    @kopf.on.resume(*POOLS, registry=registry)
+    @kopf.on.create(*POOLS, registry=registry)
+    @kopf.on.update(*POOLS, registry=registry)
+    async def reconcile_pool(body: kopf.Body, logger: Any, **_: Any) -> None:
+        outcome = await _guarded(reconcile.reconcile(rt.cluster, rt.config.render, body))
+        if outcome.accepted:
+            logger.info("applied %s", ", ".join(outcome.applied))
+        else:
+            logger.warning("refused: %s", outcome.message)
+
+    @kopf.timer(*POOLS, interval=rt.config.status_interval, registry=registry)
+    async def pool_status(body: kopf.Body, **_: Any) -> None:
+        await _guarded(
+            live.refresh(
+                rt.cluster,
+                rt.source,
+                body,
+                port=rt.config.render.sidecar_port,
+                concurrency=rt.config.status_concurrency,
+                timeout=rt.config.status_timeout,
+                now=reconcile.utc_now(),
+            )
+        )

@@ -1,0 +1,185 @@
+"""Live pool figures and readiness, refreshed on a timer.
+
+Each group's ledger lives in its rank-0 sidecar, so the operator asks every rank-0 sidecar for
+its status — at most `concurrency` at a time, each within `timeout` seconds — and sums what
+answered. A sidecar that does not answer makes the pool Degraded, never blocks the others.
+
+`SidecarStatusSource` is the adapter the rest of the operator (and its tests) use; the one
+implementation calls the sidecar's own client wrapper (`kvbank.sidecar.client`), imported only
+when first used, so the operator carries no gRPC stubs of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvbank.modelpool import KIND
+from kvbank.operator.cluster import KVBANK, Cluster
+from kvbank.operator.ranks import RankedPod, leaders, rank_labels, ready_groups
+from kvbank.operator.render.names import LABEL_POOL
+from kvbank.operator.render.status import DEGRADED, READY, Condition, conditions
+
+
+@dataclass(frozen=True)
+class PoolFigures:
+    pages_total: int
+    free_pages: int
+    evictable_pages: int
+    reserved_pages: int
+    outstanding_pages: int
+    queue_depth: int
+
+
+FIELDS = tuple(PoolFigures.__dataclass_fields__)
+
+
+class SidecarStatusSource(Protocol):
+    async def status(self, address: str, timeout: float) -> PoolFigures: ...
+
+
+class SidecarClientSource:
+    """Reads `status()` through `kvbank.sidecar.client.SidecarClient(address)`; the typed result
+    carries the figures under the names of PoolFigures' fields."""
+
+    async def status(self, address: str, timeout: float) -> PoolFigures:
+        module = importlib.import_module("kvbank.sidecar.client")
+        client = module.SidecarClient(address)
+        try:
+            result = await asyncio.wait_for(client.status(), timeout)
+        finally:
+            close = getattr(client, "close", None)
+            if close is not None:
+                outcome = close()
+                if asyncio.iscoroutine(outcome):
+                    await outcome
+        return PoolFigures(**{name: int(getattr(result, name)) for name in FIELDS})
+
+
+@dataclass(frozen=True)
+class Poll:
+    figures: dict[str, int]
+    reporting: int
+    failures: tuple[str, ...]  # "pod: reason" per sidecar that did not answer
+
+
+async def poll_sidecars(
+    source: SidecarStatusSource,
+    ranks: Sequence[RankedPod],
+    port: int,
+    *,
+    concurrency: int,
+    timeout: float,
+) -> Poll:
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(pod: RankedPod) -> PoolFigures | str:
+        async with gate:
+            try:
+                return await asyncio.wait_for(source.status(f"{pod.ip}:{port}", timeout), timeout)
+            except TimeoutError:
+                return f"{pod.name}: no answer within {timeout:g}s"
+            except Exception as exc:  # any failure of one sidecar is that sidecar's, reported
+                return f"{pod.name}: {type(exc).__name__}: {exc}"
+
+    answers = await asyncio.gather(*(one(pod) for pod in ranks))
+    totals = dict.fromkeys(FIELDS, 0)
+    failures = []
+    for answer in answers:
+        if isinstance(answer, str):
+            failures.append(answer)
+            continue
+        for name in FIELDS:
+            totals[name] += getattr(answer, name)
+    return Poll(totals, len(ranks) - len(failures), tuple(failures))
+
+
+async def label_ranks(cluster: Cluster, pods: Sequence[Mapping[str, Any]]) -> int:
+    """Give StatefulSet pods their rank and group labels, which the traffic Service selects rank 0
+    by. Done here, on the pool's own pod list, rather than from a watch of every pod in the
+    cluster. Returns how many pods were patched."""
+    patched = 0
+    for pod in pods:
+        wanted = rank_labels(pod)
+        if wanted is None:
+            continue
+        meta = pod["metadata"]
+        patch = {"metadata": {"labels": wanted}}
+        if await cluster.patch("v1", "Pod", meta["name"], meta.get("namespace"), patch):
+            patched += 1
+    return patched
+
+
+def _accepted(doc: Mapping[str, Any]) -> bool:
+    for cond in (doc.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Accepted":
+            return bool(cond.get("status") == "True")
+    return False
+
+
+async def refresh(
+    cluster: Cluster,
+    source: SidecarStatusSource,
+    doc: Mapping[str, Any],
+    *,
+    port: int,
+    concurrency: int,
+    timeout: float,
+    now: str,
+) -> dict[str, Any] | None:
+    """Patch readiness and live figures into the pool's status; returns the patch (None for a
+    pool not accepted, which runs nothing to read)."""
+    if not _accepted(doc):
+        return None
+    meta, spec = doc["metadata"], doc.get("spec") or {}
+    name, namespace = meta["name"], meta.get("namespace") or "default"
+    replicas, tp = int(spec.get("replicas", 1)), int(spec.get("tensorParallel", 1))
+    pods = await cluster.list("v1", "Pod", namespace, label_selector=f"{LABEL_POOL}={name}")
+    await label_ranks(cluster, pods)
+    ready = ready_groups(pods, tp)
+    ranks = [p for p in leaders(pods) if p.ready]
+    poll = await poll_sidecars(source, ranks, port, concurrency=concurrency, timeout=timeout)
+    problems = list(poll.failures)
+    if ready < replicas:
+        problems.insert(0, f"{ready} of {replicas} groups have every rank ready")
+    generation = int(meta.get("generation") or 0)
+    updates = [
+        Condition(
+            READY,
+            ready >= replicas,
+            "GroupsReady" if ready >= replicas else "GroupsNotReady",
+            f"{ready} of {replicas} groups ready",
+        ),
+        Condition(
+            DEGRADED,
+            bool(problems),
+            "SidecarsUnreachable"
+            if poll.failures
+            else "GroupsNotReady"
+            if problems
+            else "AsExpected",
+            "; ".join(problems),
+        ),
+    ]
+    live = {
+        "pagesTotal": poll.figures["pages_total"],
+        "freePages": poll.figures["free_pages"],
+        "evictablePages": poll.figures["evictable_pages"],
+        "reservedPages": poll.figures["reserved_pages"],
+        "outstandingPages": poll.figures["outstanding_pages"],
+        "queueDepth": poll.figures["queue_depth"],
+        "sidecarsReporting": poll.reporting,
+        "sidecarsExpected": replicas,
+        "updatedAt": now,
+    }
+    current = (doc.get("status") or {}).get("conditions")
+    status = {
+        "readyReplicas": ready,
+        "live": live,
+        "conditions": conditions(current, updates, generation, now),
+    }
+    await cluster.patch(KVBANK, KIND, name, namespace, {"status": status}, "status")
+    return status

@@ -1,0 +1,50 @@
+"""`kvbank operator`: run the ModelPool operator (kopf) against the cluster of a kubeconfig or the
+in-cluster ServiceAccount. Flags and the API access it needs: docs/operator.md."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from kvbank.operator import config as operator_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    operator_config.add_arguments(parser)
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+
+
+def run(args: argparse.Namespace) -> int:
+    # kopf, the Kubernetes client and cryptography load only when the operator runs.
+    import kopf
+
+    from kvbank.operator.handlers import Runtime, register
+    from kvbank.operator.kube import KubeClient, load_api_client
+    from kvbank.operator.live import SidecarClientSource
+    from kvbank.operator.webhook_tls import ServerTLS
+
+    config = operator_config.OperatorConfig.from_args(args)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if config.kubeconfig:
+        os.environ["KUBECONFIG"] = config.kubeconfig  # kopf's own login reads the same file
+    cluster = KubeClient(load_api_client(config.kubeconfig), timeout=config.api_timeout)
+    runtime = Runtime(
+        config=config,
+        cluster=cluster,
+        source=SidecarClientSource(),
+        tls=None if config.tls.mode == "none" else ServerTLS(),
+    )
+    registry = kopf.OperatorRegistry()
+    register(registry, runtime)
+    kopf.run(
+        registry=registry,
+        standalone=True,
+        clusterwide=not config.namespaces,
+        namespaces=list(config.namespaces),
+        liveness_endpoint=config.liveness,
+    )
+    return 0

@@ -1,0 +1,110 @@
+"""Reconcile one ModelPool: judge it again, render it, apply it, report.
+
+Judging again is what makes the webhook an optimisation, not the guarantee: a spec that slipped
+past (webhook down, failurePolicy Ignore) or two applies that raced a quota end with
+Accepted=False and the message, and nothing new is rendered — what already runs keeps running
+the last accepted spec. Applying is server-side apply of complete manifests with owner
+references, so running it twice, or after a restart half-way, converges on the same objects and
+creates nothing twice; deleting the ModelPool lets the garbage collector remove them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from kvbank.modelpool import KIND
+from kvbank.operator.admission import decide, message, neighbourhood
+from kvbank.operator.cluster import KVBANK, Cluster
+from kvbank.operator.crd.modelpool_rules import MAX_POOL_NAME_LENGTH
+from kvbank.operator.render.bundle import render_pool
+from kvbank.operator.render.names import LWS_API_VERSION, Owner, RenderSettings, Workload
+from kvbank.operator.render.status import ACCEPTED, Condition, conditions
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    accepted: bool
+    message: str
+    applied: tuple[str, ...] = ()  # "Kind/name" of every object applied
+
+
+def owner_of(doc: Mapping[str, Any]) -> Owner:
+    meta = doc["metadata"]
+    return Owner(str(meta["name"]), str(meta.get("namespace") or "default"), str(meta["uid"]))
+
+
+async def patch_status(cluster: Cluster, owner: Owner, status: Mapping[str, Any]) -> None:
+    await cluster.patch(
+        KVBANK, KIND, owner.name, owner.namespace, {"status": dict(status)}, "status"
+    )
+
+
+async def choose_workload(cluster: Cluster, doc: Mapping[str, Any]) -> Workload:
+    """Once chosen, a pool keeps its workload kind: installing LeaderWorkerSet later must not
+    tear down running StatefulSets (recreate the pool to switch)."""
+    recorded = (doc.get("status") or {}).get("workload")
+    if recorded in {w.value for w in Workload}:
+        return Workload(recorded)
+    if await cluster.api_available(LWS_API_VERSION):
+        return Workload.LEADER_WORKER_SET
+    return Workload.STATEFUL_SET
+
+
+async def reconcile(
+    cluster: Cluster, settings: RenderSettings, doc: Mapping[str, Any], now: str | None = None
+) -> Outcome:
+    now = now or utc_now()
+    owner = owner_of(doc)
+    generation = int(doc["metadata"].get("generation") or 0)
+    current = (doc.get("status") or {}).get("conditions")
+    decision = decide(doc, await neighbourhood(cluster, doc, earlier_only=True))
+    violations = list(decision.violations)
+    if len(owner.name) > MAX_POOL_NAME_LENGTH:
+        violations.append(
+            f"metadata.name has {len(owner.name)} characters; at most {MAX_POOL_NAME_LENGTH} "
+            "leave room for the suffixes of its pods and Services. Use a shorter name."
+        )
+    if violations or decision.pool is None or decision.held is None:
+        refused = type(decision)(decision.pool, decision.held, tuple(violations), decision.reason)
+        text = message(owner.namespace, owner.name, refused)
+        status = {
+            "observedGeneration": generation,
+            "conditions": conditions(
+                current, [Condition(ACCEPTED, False, refused.reason, text)], generation, now
+            ),
+        }
+        await patch_status(cluster, owner, status)
+        return Outcome(False, text)
+
+    kind = await choose_workload(cluster, doc)
+    rendered = render_pool(decision.pool, decision.held, owner, doc["spec"], settings, kind)
+    applied = []
+    for manifest in rendered.manifests:
+        await cluster.apply(manifest)
+        applied.append(f"{manifest['kind']}/{manifest['metadata']['name']}")
+    held = decision.held
+    text = (
+        f"worst-case request {held.worst_request_pages} pages; the pool ({held.pages} pages) "
+        f"holds {held.worst_concurrency} worst-case requests at once"
+    )
+    status = {
+        "observedGeneration": generation,
+        "replicas": decision.pool.replicas,
+        "pages": held.pages,
+        "worstRequestPages": held.worst_request_pages,
+        "worstConcurrency": held.worst_concurrency,
+        "workload": kind.value,
+        "configHash": rendered.config_hash,
+        "conditions": conditions(
+            current, [Condition(ACCEPTED, True, "Holdable", text)], generation, now
+        ),
+    }
+    await patch_status(cluster, owner, status)
+    return Outcome(True, text, tuple(applied))

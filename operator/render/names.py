@@ -1,0 +1,94 @@
+"""Names, labels and ownership shared by every builder, and the settings that are not the spec's
+(images, ports) but the operator's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from kvbank.modelpool import API_GROUP, API_VERSION, KIND
+
+MANAGED_BY = "kvbank-operator"
+LABEL_POOL = f"{API_GROUP}/pool"
+LABEL_RANK = f"{API_GROUP}/rank"
+LABEL_GROUP = f"{API_GROUP}/group"
+ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
+STS_POD_INDEX = "apps.kubernetes.io/pod-index"
+CONFIG_DIR = "/etc/kvbank"
+POOL_FILE = "modelpool.yaml"
+ENGINE_FILE = "engine.json"
+
+
+class Workload(StrEnum):
+    STATEFUL_SET = "StatefulSet"
+    LEADER_WORKER_SET = "LeaderWorkerSet"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The ModelPool that owns what is rendered; its uid makes deletion cascade."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": f"{API_GROUP}/{API_VERSION}",
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True)
+class RenderSettings:
+    image: str = "ghcr.io/kvbank/kvbank:0.1.0"
+    image_pull_policy: str = "IfNotPresent"
+    http_port: int = 8000
+    sidecar_port: int = 50051
+    metrics_port: int = 9464
+    gpu_resource: str = "nvidia.com/gpu"
+    # Long enough for admitted requests to finish on a pod being replaced (see docs/operator.md).
+    termination_grace_seconds: int = 600
+
+
+def headless_name(pool: str) -> str:
+    return f"{pool}-ranks"
+
+
+def config_name(pool: str) -> str:
+    return f"{pool}-engine"
+
+
+def selector_labels(pool: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "kvbank", LABEL_POOL: pool}
+
+
+def labels(pool: str, component: str) -> dict[str, str]:
+    return {
+        **selector_labels(pool),
+        "app.kubernetes.io/instance": pool,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+def metadata(
+    name: str, owner: Owner, component: str, annotations: dict[str, str] | None = None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels(owner.name, component),
+        "ownerReferences": [owner.reference()],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return meta

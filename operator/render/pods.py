@@ -1,0 +1,154 @@
+"""The pod every rank runs: the engine and its admission sidecar.
+
+A follower's engine reaches rank 0's decisions through its own sidecar, which follows rank 0's
+sidecar, so only sidecar-to-sidecar traffic crosses pods. Rank, world size and the rank-0
+address reach both containers by environment (the contract is in docs/operator.md). Under a
+StatefulSet the ordinal gives group and rank, which needs arithmetic no env reference can do,
+so a four-line POSIX shell prelude computes them and then execs the real command.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbank.modelpool import ModelPool
+from kvbank.operator.render.names import (
+    ANNOTATION_CONFIG_HASH,
+    CONFIG_DIR,
+    LWS_GROUP_INDEX,
+    LWS_WORKER_INDEX,
+    POOL_FILE,
+    RenderSettings,
+    Workload,
+    config_name,
+    headless_name,
+    labels,
+)
+
+STATEFUL_SET_PRELUDE = """set -eu
+ordinal="${POD_NAME##*-}"
+export KVBANK_GROUP=$((ordinal / KVBANK_WORLD_SIZE))
+export KVBANK_RANK=$((ordinal % KVBANK_WORLD_SIZE))
+leader="${KVBANK_WORKLOAD}-$((KVBANK_GROUP * KVBANK_WORLD_SIZE))"
+export KVBANK_RANK0_ADDR="${leader}.${KVBANK_HEADLESS}.${POD_NAMESPACE}.svc"
+export KVBANK_RANK0_SIDECAR="${KVBANK_RANK0_ADDR}:${KVBANK_SIDECAR_PORT}"
+exec "$@"
+"""
+
+LEADER_WORKER_SET_PRELUDE = """set -eu
+leader="${KVBANK_WORKLOAD}-${KVBANK_GROUP}.${KVBANK_WORKLOAD}.${POD_NAMESPACE}"
+export KVBANK_RANK0_ADDR="${LWS_LEADER_ADDRESS:-${leader}}"
+export KVBANK_RANK0_SIDECAR="${KVBANK_RANK0_ADDR}:${KVBANK_SIDECAR_PORT}"
+exec "$@"
+"""
+
+
+def _field(path: str) -> dict[str, Any]:
+    return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def rank_env(pool: ModelPool, settings: RenderSettings, workload: Workload) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "POD_NAME", **_field("metadata.name")},
+        {"name": "POD_NAMESPACE", **_field("metadata.namespace")},
+        {"name": "POD_IP", **_field("status.podIP")},
+        {"name": "KVBANK_WORLD_SIZE", "value": str(pool.tensor_parallel)},
+        {"name": "KVBANK_WORKLOAD", "value": pool.name},
+        {"name": "KVBANK_HEADLESS", "value": headless_name(pool.name)},
+        {"name": "KVBANK_SIDECAR_PORT", "value": str(settings.sidecar_port)},
+        {"name": "KVBANK_SIDECAR_ADDR", "value": f"127.0.0.1:{settings.sidecar_port}"},
+        {"name": "KVBANK_POOL_FILE", "value": f"{CONFIG_DIR}/{POOL_FILE}"},
+    ]
+    if workload is Workload.LEADER_WORKER_SET:
+        env += [
+            {"name": "KVBANK_RANK", **_field(f"metadata.labels['{LWS_WORKER_INDEX}']")},
+            {"name": "KVBANK_GROUP", **_field(f"metadata.labels['{LWS_GROUP_INDEX}']")},
+        ]
+    return env
+
+
+def prelude(workload: Workload) -> list[str]:
+    script = (
+        STATEFUL_SET_PRELUDE if workload is Workload.STATEFUL_SET else LEADER_WORKER_SET_PRELUDE
+    )
+    return ["/bin/sh", "-c", script, "kvbank-rank"]
+
+
+def _container(
+    name: str,
+    args: list[str],
+    env: list[dict[str, Any]],
+    ports: list[dict[str, Any]],
+    probe: dict[str, Any],
+    workload: Workload,
+    settings: RenderSettings,
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "image": settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": prelude(workload),
+        "args": args,
+        "env": env,
+        "ports": ports,
+        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+    }
+
+
+def pod_template(
+    pool: ModelPool, settings: RenderSettings, workload: Workload, config_hash: str
+) -> dict[str, Any]:
+    env = rank_env(pool, settings, workload)
+    pool_file = f"{CONFIG_DIR}/{POOL_FILE}"
+    engine = _container(
+        "engine",
+        [
+            "kvbank",
+            "serve",
+            "--port",
+            str(settings.http_port),
+            "--sidecar",
+            f"127.0.0.1:{settings.sidecar_port}",
+            "--pool",
+            pool_file,
+        ],
+        env,
+        [{"name": "http", "containerPort": settings.http_port, "protocol": "TCP"}],
+        {"httpGet": {"path": "/health", "port": "http"}},
+        workload,
+        settings,
+    )
+    engine["resources"] = {"limits": {settings.gpu_resource: 1}}
+    sidecar = _container(
+        "sidecar",
+        [
+            "kvbank",
+            "sidecar",
+            "--listen",
+            f"0.0.0.0:{settings.sidecar_port}",
+            "--metrics-port",
+            str(settings.metrics_port),
+            "--pool",
+            pool_file,
+        ],
+        env,
+        [
+            {"name": "grpc", "containerPort": settings.sidecar_port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"},
+        ],
+        {"grpc": {"port": settings.sidecar_port}},
+        workload,
+        settings,
+    )
+    return {
+        "metadata": {
+            "labels": labels(pool.name, "rank"),
+            "annotations": {ANNOTATION_CONFIG_HASH: config_hash},
+        },
+        "spec": {
+            "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+            "containers": [engine, sidecar],
+            "volumes": [{"name": "config", "configMap": {"name": config_name(pool.name)}}],
+        },
+    }

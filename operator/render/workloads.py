@@ -1,0 +1,72 @@
+"""The pod groups: one group of tensorParallel pods per replica. A LeaderWorkerSet where its CRD
+is installed (it restarts a group as a unit); otherwise one StatefulSet of replicas x TP pods
+whose ordinal o is rank o % TP of group o // TP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbank.modelpool import ModelPool
+from kvbank.operator.render.names import (
+    LWS_API_VERSION,
+    Owner,
+    RenderSettings,
+    Workload,
+    headless_name,
+    metadata,
+    selector_labels,
+)
+from kvbank.operator.render.pods import pod_template
+
+
+def stateful_set(
+    pool: ModelPool, owner: Owner, settings: RenderSettings, config_hash: str
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(owner.name, owner, "workload"),
+        "spec": {
+            "replicas": pool.replicas * pool.tensor_parallel,
+            "serviceName": headless_name(owner.name),
+            # Every rank of a group must be up before the group serves; starting them in order
+            # would only serialise the wait.
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "template": pod_template(pool, settings, Workload.STATEFUL_SET, config_hash),
+        },
+    }
+
+
+def leader_worker_set(
+    pool: ModelPool, owner: Owner, settings: RenderSettings, config_hash: str
+) -> dict[str, Any]:
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": "LeaderWorkerSet",
+        "metadata": metadata(owner.name, owner, "workload"),
+        "spec": {
+            "replicas": pool.replicas,
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
+            },
+            "leaderWorkerTemplate": {
+                "size": pool.tensor_parallel,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "workerTemplate": pod_template(
+                    pool, settings, Workload.LEADER_WORKER_SET, config_hash
+                ),
+            },
+        },
+    }
+
+
+def workload(
+    kind: Workload, pool: ModelPool, owner: Owner, settings: RenderSettings, config_hash: str
+) -> dict[str, Any]:
+    if kind is Workload.LEADER_WORKER_SET:
+        return leader_worker_set(pool, owner, settings, config_hash)
+    return stateful_set(pool, owner, settings, config_hash)
