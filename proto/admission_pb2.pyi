@@ -126,7 +126,7 @@ class OpenSessionReply(_message.Message):
     def __init__(self, session: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("session", "report_seq", "applied_seq", "events", "hits", "admit", "progress")
+    __slots__ = ("session", "report_seq", "applied_seq", "events", "hits", "admit", "progress", "room")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     REPORT_SEQ_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class ReportRequest(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
     session: int
     report_seq: int
     applied_seq: int
@@ -141,7 +142,8 @@ class ReportRequest(_message.Message):
     hits: _containers.RepeatedCompositeFieldContainer[HeadHit]
     admit: bool
     progress: _containers.RepeatedCompositeFieldContainer[Progress]
-    def __init__(self, session: _Optional[int] = ..., report_seq: _Optional[int] = ..., applied_seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., hits: _Optional[_Iterable[_Union[HeadHit, _Mapping]]] = ..., admit: _Optional[bool] = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ...) -> None: ...
+    room: int
+    def __init__(self, session: _Optional[int] = ..., report_seq: _Optional[int] = ..., applied_seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., hits: _Optional[_Iterable[_Union[HeadHit, _Mapping]]] = ..., admit: _Optional[bool] = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., room: _Optional[int] = ...) -> None: ...
 
 class Admit(_message.Message):
     __slots__ = ("reserved", "hit")

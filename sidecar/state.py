@@ -152,6 +152,8 @@ class AdmissionState:
                 f"applied_seq {req.applied_seq} must lie between the last applied "
                 f"{s.applied_seq} and the last decision made {last_decided}"
             )
+        if req.HasField("room") and req.room < 0:
+            raise InvalidPages(f"room must not be negative, got {req.room}")
         hits: dict[str, Hit] = {}
         for head in req.hits:
             h = head.hit
@@ -192,7 +194,8 @@ class AdmissionState:
                     "an event must carry one of submit, cancel, take, release, supply"
                 )
         if req.admit:
-            admitted = ledger.admit_ready(hits.get if req.hits else _no_hit)
+            room = req.room if req.HasField("room") else None
+            admitted = ledger.admit_ready(_peek(hits, room))
             waited = ledger.head is not None and (not admitted or ledger.head in hits)
             decisions.extend(admitted)
         else:
@@ -257,8 +260,19 @@ class AdmissionState:
         return reply
 
 
-def _no_hit(rid: str) -> Hit:
-    return NO_HIT
+def _peek(hits: dict[str, Hit], room: int | None) -> Callable[[str], Hit | None]:
+    """The reported hit of each head tried (none reported: no hit), and None (stop) once
+    `room` heads were admitted: admit_ready asks once per head and admits it or stops."""
+    asked = 0
+
+    def peek(rid: str) -> Hit | None:
+        nonlocal asked
+        if room is not None and asked >= room:
+            return None
+        asked += 1
+        return hits.get(rid, NO_HIT)
+
+    return peek
 
 
 def fill_pool(pool: pb.PoolFigures, ledger: Ledger) -> None:

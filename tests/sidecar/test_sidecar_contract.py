@@ -106,20 +106,21 @@ def test_unapplied_admissions_keep_their_idle_hit_off_the_reported_supply(
     assert (third.pool.free, third.pool.evictable) == (60, 30)
 
 
-def test_admission_stops_at_the_first_head_without_a_reported_hit(client: SidecarClient) -> None:
+def test_admission_stops_after_room_heads(client: SidecarClient) -> None:
     session = open_session(client)
-    reply = client.report(
-        pb.ReportRequest(
-            session=session,
-            report_seq=1,
-            applied_seq=-1,
-            events=[submit("a", 10), submit("b", 10), submit("c", 10)],
-            hits=[pb.HeadHit(rid="a", hit=pb.Hit()), pb.HeadHit(rid="b", hit=pb.Hit())],
-            admit=True,
-        )
+    request = pb.ReportRequest(
+        session=session,
+        report_seq=1,
+        applied_seq=-1,
+        events=[submit("a", 10), submit("b", 10), submit("c", 10)],
+        admit=True,
+        room=2,
     )
+    reply = client.report(request)
     assert [d.rid for d in reply.decisions] == ["a", "b"]
     assert reply.waiting == 1
+    again = pb.ReportRequest(session=session, report_seq=2, applied_seq=1, admit=True, room=0)
+    assert list(client.report(again).decisions) == []
 
 
 def test_followers_read_the_same_decisions_in_order_and_acks_trim_the_log(

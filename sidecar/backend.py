@@ -1,0 +1,287 @@
+"""The engine's `AdmissionBackend` (kvbank.engine.admission) over gRPC: the same events the
+embedded ledger gets, sent to the sidecar as one report per `poll`.
+
+Two modes. Blocking (`kvbank bench --sidecar`, virtual time): `poll` sends what happened since
+the last poll and waits for this step's answer, so the sidecar's ledger sees exactly the calls
+the embedded one would, in the same order, and the run is identical. Non-blocking (serving):
+`poll` collects the answer of the report in flight if it arrived, sends the next one, and returns
+at once; decisions are applied a step later. One report is in flight at a time, so every reply
+is read before the next report is built.
+
+Races, and why they are safe:
+- Supply reported before a decision is applied: the report carries `applied_seq` and the sidecar
+  keeps idle pages leased by later admissions off the reported evictable count (see
+  kvbank.sidecar.state). The banker policy pins reported hits with no idle part, so that
+  correction is zero for it; it matters for an engine that reports idle hits.
+- A hit must still be there when its admission is applied: the engine pins what it reports.
+- A cancel crossing an admission: `cancel` of a request this backend already saw decided sends
+  nothing (the engine releases the admitted request when it applies the decision), and a cancel
+  queued while the deciding report was in flight is dropped when that reply arrives.
+- The sidecar restarts (SIGKILL) or drops the session: the call fails with ABORTED, and the
+  backend opens a new session that re-registers every running request with what it reserved and
+  holds (`Ledger.restore`), then resubmits the waiting ones in FIFO order. Pending events are
+  dropped, not resent: the registry below already counts every take and release, so nothing is
+  lost or counted twice.
+
+The registry of running requests (reserved, held) is what a restore needs; it also answers
+`outstanding()` between reports. Admission itself is decided only by the sidecar's ledger.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import Future
+
+from kvbank.ledger import (
+    Admitted,
+    Decision,
+    DuplicateRequest,
+    Hit,
+    InvalidPages,
+    InvariantBreach,
+    Refused,
+    UnknownRequest,
+)
+from kvbank.proto import admission_pb2 as pb
+from kvbank.sidecar.client import SessionLost, SidecarClient, SidecarError, SidecarUnavailable
+
+_LEDGER_ERRORS: dict[str, type[Exception]] = {
+    "INVALID_ARGUMENT": InvalidPages,
+    "NOT_FOUND": UnknownRequest,
+    "ALREADY_EXISTS": DuplicateRequest,
+    "INTERNAL": InvariantBreach,
+}
+
+
+class SidecarBackend:
+    def __init__(
+        self,
+        client: SidecarClient,
+        total_pages: int,
+        engine_id: str = "engine",
+        blocking: bool = True,
+        lease_s: float = 10.0,
+    ) -> None:
+        self.client = client
+        self.total_pages = total_pages
+        self.engine_id = engine_id
+        self.blocking = blocking
+        self.lease_ms = int(lease_s * 1000)
+        self.sessions_opened = 0
+        self._session = 0
+        self._report_seq = 0
+        self._waiting: OrderedDict[str, tuple[int, str]] = OrderedDict()  # rid -> pages, refusal
+        self._running: dict[str, list[int]] = {}  # rid -> [reserved, held]
+        self._outstanding = 0
+        self._hits: dict[str, Hit] = {}
+        self._events: list[pb.Event] = []
+        self._supply: tuple[int, int] | None = None
+        self._ready: list[Decision] = []
+        self._inflight: Future[pb.ReportReply] | None = None
+        self._inflight_request: pb.ReportRequest | None = None
+        self._applied_seq = -1  # last decision handed to the engine
+        self._last_seq = -1  # last decision seen
+        self.last_pool: pb.PoolFigures | None = None
+
+    # ---- events (AdmissionBackend) -------------------------------------------------------------
+
+    def submit(self, rid: str, pages: int, refusal: str | None = None) -> None:
+        self._waiting[rid] = (pages, refusal or "")
+        self._events.append(pb.Event(submit=pb.Submit(rid=rid, pages=pages, refusal=refusal)))
+
+    def cancel(self, rid: str) -> None:
+        self._hits.pop(rid, None)
+        if self._waiting.pop(rid, None) is not None:
+            self._events.append(pb.Event(cancel=pb.Cancel(rid=rid)))
+
+    def report_hits(self, hits: Mapping[str, Hit]) -> None:
+        self._hits.update(hits)
+
+    def take(self, rid: str, pages: int) -> None:
+        entry = self._running.get(rid)
+        if entry is None:
+            raise UnknownRequest(f"request {rid!r} is not running")
+        if pages < 0 or entry[1] + pages > entry[0]:
+            raise InvalidPages(
+                f"request {rid!r} would hold {entry[1] + pages} pages but reserved {entry[0]}"
+            )
+        entry[1] += pages
+        self._outstanding -= pages
+        self._events.append(pb.Event(take=pb.Take(rid=rid, pages=pages)))
+
+    def release(self, rid: str) -> None:
+        entry = self._running.pop(rid, None)
+        if entry is None:
+            raise UnknownRequest(f"request {rid!r} is not running")
+        self._outstanding -= entry[0] - entry[1]
+        self._events.append(pb.Event(release=pb.Release(rid=rid)))
+
+    def set_supply(self, free: int, evictable: int) -> None:
+        if self._supply == (free, evictable):
+            return
+        self._supply = (free, evictable)
+        event = pb.Event(supply=pb.Supply(free=free, evictable=evictable))
+        if self._events and self._events[-1].HasField("supply"):
+            self._events[-1] = event  # back-to-back supply reports: the last one stands
+        else:
+            self._events.append(event)
+
+    def outstanding(self) -> int:
+        return self._outstanding
+
+    # ---- decisions -----------------------------------------------------------------------------
+
+    def poll(self, room: int) -> list[Decision]:
+        if self.blocking:
+            self._absorb(self._send(self._build(room, admit=True)))
+        else:
+            self._poll_async(room)
+        ready, self._ready = self._ready, []
+        if ready:
+            self._applied_seq = max(self._applied_seq, max(d.seq for d in ready))
+        return ready
+
+    def check_integrity(self, free: int, evictable: int) -> None:
+        """Blocking mode flushes and compares the sidecar's figures with the pool's; both modes
+        check the registry's outstanding against the supply."""
+        if free + evictable < self._outstanding:
+            raise InvariantBreach(
+                f"outstanding {self._outstanding} pages exceed supply {free + evictable} (free "
+                f"{free} + evictable {evictable})"
+            )
+        if not self.blocking:
+            return
+        self._absorb(self._send(self._build(0, admit=False)))
+        pool = self.last_pool
+        if pool is not None and (pool.free, pool.evictable, pool.outstanding) != (
+            free,
+            evictable,
+            self._outstanding,
+        ):
+            raise InvariantBreach(
+                f"the sidecar's ledger (free {pool.free}, evictable {pool.evictable}, "
+                f"outstanding {pool.outstanding}) differs from the engine's (free {free}, "
+                f"evictable {evictable}, outstanding {self._outstanding})"
+            )
+
+    # ---- the wire ------------------------------------------------------------------------------
+
+    def _build(self, room: int, admit: bool) -> pb.ReportRequest:
+        if not self._session:
+            self._open()
+        self._report_seq += 1
+        hits = [
+            pb.HeadHit(rid=rid, hit=pb.Hit(pages=h.pages, idle_pages=h.idle_pages))
+            for rid, h in self._hits.items()
+            if rid in self._waiting
+        ]
+        request = pb.ReportRequest(
+            session=self._session,
+            report_seq=self._report_seq,
+            applied_seq=self._applied_seq,
+            events=self._events,
+            hits=hits,
+            admit=admit,
+            room=room,
+        )
+        self._events = []
+        return request
+
+    def _send(self, request: pb.ReportRequest) -> pb.ReportReply:
+        try:
+            return self.client.report(request)
+        except SessionLost:
+            self._open()
+            return self._send(self._build(request.room, request.admit))
+        except SidecarError as exc:
+            raise _as_ledger_error(exc) from exc
+
+    def _poll_async(self, room: int) -> None:
+        if self._inflight is not None:
+            if not self._inflight.done():
+                return
+            future, self._inflight = self._inflight, None
+            try:
+                self._absorb(future.result())
+            except SessionLost:
+                self._open()
+            except SidecarUnavailable:
+                # Keep serving and resend the same report: the sidecar may have applied it and
+                # lost only the reply, and a repeated report_seq is answered, not re-applied.
+                assert self._inflight_request is not None
+                self._inflight = self.client.report_async(self._inflight_request)
+                return
+            except SidecarError as exc:
+                raise _as_ledger_error(exc) from exc
+        if self._events or self._waiting:
+            self._inflight_request = self._build(room, admit=True)
+            self._inflight = self.client.report_async(self._inflight_request)
+
+    def _absorb(self, reply: pb.ReportReply) -> None:
+        self.last_pool = reply.pool
+        cancelled = []
+        for d in reply.decisions:
+            self._last_seq = max(self._last_seq, d.seq)
+            kind = d.WhichOneof("outcome")
+            if kind == "restored":
+                continue  # the engine runs it already
+            if self._waiting.pop(d.rid, None) is None:
+                cancelled.append(d.rid)  # cancelled while this report was in flight
+            self._hits.pop(d.rid, None)
+            if kind == "admit":
+                hit = Hit(d.admit.hit.pages, d.admit.hit.idle_pages)
+                self._running[d.rid] = [d.admit.reserved, hit.pages]
+                self._outstanding += d.admit.reserved - hit.pages
+                self._ready.append(Admitted(d.rid, d.seq, d.admit.reserved, hit))
+            else:
+                self._ready.append(Refused(d.rid, d.seq, d.refuse.message))
+        if cancelled:
+            self._events = [
+                e for e in self._events if not (e.HasField("cancel") and e.cancel.rid in cancelled)
+            ]
+
+    def _open(self) -> None:
+        """Open a session that re-registers what runs and resubmits what waits (see above)."""
+        request = pb.OpenSessionRequest(
+            engine_id=self.engine_id,
+            total_pages=self.total_pages,
+            next_seq=self._last_seq + 1,
+            running=[
+                pb.RunningRequest(rid=rid, reserved=r, held=h)
+                for rid, (r, h) in self._running.items()
+            ],
+            lease_ms=self.lease_ms,
+        )
+        if self._supply is not None:
+            request.supply.free, request.supply.evictable = self._supply
+        try:
+            reply = self.client.open_session(request)
+        except SidecarError as exc:
+            raise _as_ledger_error(exc) from exc
+        self.sessions_opened += 1
+        self._session, self._report_seq = reply.session, 0
+        self._last_seq = reply.next_seq - 1
+        self._inflight = None
+        self._events = [
+            pb.Event(submit=pb.Submit(rid=rid, pages=pages, refusal=refusal))
+            for rid, (pages, refusal) in self._waiting.items()
+        ]
+
+
+def _as_ledger_error(exc: SidecarError) -> Exception:
+    kind = _LEDGER_ERRORS.get(exc.code)
+    return kind(exc.message) if kind is not None else exc
+
+
+def connect(
+    address: str,
+    total_pages: int,
+    blocking: bool = False,
+    token: str | None = None,
+    tls_ca: bytes | None = None,
+    engine_id: str = "engine",
+) -> SidecarBackend:
+    """The factory `kvbank serve --sidecar` and `kvbank bench --sidecar` call."""
+    client = SidecarClient(address, token=token, tls_ca=tls_ca)
+    return SidecarBackend(client, total_pages, engine_id=engine_id, blocking=blocking)

@@ -1,0 +1,77 @@
+"""`kvbank status ADDR`: a sidecar's pool figures, queue and reservations.
+
+Exit codes: 0 printed, 1 the sidecar did not answer or refused the call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from google.protobuf.json_format import MessageToDict
+
+from kvbank.proto import admission_pb2 as pb
+from kvbank.sidecar.client import SidecarClient, SidecarError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("address", metavar="ADDR", help="sidecar HOST:PORT")
+    parser.add_argument("--token-file", help="file holding the sidecar's shared token")
+    parser.add_argument("--tls-ca", help="PEM CA that signed the sidecar's certificate")
+    parser.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    parser.add_argument("--limit", type=int, default=20, help="queue/reservation rows shown")
+    parser.add_argument("--deadline-s", type=float, default=2.0)
+
+
+def render(status: pb.StatusReply, limit: int) -> str:
+    p = status.pool
+    supply = p.free + p.evictable
+    lines = [
+        f"session   {status.session or 'none'}",
+        f"pool      {p.total_pages} pages ({p.usable_pages} usable): free {p.free}, "
+        f"evictable {p.evictable}, supply {supply}",
+        f"promised  reserved {p.reserved}, held {p.held}, outstanding {p.outstanding} "
+        f"(slack {supply - p.outstanding})",
+        f"decisions next seq {status.next_seq}; log holds {status.log_length} from "
+        f"{status.log_first_seq}",
+        f"queue     {len(status.waiting)} waiting",
+    ]
+    lines += [f"  {w.rid:<24} {w.pages:>8} pages" for w in status.waiting[:limit]]
+    if len(status.waiting) > limit:
+        lines.append(f"  ... {len(status.waiting) - limit} more")
+    lines.append(f"running   {len(status.running)} admitted")
+    lines += [
+        f"  {r.rid:<24} seq {r.seq:>6}  reserved {r.reserved:>6}  held {r.held:>6}"
+        for r in status.running[:limit]
+    ]
+    if len(status.running) > limit:
+        lines.append(f"  ... {len(status.running) - limit} more")
+    lines.append(f"followers {len(status.followers)}")
+    lines += [f"  {f.follower_id:<24} acked {f.acked_seq}" for f in status.followers]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        token = Path(args.token_file).read_text().strip() if args.token_file else None
+        ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    client = SidecarClient(
+        args.address, token=token, tls_ca=ca, deadline_s=args.deadline_s, retry_budget_s=0
+    )
+    try:
+        status = client.status_reply()
+    except SidecarError as exc:
+        print(f"error: sidecar {args.address}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True)))
+    else:
+        print(render(status, args.limit))
+    return 0
