@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API in front of one engine."""

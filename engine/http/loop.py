@@ -1,0 +1,190 @@
+"""The engine loop: one thread owns the Engine and calls `step()`; HTTP handlers talk to it only
+through commands and per-request queues.
+
+Handlers never touch the engine: `submit` and `abort` post a command that the loop applies
+between steps (so a request is either fully queued or not at all), and each request's outputs
+come back on an asyncio queue in the handler's event loop. The loop never waits on admission:
+the engine's backend answers without blocking, and an idle loop sleeps on a wake-up event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from kvbank.engine.engine import Engine, RequestOutput
+from kvbank.engine.runner import SamplingParams
+
+log = logging.getLogger("kvbank.serve")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; nothing was queued."""
+
+    def __init__(self, waiting: int, bound: int) -> None:
+        super().__init__(
+            f"the waiting queue holds {waiting} requests, its bound (--max-waiting) is {bound}; "
+            f"retry later"
+        )
+
+
+class EngineStopped(Exception):
+    """The engine loop has stopped (shutdown, or a fatal error); no request can run."""
+
+
+@dataclass
+class Submission:
+    rid: str
+    prompt: list[int]
+    max_tokens: int | None
+    sampling: SamplingParams
+    outputs: asyncio.Queue[RequestOutput]
+    event_loop: asyncio.AbstractEventLoop
+
+
+StepHook = Callable[[Engine, list[RequestOutput]], None]
+
+
+class EngineLoop:
+    IDLE_WAIT_S = 0.5  # an idle loop wakes at least this often (shutdown, hooks)
+    EMPTY_STEP_WAIT_S = 0.002  # waiting requests but no rows: let the backend decide
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_waiting: int,
+        on_step: StepHook | None = None,
+        step_fn: Callable[[], list[RequestOutput]] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_step = on_step
+        # Tensor parallelism replaces the plain step with one that agrees with the followers.
+        self._step = step_fn or engine.step
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._streams: dict[str, Submission] = {}
+        self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
+        self.error: BaseException | None = None
+
+    # ---- called from HTTP handlers (any thread) -------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    async def submit(self, sub: Submission) -> None:
+        """Queue a request, or raise: RequestRejected (400), QueueFull (429), EngineStopped."""
+        # The timeout only guards a loop that died between the check and the command.
+        await asyncio.wait_for(asyncio.wrap_future(self._call(lambda: self._add(sub))), 60)
+
+    def abort(self, rid: str) -> None:
+        """Abort a request (client gone, or a stop string seen); no answer awaited."""
+        if self.alive:
+            self._call(lambda: self._abort(rid))
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run fn on the engine thread between steps (for reading figures consistently)."""
+        return self._call(fn)
+
+    def _call(self, fn: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        if not self.alive:
+            future.set_exception(EngineStopped("the engine loop is not running"))
+            return future
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _add(self, sub: Submission) -> None:
+        waiting = self.engine.num_waiting
+        if waiting >= self.max_waiting:
+            raise QueueFull(waiting, self.max_waiting)
+        self.engine.add_request(sub.rid, sub.prompt, sub.max_tokens, sampling=sub.sampling)
+        self._streams[sub.rid] = sub
+
+    def _abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # the caller's error (a rejection), handed back to it
+                future.set_exception(exc)
+
+    def _main(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain()
+                if not self.engine.has_work():
+                    self._idle_step()
+                    continue
+                outputs = self._step()
+                self._deliver(outputs)
+                if self.on_step:
+                    self.on_step(self.engine, outputs)
+                if self.engine.last_rows == 0:
+                    self._wake.wait(self.EMPTY_STEP_WAIT_S)
+                    self._wake.clear()
+        except BaseException as exc:
+            self.error = exc
+            log.exception("the engine loop stopped")
+        finally:
+            self._fail_all()
+
+    def _idle_step(self) -> None:
+        if self._wake.wait(self.IDLE_WAIT_S):
+            self._wake.clear()
+        if self.on_step:
+            self.on_step(self.engine, [])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sub = self._streams.get(out.rid)
+            if sub is None:
+                continue
+            if out.finished:
+                del self._streams[out.rid]
+            sub.event_loop.call_soon_threadsafe(sub.outputs.put_nowait, out)
+
+    def _fail_all(self) -> None:
+        """Wake every waiting handler and refuse queued commands: nothing waits forever."""
+        for rid, sub in list(self._streams.items()):
+            out = RequestOutput(rid, [], True, None, "the engine stopped")
+            with contextlib.suppress(RuntimeError):  # that event loop may be closed already
+                sub.event_loop.call_soon_threadsafe(sub.outputs.put_nowait, out)
+        self._streams.clear()
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineStopped("the engine loop stopped"))

@@ -1,0 +1,69 @@
+"""Prometheus figures of one engine: requests by outcome, tokens, the pool and the queue.
+
+Each server has its own registry (two servers in one test process do not collide). Pool gauges
+are set by the engine thread after each step, so a scrape never touches the engine.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvbank.engine.engine import Engine, RequestOutput
+
+
+class ServeMetrics:
+    def __init__(self, total_pages: int) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvbank_requests", "HTTP generation requests by outcome", ["outcome"], registry=registry
+        )
+        self.prompt_tokens = Counter(
+            "kvbank_prompt_tokens", "prompt tokens of accepted requests", registry=registry
+        )
+        self.generated_tokens = Counter(
+            "kvbank_generated_tokens", "tokens sampled by the engine", registry=registry
+        )
+        self.steps = Counter("kvbank_engine_steps", "engine steps that ran rows", registry=registry)
+        self.ttft = Histogram(
+            "kvbank_time_to_first_token_seconds",
+            "from submission to the first token",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
+        self.running = Gauge("kvbank_running_requests", "admitted requests", registry=registry)
+        self.waiting = Gauge(
+            "kvbank_waiting_requests", "requests awaiting admission", registry=registry
+        )
+        self.total_pages = Gauge(
+            "kvbank_pool_pages", "KV pages per rank, the sink page included", registry=registry
+        )
+        self.free_pages = Gauge("kvbank_pool_free_pages", "pages nobody holds", registry=registry)
+        self.evictable_pages = Gauge(
+            "kvbank_pool_evictable_pages", "cached pages eviction can take", registry=registry
+        )
+        self.held_pages = Gauge(
+            "kvbank_pool_held_pages", "pages held by running requests", registry=registry
+        )
+        self.outstanding_pages = Gauge(
+            "kvbank_outstanding_pages",
+            "pages admitted requests may still take (the ledger's outstanding)",
+            registry=registry,
+        )
+        self.total_pages.set(total_pages)
+
+    def observe_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+        """Called by the engine thread after every step (and when idle)."""
+        if outputs:
+            self.steps.inc()
+            self.generated_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
+        kv = engine.kv
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.free_pages.set(kv.free)
+        self.evictable_pages.set(kv.evictable)
+        self.held_pages.set(kv.pool.held)
+        if engine.backend is not None:
+            self.outstanding_pages.set(engine.backend.outstanding())
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

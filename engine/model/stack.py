@@ -1,0 +1,143 @@
+"""Everything one rank serves with: tokenizer, model, runner and engine, built from options.
+
+`kvbank serve` and every tensor-parallel rank build their stack here, so the built-in model and a
+real checkpoint go through the same loader, and every rank's pool has the same page count.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbank.capacity import CapacityModel
+from kvbank.engine.admission import AdmissionBackend
+from kvbank.engine.engine import Engine, EngineConfig
+from kvbank.engine.model.attention import default_attention
+from kvbank.engine.model.builtin import builtin_model_dir
+from kvbank.engine.model.config import ModelConfig
+from kvbank.engine.model.llama import Parallel
+from kvbank.engine.model.loader import DTYPES, load_model
+from kvbank.engine.model.runner import TorchRunner
+from kvbank.engine.model.tokenizer import Tokenizer
+from kvbank.modelpool import KvSlot
+
+BUILTIN_NAME = "kvbank-builtin"
+KV_LABEL = "kv"  # a decoder writes one KV position per prompt and per output token
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: str | None = None  # a Hugging Face folder; None: the built-in model
+    pages: int = 1024  # per rank, the sink page included
+    page_size: int = 16
+    max_seq_len: int | None = None  # None: min(max_position_embeddings, 4096)
+    max_tokens: int = 256
+    policy: str = "banker"
+    attention: str | None = None  # None: flashinfer on CUDA when installed, else torch
+    device: str | None = None  # None: cuda when available, else cpu
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    max_batch_tokens: int = 2048
+    max_running: int = 256
+    max_waiting: int = 256  # beyond this the HTTP API answers 429
+    threads: int | None = 1  # torch intra-op threads on CPU; None: torch's default
+    sidecar: str | None = None
+    debug: bool = False
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Stack:
+    name: str
+    model_dir: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    capacity: CapacityModel
+    runner: TorchRunner
+    engine: Engine
+    options: ServeOptions
+    attention: str
+
+
+def resolve_model_dir(options: ServeOptions) -> tuple[str, Path]:
+    if options.model is None:
+        return BUILTIN_NAME, builtin_model_dir()
+    path = Path(options.model).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"--model {options.model} is not a folder; give a Hugging Face model folder "
+            f"(config.json, *.safetensors, tokenizer.json) or omit --model for the built-in one"
+        )
+    return path.resolve().name, path
+
+
+def sidecar_backend(address: str, total_pages: int) -> AdmissionBackend:
+    """The admission backend that forwards to a sidecar, from `kvbank.sidecar.backend`."""
+    try:
+        module = importlib.import_module("kvbank.sidecar.backend")
+        factory = module.sidecar_backend
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"--sidecar {address}: this installation has no kvbank.sidecar.backend."
+            f"sidecar_backend(address, total_pages) to connect with ({exc}); run without "
+            f"--sidecar to admit with the embedded ledger"
+        ) from exc
+    backend: AdmissionBackend = factory(address, total_pages)
+    return backend
+
+
+def build_stack(
+    options: ServeOptions,
+    parallel: Parallel | None = None,
+    backend: AdmissionBackend | None = None,
+    model_dir: Path | None = None,
+) -> Stack:
+    if model_dir is None:
+        name, model_dir = resolve_model_dir(options)
+    else:
+        name = BUILTIN_NAME if options.model is None else model_dir.name
+    device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and parallel is not None and parallel.world > 1:
+        device = torch.device("cuda", parallel.rank)
+        torch.cuda.set_device(device)
+    if device.type == "cpu" and options.threads:
+        torch.set_num_threads(options.threads)
+    dtype = DTYPES[options.dtype] if options.dtype else None
+    tokenizer = Tokenizer(model_dir)
+    model = load_model(model_dir, device, dtype, parallel)
+    config = model.config
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = config.eos_token_ids[0] if config.eos_token_ids else -1
+    max_seq_len = options.max_seq_len or min(config.max_position_embeddings, 4096)
+    if max_seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}; lower --max-seq-len"
+        )
+    if not 1 <= options.max_tokens < max_seq_len:
+        raise ValueError(
+            f"--max-tokens {options.max_tokens} must be between 1 and --max-seq-len - 1 "
+            f"({max_seq_len - 1})"
+        )
+    capacity = CapacityModel(
+        {KV_LABEL: KvSlot(prompt=1, output=1)}, options.page_size, max_seq_len, options.max_tokens
+    )
+    attention = options.attention or default_attention(device)
+    runner = TorchRunner(model, options.pages, options.page_size, eos, attention, options.seed)
+    if backend is None and options.sidecar and options.policy == "banker":
+        backend = sidecar_backend(options.sidecar, options.pages)
+    engine_config = EngineConfig(
+        capacity,
+        options.pages,
+        policy=options.policy,
+        max_batch_tokens=options.max_batch_tokens,
+        max_running=options.max_running,
+        debug=options.debug,
+    )
+    engine = Engine(engine_config, runner, backend)
+    return Stack(name, model_dir, config, tokenizer, capacity, runner, engine, options, attention)

@@ -1,0 +1,193 @@
+"""`kvbank serve`: the engine behind its OpenAI-compatible HTTP API.
+
+With no --model it serves the built-in random-weight Llama (built once into the user's cache);
+with --tp N it starts N ranks under torch.distributed, rank 0 serving HTTP and deciding admission.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvbank.engine.engine import RequestOutput
+
+if TYPE_CHECKING:  # torch, uvicorn and the model load only when serve runs
+    import uvicorn
+
+    from kvbank.engine.http.loop import EngineLoop
+    from kvbank.engine.model.stack import ServeOptions, Stack
+
+log = logging.getLogger("kvbank.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="Hugging Face model folder (default: the built-in model)")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--pages", type=int, default=1024, help="KV pages per rank, sink included")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument("--max-seq-len", type=int, help="prompt + output limit (default: model's)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="output limit, and the budget of a request that sends none",
+    )
+    parser.add_argument(
+        "--policy",
+        default="banker",
+        help="admission policy: banker, optimistic, preempt, no-evict, ratio",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="waiting requests beyond which the API answers 429",
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=2048,
+        help="tokens one step computes (longer prompts are chunked)",
+    )
+    parser.add_argument(
+        "--sidecar",
+        metavar="ADDR",
+        help="admit through the gRPC sidecar at ADDR instead of in-process",
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument(
+        "--attention",
+        choices=["torch", "flashinfer"],
+        help="paged attention backend (default: flashinfer on CUDA, else torch)",
+    )
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and KV (default: bfloat16 on CUDA, float32 on CPU)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per rank on CPU; 0: torch's default"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of unseeded requests")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="check every pool and ledger invariant after every step",
+    )
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    from kvbank.engine.model.stack import ServeOptions
+
+    for name in ("pages", "page_size", "max_tokens", "max_waiting", "max_batch_tokens", "tp"):
+        value = getattr(args, name)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.pages < 2:
+        raise ValueError(f"--pages must be at least 2 (one is the sink page), got {args.pages}")
+    return ServeOptions(
+        model=args.model,
+        pages=args.pages,
+        page_size=args.page_size,
+        max_seq_len=args.max_seq_len,
+        max_tokens=args.max_tokens,
+        policy=args.policy,
+        attention=args.attention,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_tokens=args.max_batch_tokens,
+        max_waiting=args.max_waiting,
+        threads=args.threads or None,
+        sidecar=args.sidecar,
+        debug=args.debug,
+        seed=args.seed,
+    )
+
+
+def build_server(
+    stack: Stack,
+    host: str,
+    port: int,
+    step_fn: Callable[[], list[RequestOutput]] | None = None,
+) -> tuple[uvicorn.Server, EngineLoop]:
+    """The HTTP server and the engine loop over `stack`; neither is started."""
+    import uvicorn
+
+    from kvbank.engine.http.app import Served, create_app
+    from kvbank.engine.http.loop import EngineLoop
+    from kvbank.engine.http.metrics import ServeMetrics
+
+    metrics = ServeMetrics(stack.options.pages)
+    loop = EngineLoop(stack.engine, stack.options.max_waiting, metrics.observe_step, step_fn)
+    served = Served(
+        stack.name,
+        stack.tokenizer,
+        stack.config.vocab_size,
+        stack.capacity.max_seq_len,
+        stack.capacity.max_tokens,
+    )
+    app = create_app(served, loop, metrics)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)
+    return uvicorn.Server(config), loop
+
+
+def serve_stack(
+    stack: Stack,
+    host: str,
+    port: int,
+    step_fn: Callable[[], list[RequestOutput]] | None = None,
+) -> int:
+    """Run the HTTP server over `stack` until interrupted; 1 when the engine loop failed."""
+    server, loop = build_server(stack, host, port, step_fn)
+    loop.start()
+    log.info(
+        "serving %s on http://%s:%d (%s attention, %d pages of %d tokens, policy %s)",
+        stack.name, host, port, stack.attention, stack.options.pages, stack.options.page_size,
+        stack.options.policy,
+    )  # fmt: skip
+    failed = _run_until_loop_fails(server, loop)
+    loop.stop()
+    return 1 if failed or loop.error is not None else 0
+
+
+def _run_until_loop_fails(server: uvicorn.Server, loop: EngineLoop) -> bool:
+    """uvicorn's run, plus a watcher that stops the server when the engine loop dies (a fatal
+    engine error, or a tensor-parallel peer lost): the process then exits non-zero."""
+    import threading
+
+    stopped_by_loop = threading.Event()
+
+    def watcher() -> None:
+        while not server.should_exit:
+            if loop.error is not None:
+                stopped_by_loop.set()
+                server.should_exit = True
+                return
+            time.sleep(0.1)
+
+    threading.Thread(target=watcher, name="loop-watcher", daemon=True).start()
+    server.run()
+    return stopped_by_loop.is_set()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        options = options_from_args(args)
+        if args.tp > 1:
+            from kvbank.engine.tp import run_tp
+
+            return run_tp(options, args.tp, args.host, args.port)
+        from kvbank.engine.model.stack import build_stack
+
+        stack = build_stack(options)
+    except ValueError as exc:
+        print(f"kvbank serve: {exc}", file=sys.stderr)
+        return 2
+    return serve_stack(stack, args.host, args.port)

@@ -1,0 +1,88 @@
+"""A real server on loopback over the built-in model, started once per module in a thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvbank.engine.model.stack import ServeOptions, build_stack
+
+
+@pytest.fixture(scope="session")
+def builtin_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+
+    from kvbank.engine.model.builtin import builtin_model_dir as build
+
+    torch.set_num_threads(1)  # a tiny model on a shared box: threads only contend
+    return build(tmp_path_factory.mktemp("kvbank-cache"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    url: str
+    client: httpx.Client
+
+    def figures(self) -> dict[str, float]:
+        """Unlabelled gauges and counters from /metrics, by name."""
+        figures = {}
+        for line in self.client.get("/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                figures[name] = float(value)
+        return figures
+
+    def wait_for(self, **expected: float) -> dict[str, float]:
+        deadline = time.monotonic() + 20
+        while True:
+            figures = self.figures()
+            if all(figures.get(k) == v for k, v in expected.items()):
+                return figures
+            if time.monotonic() > deadline:
+                raise AssertionError(f"metrics never reached {expected}: {figures}")
+            time.sleep(0.05)
+
+
+# 64 pages of 16 tokens: 63 for requests, so a 1000-token request (63 pages) fits alone and two
+# 600-token requests (38 pages each) cannot run together.
+SMALL_POOL = ServeOptions(
+    pages=64, page_size=16, max_seq_len=2048, max_tokens=2000, max_waiting=1, max_batch_tokens=256
+)
+
+
+@pytest.fixture(scope="module")
+def server(builtin_model_dir: Path) -> Iterator[LiveServer]:
+    from kvbank.engine.serve import build_server
+
+    stack = build_stack(SMALL_POOL, model_dir=builtin_model_dir)
+    # Generation runs to max_tokens: a random model's end-of-text would make timing-based
+    # tests (a long stream to cut, a request that must stay running) depend on luck.
+    stack.runner.eos_token_id = -1
+    port = free_port()
+    http, loop = build_server(stack, "127.0.0.1", port)
+    loop.start()
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    with httpx.Client(base_url=url, timeout=60) as client:
+        deadline = time.monotonic() + 30
+        while not http.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        yield LiveServer(url, client)
+    http.should_exit = True
+    thread.join(10)
+    loop.stop()
