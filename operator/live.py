@@ -6,7 +6,7 @@ answered. A sidecar that does not answer makes the pool Degraded, never blocks t
 
 `SidecarStatusSource` is the adapter the rest of the operator (and its tests) use; the one
 implementation calls the sidecar's own client wrapper (`kvbank.sidecar.client`), imported only
-when first used, so the operator carries no gRPC stubs of its own.
+when first used, so the operator carries no gRPC code of its own.
 """
 
 from __future__ import annotations
@@ -42,21 +42,30 @@ class SidecarStatusSource(Protocol):
 
 
 class SidecarClientSource:
-    """Reads `status()` through `kvbank.sidecar.client.SidecarClient(address)`; the typed result
-    carries the figures under the names of PoolFigures' fields."""
+    """Reads `status()` through the sidecar's own client wrapper (`kvbank.sidecar.client`,
+    blocking gRPC, so in a worker thread), with its deadline and retry budget both held to
+    `timeout` so one slow sidecar costs at most that."""
+
+    def __init__(self, token: str | None = None) -> None:
+        self._token = token
+
+    def _read(self, address: str, timeout: float) -> PoolFigures:
+        client_module = importlib.import_module("kvbank.sidecar.client")
+        with client_module.SidecarClient(
+            address, token=self._token, deadline_s=timeout, retry_budget_s=timeout
+        ) as client:
+            pool = client.status()
+        return PoolFigures(
+            pages_total=pool.total_pages,
+            free_pages=pool.free,
+            evictable_pages=pool.evictable,
+            reserved_pages=pool.reserved,
+            outstanding_pages=pool.outstanding,
+            queue_depth=pool.waiting,
+        )
 
     async def status(self, address: str, timeout: float) -> PoolFigures:
-        module = importlib.import_module("kvbank.sidecar.client")
-        client = module.SidecarClient(address)
-        try:
-            result = await asyncio.wait_for(client.status(), timeout)
-        finally:
-            close = getattr(client, "close", None)
-            if close is not None:
-                outcome = close()
-                if asyncio.iscoroutine(outcome):
-                    await outcome
-        return PoolFigures(**{name: int(getattr(result, name)) for name in FIELDS})
+        return await asyncio.to_thread(self._read, address, timeout)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,273 @@
+"""The pure builders, one class each: inputs in, exact manifests out."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+from operator_specs import pool_doc
+
+from kvbank.capacity import holdability
+from kvbank.modelpool import parse_modelpool
+from kvbank.operator.render.bundle import render_pool
+from kvbank.operator.render.engine_config import (
+    config_data,
+    config_hash,
+    config_map,
+    engine_config,
+    pool_manifest,
+)
+from kvbank.operator.render.names import (
+    ANNOTATION_CONFIG_HASH,
+    LABEL_RANK,
+    LWS_WORKER_INDEX,
+    Owner,
+    RenderSettings,
+    Workload,
+)
+from kvbank.operator.render.pods import pod_template, rank_env
+from kvbank.operator.render.services import (
+    disruption_budget,
+    headless_service,
+    traffic_service,
+)
+from kvbank.operator.render.status import Condition, conditions
+from kvbank.operator.render.workloads import leader_worker_set, stateful_set
+
+OWNER = Owner("llama", "team-a", "uid-7")
+SETTINGS = RenderSettings(image="registry.example/kvbank:1.2.3")
+SELECTOR = {"app.kubernetes.io/name": "kvbank", "kvbank.dev/pool": "llama"}
+
+
+def _pool(**spec):
+    return parse_modelpool(pool_doc(**spec))
+
+
+def _owner_ref(manifest):
+    return manifest["metadata"]["ownerReferences"]
+
+
+class TestOwner:
+    def test_reference_makes_the_model_pool_the_controller(self) -> None:
+        assert OWNER.reference() == {
+            "apiVersion": "kvbank.dev/v1alpha1",
+            "kind": "ModelPool",
+            "name": "llama",
+            "uid": "uid-7",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+class TestEngineConfig:
+    def test_carries_the_derived_figures(self) -> None:
+        pool = _pool()
+        config = engine_config(pool, holdability(pool))
+        assert config == {
+            "pool": "team-a/llama",
+            "model": "llama-3.1-8b-instruct",
+            "tensorParallel": 1,
+            "pageSize": 16,
+            "poolPages": 20000,
+            "speculativeTokens": 1,
+            "kvSlots": {"main": {"prompt": 1, "output": 1, "fixed": 0}},
+            "limits": {"maxSeqLen": 8192, "maxTokens": 2048},
+            "admission": {"policy": "conservative", "backfill": False, "minConcurrency": 0},
+            # ceil((8192 + 1) / 16) = 513 pages; (20000 - 1 sink) // 513 = 38
+            "worstRequestPages": 513,
+            "worstConcurrency": 38,
+        }
+
+    def test_pool_manifest_parses_back_to_the_same_pool(self) -> None:
+        doc = pool_doc()
+        manifest = pool_manifest(OWNER, doc["spec"])
+        assert parse_modelpool(manifest) == parse_modelpool(doc)
+
+
+class TestConfigMap:
+    def test_data_is_yaml_the_sidecar_can_parse_and_hash_is_stable(self) -> None:
+        pool = _pool()
+        doc = pool_doc()
+        data = config_data(pool, holdability(pool), OWNER, doc["spec"])
+        assert sorted(data) == ["engine.json", "modelpool.yaml"]
+        assert parse_modelpool(yaml.safe_load(data["modelpool.yaml"])) == pool
+        assert json.loads(data["engine.json"])["poolPages"] == 20000
+        again = config_data(pool, holdability(pool), OWNER, doc["spec"])
+        assert config_hash(again) == config_hash(data)
+        assert len(config_hash(data)) == 16
+
+    def test_a_spec_change_changes_the_hash(self) -> None:
+        doc = pool_doc()
+        bigger = pool_doc(kv={"pageSize": 16, "pages": 30000, "speculativeTokens": 1})
+        hashes = {
+            config_hash(
+                config_data(parse_modelpool(d), holdability(parse_modelpool(d)), OWNER, d["spec"])
+            )
+            for d in (doc, bigger)
+        }
+        assert len(hashes) == 2
+
+    def test_manifest(self) -> None:
+        manifest = config_map(OWNER, {"a": "b"})
+        assert manifest["apiVersion"] == "v1" and manifest["kind"] == "ConfigMap"
+        assert manifest["metadata"]["name"] == "llama-engine"
+        assert manifest["metadata"]["namespace"] == "team-a"
+        assert _owner_ref(manifest) == [OWNER.reference()]
+        assert manifest["data"] == {"a": "b"}
+
+
+class TestHeadlessService:
+    def test_publishes_every_rank_before_it_is_ready(self) -> None:
+        svc = headless_service(OWNER, SETTINGS)
+        assert svc["metadata"]["name"] == "llama-ranks"
+        assert svc["spec"] == {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": SELECTOR,
+            "ports": [{"name": "grpc", "port": 50051, "targetPort": "grpc"}],
+        }
+        assert _owner_ref(svc) == [OWNER.reference()]
+
+
+class TestTrafficService:
+    def test_selects_rank_zero_of_a_stateful_set_by_the_operator_label(self) -> None:
+        svc = traffic_service(OWNER, SETTINGS, Workload.STATEFUL_SET)
+        assert svc["metadata"]["name"] == "llama"
+        assert svc["spec"]["selector"] == {**SELECTOR, LABEL_RANK: "0"}
+        assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http"}]
+
+    def test_selects_the_leader_of_a_leader_worker_set(self) -> None:
+        svc = traffic_service(OWNER, SETTINGS, Workload.LEADER_WORKER_SET)
+        assert svc["spec"]["selector"] == {**SELECTOR, LWS_WORKER_INDEX: "0"}
+
+
+class TestDisruptionBudget:
+    def test_one_pod_at_a_time(self) -> None:
+        pdb = disruption_budget(OWNER)
+        assert pdb["apiVersion"] == "policy/v1"
+        assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": SELECTOR}}
+        assert _owner_ref(pdb) == [OWNER.reference()]
+
+
+class TestPodTemplate:
+    def test_engine_and_sidecar_share_the_rank_environment(self) -> None:
+        pool = _pool(tensorParallel=2)
+        template = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "abc123")
+        assert template["metadata"]["annotations"] == {ANNOTATION_CONFIG_HASH: "abc123"}
+        engine, sidecar = template["spec"]["containers"]
+        assert engine["name"] == "engine" and sidecar["name"] == "sidecar"
+        assert engine["image"] == sidecar["image"] == "registry.example/kvbank:1.2.3"
+        assert engine["env"] == sidecar["env"]
+        env = {e["name"]: e.get("value") for e in engine["env"]}
+        assert env["KVBANK_WORLD_SIZE"] == "2"
+        assert env["KVBANK_SIDECAR_ADDR"] == "127.0.0.1:50051"
+        assert env["KVBANK_HEADLESS"] == "llama-ranks"
+        assert engine["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+        assert "resources" not in sidecar
+        assert engine["args"][:2] == ["kvbank", "serve"]
+        assert "--sidecar" in engine["args"]
+        assert sidecar["args"][:4] == ["kvbank", "sidecar", "--listen", "0.0.0.0:50051"]
+        assert template["spec"]["volumes"] == [
+            {"name": "config", "configMap": {"name": "llama-engine"}}
+        ]
+        assert template["spec"]["terminationGracePeriodSeconds"] == 600
+
+    def test_leader_worker_set_ranks_come_from_its_labels(self) -> None:
+        env = rank_env(_pool(tensorParallel=2), SETTINGS, Workload.LEADER_WORKER_SET)
+        by_name = {e["name"]: e for e in env}
+        assert by_name["KVBANK_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+            "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"
+        )
+        assert "KVBANK_RANK" not in {
+            e["name"] for e in rank_env(_pool(), SETTINGS, Workload.STATEFUL_SET)
+        }
+
+    def test_stateful_set_prelude_computes_group_rank_and_leader(self) -> None:
+        import subprocess
+
+        command = pod_template(_pool(tensorParallel=4), SETTINGS, Workload.STATEFUL_SET, "h")[
+            "spec"
+        ]["containers"][0]["command"]
+        env = {
+            "POD_NAME": "llama-6",
+            "POD_NAMESPACE": "team-a",
+            "KVBANK_WORLD_SIZE": "4",
+            "KVBANK_WORKLOAD": "llama",
+            "KVBANK_HEADLESS": "llama-ranks",
+            "KVBANK_SIDECAR_PORT": "50051",
+            "PATH": "/usr/bin:/bin",
+        }
+        probe = [*command, "sh", "-c", "echo $KVBANK_GROUP $KVBANK_RANK $KVBANK_RANK0_SIDECAR"]
+        out = subprocess.run(probe, env=env, capture_output=True, text=True, check=True)
+        # ordinal 6 with TP 4: group 1, rank 2; group 1's rank 0 is ordinal 4
+        assert out.stdout.split() == ["1", "2", "llama-4.llama-ranks.team-a.svc:50051"]
+
+
+class TestStatefulSet:
+    def test_replicas_times_tp_pods_in_parallel(self) -> None:
+        sts = stateful_set(_pool(replicas=3, tensorParallel=2), OWNER, SETTINGS, "h")
+        assert sts["apiVersion"] == "apps/v1"
+        assert sts["spec"]["replicas"] == 6
+        assert sts["spec"]["serviceName"] == "llama-ranks"
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"
+        assert sts["spec"]["selector"] == {"matchLabels": SELECTOR}
+        template_labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert SELECTOR.items() <= template_labels.items()
+        assert _owner_ref(sts) == [OWNER.reference()]
+
+
+class TestLeaderWorkerSet:
+    def test_one_group_of_tp_pods_per_replica(self) -> None:
+        lws = leader_worker_set(_pool(replicas=3, tensorParallel=2), OWNER, SETTINGS, "h")
+        assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+        assert lws["spec"]["replicas"] == 3
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+        assert _owner_ref(lws) == [OWNER.reference()]
+
+
+class TestRenderPool:
+    def test_config_first_then_services_budget_and_workload(self) -> None:
+        pool, doc = _pool(), pool_doc()
+        rendered = render_pool(
+            pool, holdability(pool), OWNER, doc["spec"], SETTINGS, Workload.STATEFUL_SET
+        )
+        kinds = [(m["kind"], m["metadata"]["name"]) for m in rendered.manifests]
+        assert kinds == [
+            ("ConfigMap", "llama-engine"),
+            ("Service", "llama-ranks"),
+            ("Service", "llama"),
+            ("PodDisruptionBudget", "llama"),
+            ("StatefulSet", "llama"),
+        ]
+        template = rendered.manifests[-1]["spec"]["template"]
+        assert template["metadata"]["annotations"][ANNOTATION_CONFIG_HASH] == rendered.config_hash
+
+    def test_same_inputs_render_identical_manifests(self) -> None:
+        pool, doc = _pool(), pool_doc()
+        args = (pool, holdability(pool), OWNER, doc["spec"], SETTINGS, Workload.LEADER_WORKER_SET)
+        assert render_pool(*args) == render_pool(*args)
+
+
+class TestConditions:
+    def test_transition_time_moves_only_when_status_changes(self) -> None:
+        first = conditions(None, [Condition("Accepted", True, "Holdable", "ok")], 1, "t1")
+        assert first == [
+            {
+                "type": "Accepted",
+                "status": "True",
+                "reason": "Holdable",
+                "message": "ok",
+                "observedGeneration": 1,
+                "lastTransitionTime": "t1",
+            }
+        ]
+        same = conditions(first, [Condition("Accepted", True, "Holdable", "still")], 2, "t2")
+        assert same[0]["lastTransitionTime"] == "t1" and same[0]["observedGeneration"] == 2
+        flipped = conditions(same, [Condition("Accepted", False, "Unholdable", "no")], 3, "t3")
+        assert flipped[0]["lastTransitionTime"] == "t3" and flipped[0]["status"] == "False"
+
+    def test_other_conditions_are_kept_in_a_stable_order(self) -> None:
+        start = conditions(None, [Condition("Ready", False, "GroupsNotReady")], 1, "t1")
+        both = conditions(start, [Condition("Accepted", True, "Holdable")], 1, "t2")
+        assert [c["type"] for c in both] == ["Accepted", "Ready"]
