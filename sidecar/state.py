@@ -74,7 +74,7 @@ class AdmissionState:
         self.debug = debug
         self.default_lease_s = default_lease_s
         self._clock = clock
-        self.log = log or DecisionLog()
+        self.log = log if log is not None else DecisionLog()  # an empty log is falsy
         self.ledger: Ledger | None = Ledger(pool_pages, debug=debug) if pool_pages else None
         self.session: Session | None = None
         self.metrics = SidecarMetrics(lambda: self.ledger)

@@ -95,3 +95,18 @@ def spawn_sidecar(
         raise AssertionError(f"the sidecar did not start: {line!r} {err}")
     metrics = int(match.group(2)) if match.group(2) else None
     return proc, int(match.group(1)), metrics
+
+
+def stop_process(proc: subprocess.Popen[str], timeout: float = 10.0) -> int:
+    """SIGTERM, then SIGKILL if it does not exit in time; returns the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+    return proc.returncode
