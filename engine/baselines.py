@@ -67,7 +67,7 @@ class NoEvictPolicy(FifoPolicy):
     name = "no-evict"
 
     def fits(self, req: Request, chains: Chains) -> bool:
-        claims = sum(r.count.total - r.held for r in self.sched.running.values())
+        claims = sum(r.worst - r.held for r in self.sched.running.values())
         return claims + req.count.total <= self.sched.kv.supply
 
     def on_shortage(self, req: Request) -> Request | None:

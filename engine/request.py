@@ -85,6 +85,8 @@ class Request:
     admitted_at: int = -1  # admission order, for preemption's "most recently admitted"
     preemptions: int = 0
     page_size: int = 16
+    worst: int = 0  # count.total, kept as a plain number: the step reads it per row
+    room: int = 0  # positions the held pages cover; a decode row within it allocates nothing
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +112,9 @@ class Request:
         prompt_len = len(self.prompt)
         if stop <= prompt_len:
             return self.prompt[start:stop]
-        return (self.prompt + self.output)[start:stop]
+        if start >= prompt_len:  # decode: no copy of the prompt
+            return self.output[start - prompt_len : stop - prompt_len]
+        return self.prompt[start:] + self.output[: stop - prompt_len]
 
     def pages_at(self, positions: int) -> int:
         """Pages the request holds once `positions` positions are written (all labels)."""
@@ -136,7 +140,7 @@ def make_request(
     arrival: int = 0,
 ) -> Request:
     shape = RequestShape(len(prompt), max_tokens, dict(extra_tokens or {}), labels)
-    return Request(
+    req = Request(
         rid=rid,
         prompt=list(prompt),
         shape=shape,
@@ -146,3 +150,5 @@ def make_request(
         arrival=arrival,
         page_size=model.page_size,
     )
+    req.worst = req.count.total
+    return req

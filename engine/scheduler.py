@@ -117,7 +117,7 @@ class Scheduler:
         for req in list(self.running.values()):
             if req.rid not in self.running:
                 continue  # preempted by an earlier row's shortage this step
-            if req.num_tokens - req.num_computed == 1:
+            if len(req.prompt) + len(req.output) - req.num_computed == 1:
                 self._decode_row(req)
             else:
                 pending.append(req)
@@ -128,7 +128,7 @@ class Scheduler:
         return StepBatch(step, [self._row_input(row) for row in self.rows.values()])
 
     def _decode_row(self, req: Request) -> None:
-        positions = req.num_tokens + self.model.speculative_tokens
+        positions = len(req.prompt) + len(req.output) + self.model.speculative_tokens
         while True:
             try:
                 grown = self.kv.grow(req, positions)
@@ -157,12 +157,11 @@ class Scheduler:
 
     def _row_input(self, row: Row) -> RowInput:
         req = row.req
-        first = req.layout[0].name if req.layout else ""
         return RowInput(
             rid=req.rid,
             token_ids=req.tokens(row.start, row.start + row.count),
             start_pos=row.start,
-            page_ids=req.pages.get(first, ()),
+            page_ids=req.pages.get(req.layout[0].name, ()),
             sample=row.sample,
             sampling=req.sampling,
         )
@@ -200,7 +199,7 @@ class Scheduler:
         for rid, row in self.rows.items():
             req = row.req
             req.num_computed = row.start + row.count
-            if req.indexed * self.kv.page_size < min(req.num_computed, len(req.prompt)):
+            if req.index_open and req.indexed < len(req.prompt) // self.kv.page_size:
                 self.kv.index_prompt(req)
             if not row.sample:
                 continue
@@ -217,5 +216,5 @@ class Scheduler:
     def check_integrity(self, deep: bool = False) -> None:
         self.kv.check_integrity(deep)
         for req in self.running.values():
-            self.kv.check_request(req)
+            self.kv.check_request(req, deep)
         self.policy.check_integrity()

@@ -46,6 +46,7 @@ class VirtualRunner:
         self.seed = seed
         self._stop_after: dict[str, int] = {}  # rid -> output length at which to emit eos
         self._sampled: dict[str, int] = {}
+        self._bases: dict[str, int] = {}
 
     def stop_after(self, rid: str, output_tokens: int) -> None:
         """The model would end this request with its `output_tokens`-th token."""
@@ -71,9 +72,12 @@ class VirtualRunner:
         self._sampled[rid] = index
         if index >= self._stop_after.get(rid, 1 << 62):
             return EOS_TOKEN_ID
-        mixed = zlib.crc32(f"{self.seed}:{rid}:{index}".encode())
-        return 2 + mixed % (VOCAB - 2)
+        base = self._bases.get(rid)
+        if base is None:
+            base = self._bases[rid] = zlib.crc32(f"{self.seed}:{rid}".encode())
+        return 2 + (base + index * 2654435761) % (VOCAB - 2)  # a multiplicative hash step
 
     def release(self, rid: str) -> None:
         self._stop_after.pop(rid, None)
         self._sampled.pop(rid, None)
+        self._bases.pop(rid, None)

@@ -1,0 +1,52 @@
+"""The requests a scenario sends: deterministic for its seed, generated lazily in arrival order."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvbank.engine.scenario import RequestClass, Workload
+from kvbank.engine.virtual import VOCAB
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    rid: str
+    cls: RequestClass
+    prompt: list[int]
+    output_tokens: int  # where the model would stop
+    arrival_s: float | None  # open loop: when it arrives; closed loop: None (when a client frees)
+
+
+def _tokens(rng: random.Random, count: int) -> list[int]:
+    return [2 + rng.getrandbits(30) % (VOCAB - 2) for _ in range(count)]
+
+
+def generate(workload: Workload) -> Iterator[RequestSpec]:
+    rng = random.Random(workload.seed)
+    prefixes: dict[str, list[int]] = {}
+    classes = workload.classes
+    weights = [c.weight for c in classes]
+    clock = 0.0
+    for index in range(workload.requests):
+        cls = rng.choices(classes, weights)[0]
+        prompt_len = cls.prompt_tokens.sample(rng)
+        output = cls.output_tokens.sample(rng)
+        prompt: list[int] = []
+        if cls.shared_prefix is not None:
+            group = cls.shared_prefix
+            if group not in prefixes:
+                group_rng = random.Random(zlib.crc32(f"{workload.seed}:{group}".encode()))
+                prefixes[group] = _tokens(group_rng, cls.shared_prefix_tokens)
+            prefix = prefixes[group]
+            if len(prefix) < cls.shared_prefix_tokens:  # another class asks for a longer one
+                prefix.extend(_tokens(rng, cls.shared_prefix_tokens - len(prefix)))
+            prompt = prefix[: cls.shared_prefix_tokens]
+        prompt = prompt + _tokens(rng, prompt_len - len(prompt))
+        arrival = None
+        if workload.rate_per_s is not None:
+            clock += rng.expovariate(workload.rate_per_s)
+            arrival = clock
+        yield RequestSpec(f"{cls.name}-{index}", cls, prompt, output, arrival)
