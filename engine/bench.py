@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--debug", action="store_true", help="deep integrity checks after every step (slower)"
     )
+    parser.add_argument(
+        "--sidecar",
+        metavar="ADDR",
+        help="keep the banker policy's ledger in the sidecar at ADDR instead of in-process",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,7 +76,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    results = [run_policy(scenario, name, debug=args.debug, progress=True) for name in policies]
+    results = [
+        run_policy(scenario, name, args.debug, True, _backend(args.sidecar, name, scenario))
+        for name in policies
+    ]
     if args.json:
         print(json.dumps([r.metrics for r in results], indent=2))
     else:
@@ -79,6 +87,16 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(scenario, results, Path(args.plot))
     return 1 if any(r.metrics["invariant_breaches"] for r in results) else 0
+
+
+def _backend(sidecar: str | None, policy: str, scenario: Scenario) -> Any:
+    """The sidecar backend for the banker policy when --sidecar is given; it waits for each
+    answer, which is free on the virtual clock and makes the run identical to the embedded."""
+    if sidecar is None or policy != "banker":
+        return None
+    from kvbank.sidecar.backend import connect
+
+    return connect(sidecar, scenario.pages, blocking=True, engine_id=f"bench-{scenario.name}")
 
 
 def _cell(value: Any, fmt: str) -> str:

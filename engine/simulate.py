@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbank.engine.admission import AdmissionBackend
 from kvbank.engine.engine import Engine, EngineConfig, RequestRejected
 from kvbank.engine.request import FinishReason
 from kvbank.engine.scenario import Scenario
@@ -48,11 +49,16 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def run_policy(
-    scenario: Scenario, policy: str, debug: bool = False, progress: bool = False
+    scenario: Scenario,
+    policy: str,
+    debug: bool = False,
+    progress: bool = False,
+    backend: AdmissionBackend | None = None,
 ) -> RunResult:
+    """`backend` replaces the embedded ledger (kvbank.sidecar.backend for a sidecar)."""
     config = EngineConfig(scenario.model, scenario.pages, policy=policy, debug=debug)
     runner = VirtualRunner(scenario.cost, seed=scenario.workload.seed)
-    engine = Engine(config, runner)
+    engine = Engine(config, runner, backend)
     workload = scenario.workload
     specs = generate(workload)
     upcoming: deque[RequestSpec] = deque()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
-from engine_run import run, scenario
-from sidecar_harness import spawn_sidecar, stop_process
+from engine_run import SCENARIOS, run, scenario
+from sidecar_harness import ROOT, spawn_sidecar, stop_process
 
 from kvbank.engine.admission import embedded
 from kvbank.sidecar.backend import SidecarBackend
@@ -36,3 +40,28 @@ def test_a_scenario_admits_and_completes_the_same_way_embedded_and_over_grpc(
     assert remote.completions == local.completions
     assert remote.steps == local.steps
     assert (status.running, status.waiting, status.outstanding) == (0, 0, 0)
+
+
+@pytest.mark.timeout(120)
+def test_kvbank_bench_with_a_sidecar_prints_the_embedded_figures() -> None:
+    scenario_file = str(SCENARIOS / "shared-prefix.yaml")
+    bench = [sys.executable, "-m", "kvbank.cli", "bench", "--scenario", scenario_file]
+    bench += ["--policy", "banker", "--json"]
+    proc, port, _ = spawn_sidecar("--metrics-port", "-1")
+    try:
+        local = subprocess.run(bench, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        remote = subprocess.run(
+            [*bench, "--sidecar", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=100,
+            cwd=ROOT,
+        )
+        with SidecarClient(f"127.0.0.1:{port}") as client:
+            served = client.status_reply()
+    finally:
+        stop_process(proc)
+    assert local.returncode == 0 and remote.returncode == 0, remote.stderr
+    assert json.loads(remote.stdout) == json.loads(local.stdout)
+    assert json.loads(local.stdout)[0]["completed"] == 32
+    assert served.session != 0 and served.next_seq == 32  # the decisions were the sidecar's
