@@ -1,0 +1,179 @@
+"""Reconcile against the in-memory cluster: it renders, applies idempotently, re-judges what
+slipped past the webhook, keeps a pool's workload kind, and converges after a restart
+mid-way without creating anything twice."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import pytest
+from operator_fakes import FakeCluster
+from operator_specs import namespace_doc, policy_doc, pool_doc, stored
+
+from kvbank.operator.cluster import KubeUnavailable
+from kvbank.operator.reconcile import reconcile
+from kvbank.operator.render.names import ANNOTATION_CONFIG_HASH, RenderSettings
+
+SETTINGS = RenderSettings(image="registry.example/kvbank:1.2.3")
+OWNED = ["ConfigMap", "PodDisruptionBudget", "Service", "Service", "StatefulSet"]
+
+
+def _setup(*docs: dict[str, Any], apis: tuple[str, ...] = ()) -> FakeCluster:
+    cluster = FakeCluster(apis=apis)
+    cluster.put(namespace_doc("team-a"))
+    for doc in docs:
+        cluster.put(doc)
+    return cluster
+
+
+def _run(cluster: FakeCluster, name: str = "llama"):
+    doc = cluster.one("ModelPool", name)
+    return asyncio.run(reconcile(cluster, SETTINGS, doc, now="2026-01-01T00:00:00Z"))
+
+
+def _owned(cluster: FakeCluster) -> list[dict[str, Any]]:
+    return [
+        o
+        for o in cluster.objects.values()
+        if any(r.get("kind") == "ModelPool" for r in o["metadata"].get("ownerReferences", []))
+    ]
+
+
+def _condition(cluster: FakeCluster, kind: str, name: str = "llama") -> dict[str, Any]:
+    status = cluster.one("ModelPool", name).get("status") or {}
+    (found,) = [c for c in status.get("conditions", []) if c["type"] == kind]
+    return found
+
+
+class TestAccepted:
+    def test_renders_every_object_owned_by_the_pool(self) -> None:
+        cluster = _setup(stored(pool_doc()))
+        outcome = _run(cluster)
+        assert outcome.accepted
+        assert outcome.applied == (
+            "ConfigMap/llama-engine",
+            "Service/llama-ranks",
+            "Service/llama",
+            "PodDisruptionBudget/llama",
+            "StatefulSet/llama",
+        )
+        owned = _owned(cluster)
+        assert sorted(o["kind"] for o in owned) == OWNED
+        uid = cluster.one("ModelPool", "llama")["metadata"]["uid"]
+        assert all(o["metadata"]["ownerReferences"][0]["uid"] == uid for o in owned)
+
+    def test_status_carries_the_figures_and_accepted(self) -> None:
+        cluster = _setup(stored(pool_doc()))
+        _run(cluster)
+        status = cluster.one("ModelPool", "llama")["status"]
+        assert {k: status[k] for k in ("observedGeneration", "pages", "worstRequestPages")} == {
+            "observedGeneration": 1,
+            "pages": 20000,
+            "worstRequestPages": 513,
+        }
+        assert status["worstConcurrency"] == 38 and status["workload"] == "StatefulSet"
+        accepted = _condition(cluster, "Accepted")
+        assert accepted["status"] == "True" and accepted["reason"] == "Holdable"
+        assert accepted["message"] == (
+            "worst-case request 513 pages; the pool (20000 pages) holds 38 worst-case "
+            "requests at once"
+        )
+
+    def test_twice_changes_nothing(self) -> None:
+        cluster = _setup(stored(pool_doc()))
+        _run(cluster)
+        before = copy.deepcopy(cluster.objects)
+        _run(cluster)
+        assert cluster.objects == before
+
+    def test_a_spec_change_rolls_the_pods(self) -> None:
+        cluster = _setup(stored(pool_doc()))
+        _run(cluster)
+        first = cluster.one("StatefulSet", "llama")["spec"]["template"]["metadata"]["annotations"]
+        pool = cluster.one("ModelPool", "llama")
+        pool["spec"]["limits"] = {"maxSeqLen": 4096, "maxTokens": 1024}
+        pool["metadata"]["generation"] = 2
+        _run(cluster)
+        second = cluster.one("StatefulSet", "llama")["spec"]["template"]["metadata"]["annotations"]
+        assert first[ANNOTATION_CONFIG_HASH] != second[ANNOTATION_CONFIG_HASH]
+        assert cluster.one("ModelPool", "llama")["status"]["observedGeneration"] == 2
+        assert (
+            '"maxSeqLen": 4096' in cluster.one("ConfigMap", "llama-engine")["data"]["engine.json"]
+        )
+
+    def test_leader_worker_set_where_its_api_is_served(self) -> None:
+        cluster = _setup(stored(pool_doc(tensorParallel=2)), apis=("leaderworkerset.x-k8s.io/v1",))
+        _run(cluster)
+        lws = cluster.one("LeaderWorkerSet", "llama")
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        assert cluster.kinds("StatefulSet") == []
+        assert cluster.one("ModelPool", "llama")["status"]["workload"] == "LeaderWorkerSet"
+
+    def test_a_pool_keeps_its_workload_kind_when_leader_worker_set_appears(self) -> None:
+        cluster = _setup(stored(pool_doc()))
+        _run(cluster)
+        cluster.apis.add("leaderworkerset.x-k8s.io/v1")
+        _run(cluster)
+        assert cluster.kinds("LeaderWorkerSet") == []
+        assert len(cluster.kinds("StatefulSet")) == 1
+
+
+class TestRefused:
+    def test_an_unholdable_spec_that_slipped_past_renders_nothing(self) -> None:
+        cluster = _setup(stored(pool_doc(kv={"pageSize": 16, "pages": 400})))
+        outcome = _run(cluster)
+        assert not outcome.accepted
+        assert _owned(cluster) == []
+        accepted = _condition(cluster, "Accepted")
+        assert accepted["status"] == "False" and accepted["reason"] == "Unholdable"
+        assert "kv.pages=400 cannot hold one worst-case request" in accepted["message"]
+
+    def test_a_later_bad_spec_leaves_the_running_objects_alone(self) -> None:
+        cluster = _setup(stored(pool_doc()))
+        _run(cluster)
+        before = {k: v for k, v in cluster.objects.items() if k[1] != "ModelPool"}
+        cluster.one("ModelPool", "llama")["spec"]["kv"]["pages"] = 400
+        assert not _run(cluster).accepted
+        assert {k: v for k, v in cluster.objects.items() if k[1] != "ModelPool"} == before
+
+    def test_two_pools_racing_a_quota_end_with_the_later_refused(self) -> None:
+        cluster = _setup(
+            policy_doc("quota", {"gpusPerNamespace": 4}, {}),
+            stored(pool_doc("first", replicas=3), uid="u1", created="2026-01-01T00:00:01Z"),
+            stored(pool_doc("second", replicas=3), uid="u2", created="2026-01-01T00:00:02Z"),
+        )
+        assert not _run(cluster, "second").accepted  # the later one reconciles first
+        assert _run(cluster, "first").accepted
+        assert not _run(cluster, "second").accepted
+        refused = _condition(cluster, "Accepted", "second")
+        assert refused["reason"] == "OverPolicy"
+        assert "would use 6 GPUs (first 3, second 3" in refused["message"]
+        assert [s["metadata"]["name"] for s in cluster.kinds("StatefulSet")] == ["first"]
+
+    def test_a_name_too_long_for_its_children(self) -> None:
+        name = "n" * 41
+        cluster = _setup(stored(pool_doc(name)))
+        outcome = _run(cluster, name)
+        assert not outcome.accepted
+        assert "metadata.name has 41 characters; at most 40" in outcome.message
+
+
+class TestRestart:
+    @pytest.mark.parametrize("dies_after", [3, 5, 7, 9])
+    def test_killed_mid_reconcile_converges_with_nothing_twice(self, dies_after: int) -> None:
+        reference = _setup(stored(pool_doc()))
+        _run(reference)
+        cluster = _setup(stored(pool_doc()))
+        cluster.fail_after = dies_after
+        with pytest.raises(KubeUnavailable):
+            _run(cluster)
+        cluster.fail_after = None
+        _run(cluster)  # the restarted operator resumes the pool
+        assert sorted(o["kind"] for o in _owned(cluster)) == OWNED
+        strip = lambda objs: {  # noqa: E731
+            k: {**v, "metadata": {**v["metadata"], "resourceVersion": None}}
+            for k, v in objs.items()
+        }
+        assert strip(cluster.objects) == strip(reference.objects)
