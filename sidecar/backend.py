@@ -142,6 +142,22 @@ class SidecarBackend:
             self._applied_seq = max(self._applied_seq, max(d.seq for d in ready))
         return ready
 
+    def flush(self) -> None:
+        """Wait for the report in flight, then send what is pending and wait for that too. For
+        an engine going idle or shutting down: a non-blocking backend sends only from `poll`,
+        and an engine with no work stops polling. An idle engine that never flushes loses its
+        session after the lease; its next report re-opens one, restoring what runs."""
+        if self._inflight is not None:
+            future, self._inflight = self._inflight, None
+            try:
+                self._absorb(future.result())
+            except SessionLost:
+                self._open()
+            except SidecarError as exc:
+                raise _as_ledger_error(exc) from exc
+        if self._events:
+            self._absorb(self._send(self._build(0, admit=False)))
+
     def check_integrity(self, free: int, evictable: int) -> None:
         """Blocking mode flushes and compares the sidecar's figures with the pool's; both modes
         check the registry's outstanding against the supply."""
