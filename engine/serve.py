@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -59,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ADDR",
         help="admit through the gRPC sidecar at ADDR instead of in-process",
     )
+    parser.add_argument(
+        "--sidecar-token-file", help="file holding the token the sidecar expects (--sidecar)"
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument(
         "--attention",
@@ -105,6 +109,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         max_waiting=args.max_waiting,
         threads=args.threads or None,
         sidecar=args.sidecar,
+        sidecar_token_file=args.sidecar_token_file,
         debug=args.debug,
         seed=args.seed,
     )
@@ -115,6 +120,7 @@ def build_server(
     host: str,
     port: int,
     step_fn: Callable[[], list[RequestOutput]] | None = None,
+    idle_fn: Callable[[], None] | None = None,
 ) -> tuple[uvicorn.Server, EngineLoop]:
     """The HTTP server and the engine loop over `stack`; neither is started."""
     import uvicorn
@@ -124,7 +130,9 @@ def build_server(
     from kvbank.engine.http.metrics import ServeMetrics
 
     metrics = ServeMetrics(stack.options.pages)
-    loop = EngineLoop(stack.engine, stack.options.max_waiting, metrics.observe_step, step_fn)
+    loop = EngineLoop(
+        stack.engine, stack.options.max_waiting, metrics.observe_step, step_fn, idle_fn
+    )
     served = Served(
         stack.name,
         stack.tokenizer,
@@ -142,9 +150,10 @@ def serve_stack(
     host: str,
     port: int,
     step_fn: Callable[[], list[RequestOutput]] | None = None,
+    idle_fn: Callable[[], None] | None = None,
 ) -> int:
     """Run the HTTP server over `stack` until interrupted; 1 when the engine loop failed."""
-    server, loop = build_server(stack, host, port, step_fn)
+    server, loop = build_server(stack, host, port, step_fn, idle_fn)
     loop.start()
     log.info(
         "serving %s on http://%s:%d (%s attention, %d pages of %d tokens, policy %s)",
@@ -172,7 +181,15 @@ def _run_until_loop_fails(server: uvicorn.Server, loop: EngineLoop) -> bool:
             time.sleep(0.1)
 
     threading.Thread(target=watcher, name="loop-watcher", daemon=True).start()
-    server.run()
+    # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, to whatever handler was
+    # there before: with a no-op one the process returns normally (exit 0, and under TP rank 0
+    # still tells its followers to stop).
+    quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in quiet.items():
+            signal.signal(sig, handler)
     return stopped_by_loop.is_set()
 
 

@@ -62,12 +62,14 @@ class EngineLoop:
         max_waiting: int,
         on_step: StepHook | None = None,
         step_fn: Callable[[], list[RequestOutput]] | None = None,
+        idle_fn: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_step = on_step
         # Tensor parallelism replaces the plain step with one that agrees with the followers.
         self._step = step_fn or engine.step
+        self._idle = idle_fn  # called on every idle turn (a TP heartbeat)
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -162,6 +164,8 @@ class EngineLoop:
     def _idle_step(self) -> None:
         if self._wake.wait(self.IDLE_WAIT_S):
             self._wake.clear()
+        if self._idle:
+            self._idle()
         if self.on_step:
             self.on_step(self.engine, [])
 

@@ -45,6 +45,7 @@ class ServeOptions:
     max_waiting: int = 256  # beyond this the HTTP API answers 429
     threads: int | None = 1  # torch intra-op threads on CPU; None: torch's default
     sidecar: str | None = None
+    sidecar_token_file: str | None = None
     debug: bool = False
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -75,18 +76,19 @@ def resolve_model_dir(options: ServeOptions) -> tuple[str, Path]:
     return path.resolve().name, path
 
 
-def sidecar_backend(address: str, total_pages: int) -> AdmissionBackend:
-    """The admission backend that forwards to a sidecar, from `kvbank.sidecar.backend`."""
+def sidecar_backend(address: str, total_pages: int, token: str | None = None) -> AdmissionBackend:
+    """The non-blocking gRPC backend of `kvbank.sidecar.backend`: the step loop never waits on
+    the sidecar; its decisions are applied at a later step."""
     try:
         module = importlib.import_module("kvbank.sidecar.backend")
-        factory = module.sidecar_backend
+        connect = module.connect
     except (ImportError, AttributeError) as exc:
         raise ValueError(
-            f"--sidecar {address}: this installation has no kvbank.sidecar.backend."
-            f"sidecar_backend(address, total_pages) to connect with ({exc}); run without "
-            f"--sidecar to admit with the embedded ledger"
+            f"--sidecar {address}: this installation has no kvbank.sidecar.backend.connect to "
+            f"reach a sidecar with ({exc}); run without --sidecar to admit with the embedded "
+            f"ledger"
         ) from exc
-    backend: AdmissionBackend = factory(address, total_pages)
+    backend: AdmissionBackend = connect(address, total_pages, blocking=False, token=token)
     return backend
 
 
@@ -130,7 +132,10 @@ def build_stack(
     attention = options.attention or default_attention(device)
     runner = TorchRunner(model, options.pages, options.page_size, eos, attention, options.seed)
     if backend is None and options.sidecar and options.policy == "banker":
-        backend = sidecar_backend(options.sidecar, options.pages)
+        token = None
+        if options.sidecar_token_file:
+            token = Path(options.sidecar_token_file).read_text().strip() or None
+        backend = sidecar_backend(options.sidecar, options.pages, token)
     engine_config = EngineConfig(
         capacity,
         options.pages,

@@ -1,0 +1,283 @@
+"""`kvbank serve --tp N`: N ranks under torch.distributed, rank 0 serving HTTP and deciding.
+
+The launcher starts one process per rank (`python -m kvbank.engine.tp`), each with its own
+shard of the weights and its own KV pool of the same page count. Rank 0 runs the HTTP API and
+admits through its ledger (embedded or its sidecar); followers replay rank 0's plan step by step
+(see kvbank.engine.tp_sync). The process group has a timeout, so a lost peer or a divergence ends
+every rank with a non-zero exit within seconds; the launcher then stops what is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger("kvbank.tp")
+
+DEFAULT_TIMEOUT_S = 10.0
+GRACE_S = 15.0  # how long the launcher waits for ranks to exit on their own after a failure
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_command(
+    rank: int, world: int, master: str, options: Any, host: str, port: int, timeout_s: float
+) -> list[str]:
+    return [
+        sys.executable, "-m", "kvbank.engine.tp",
+        "--rank", str(rank), "--world", str(world), "--master", master,
+        "--host", host, "--port", str(port), "--timeout", str(timeout_s),
+        "--options", json.dumps(dataclasses.asdict(options)),
+    ]  # fmt: skip
+
+
+def run_tp(
+    options: Any, world: int, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> int:
+    """Start every rank and wait. Non-zero when any rank fails; the others are stopped."""
+    if options.model is None:  # build the built-in model once, before the ranks race for it
+        from kvbank.engine.model.builtin import builtin_model_dir
+
+        builtin_model_dir()
+    master = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(rank_command(r, world, master, options, host, port, timeout_s))
+        for r in range(world)
+    ]
+    pids = ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(procs))
+    log.info("tensor-parallel ranks started: %s", pids)
+
+    def stop(signum: int, _frame: object) -> None:
+        # Rank 0 shuts down cleanly and tells the followers; wait_for_ranks kills stragglers.
+        if procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    return wait_for_ranks(procs)
+
+
+def wait_for_ranks(procs: list[subprocess.Popen[bytes]]) -> int:
+    while all(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+    deadline = time.monotonic() + GRACE_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for r, proc in enumerate(procs):
+        if proc.poll() is None:
+            log.error("rank %d did not exit after its peer stopped; killing it", r)
+            proc.kill()
+            proc.wait()
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        log.error("tensor-parallel group failed: %s",
+                  ", ".join(f"rank {r} exit {code}" for r, code in failed))  # fmt: skip
+        return 1
+    return 0
+
+
+# ---- one rank ---------------------------------------------------------------------------------
+
+
+def rank_main(rank: int, world: int, master: str, options: Any, host: str, port: int,
+              timeout_s: float) -> int:  # fmt: skip
+    import torch.distributed as dist
+
+    from kvbank.engine.model.llama import Parallel
+    from kvbank.engine.tp_sync import Channel
+
+    addr, master_port = master.rsplit(":", 1)
+    device = options.device or ("cuda" if _cuda() else "cpu")
+    backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://{addr}:{master_port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    channel = Channel(rank, world)
+    parallel = Parallel(rank, world)
+    if rank == 0:
+        return _leader(options, parallel, channel, host, port)
+    return _follower(options, parallel, channel)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _leader(options: Any, parallel: Any, channel: Any, host: str, port: int) -> int:
+    from kvbank.engine.admission import embedded
+    from kvbank.engine.model.stack import build_stack, sidecar_backend
+    from kvbank.engine.serve import serve_stack
+    from kvbank.engine.tp_sync import LeaderRunner, Plan, RecordingBackend
+
+    recording = None
+    if options.policy == "banker":
+        inner = (sidecar_backend(options.sidecar, options.pages) if options.sidecar
+                 else embedded(options.pages, debug=options.debug))  # fmt: skip
+        recording = RecordingBackend(inner)
+    stack = build_stack(options, parallel, recording)
+    engine = stack.engine
+    journal: list[Any] = []
+    seq = [0]
+
+    def make_plan(kind: str, message: str = "") -> Plan:
+        plan = Plan(seq[0], kind, list(journal), recording.take_polls() if recording else [],
+                    message)  # fmt: skip
+        seq[0] += 1
+        journal.clear()
+        return plan
+
+    _journal_requests(engine, journal)
+    runner = LeaderRunner(stack.runner, channel, make_plan)
+    engine.runner = runner
+
+    def step() -> list[Any]:
+        runner.synced = False
+        try:
+            outputs = engine.step()
+        except Exception as exc:
+            if not runner.synced:  # tell the followers before stopping, so none waits
+                channel.broadcast(make_plan("error", f"rank 0 failed: {exc}"))
+            raise
+        if not runner.synced:
+            plan = make_plan("step")
+            channel.broadcast(plan)
+            from kvbank.engine.tp_sync import NO_ROWS
+
+            channel.agree(NO_ROWS, plan.seq)
+        return list(outputs)
+
+    def heartbeat() -> None:
+        from kvbank.engine.tp_sync import IDLE
+
+        plan = make_plan("idle")
+        channel.broadcast(plan)
+        channel.agree(IDLE, plan.seq)
+
+    code = serve_stack(stack, host, port, step, heartbeat)
+    if code == 0:  # a clean shutdown: let the followers go too
+        with contextlib.suppress(RuntimeError):
+            channel.broadcast(make_plan("stop"))
+    return code
+
+
+def _journal_requests(engine: Any, journal: list[Any]) -> None:
+    """Record rank 0's adds and aborts, in order, for the next plan. The engine loop calls
+    these between steps; wrapping the bound methods keeps the engine core unaware of TP."""
+    from kvbank.engine.tp_sync import Added
+
+    add, abort = engine.add_request, engine.abort
+
+    def add_request(rid: str, prompt: list[int], max_tokens: int | None = None, **kw: Any) -> Any:
+        req = add(rid, prompt, max_tokens, **kw)
+        journal.append(Added(rid, list(prompt), max_tokens, kw.get("sampling")))
+        return req
+
+    def abort_request(rid: str) -> bool:
+        done = bool(abort(rid))
+        if done:
+            journal.append(rid)
+        return done
+
+    engine.add_request = add_request
+    engine.abort = abort_request
+
+
+def _follower(options: Any, parallel: Any, channel: Any) -> int:
+    from kvbank.engine.model.stack import build_stack
+    from kvbank.engine.tp_sync import IDLE, NO_ROWS, Added, FollowerBackend, FollowerRunner
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: rank 0 says when to stop
+    backend = FollowerBackend(options.pages, options.debug) if options.policy == "banker" else None
+    follower_options = dataclasses.replace(options, sidecar=None)
+    stack = build_stack(follower_options, parallel, backend)
+    engine = stack.engine
+    runner = FollowerRunner(stack.runner, channel)
+    engine.runner = runner
+    expected = 0
+    while True:
+        plan = channel.broadcast(None)
+        if plan.seq != expected:
+            raise RuntimeError(f"plan {plan.seq} arrived, {expected} was expected")
+        expected += 1
+        if plan.kind == "stop":
+            return 0
+        if plan.kind == "error":
+            log.error("rank %d stops: %s", parallel.rank, plan.message)
+            return 1
+        error = None
+        try:
+            for entry in plan.journal:
+                if isinstance(entry, Added):
+                    engine.add_request(entry.rid, entry.prompt, entry.max_tokens,
+                                       sampling=entry.sampling)  # fmt: skip
+                else:
+                    engine.abort(entry)
+            if backend is not None:
+                backend.expect(plan.polls)
+            runner.synced = False
+            runner.seq = plan.seq
+            if plan.kind == "step":
+                engine.step()
+        except Exception as exc:
+            if runner.synced:
+                raise
+            error = f"error on rank {parallel.rank}: {exc}"
+        if not runner.synced:
+            channel.agree(error or (IDLE if plan.kind == "idle" else NO_ROWS), plan.seq)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one tensor-parallel rank of kvbank serve")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--master", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument("--options", required=True, help="ServeOptions as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank {args.rank} %(name)s %(message)s")  # fmt: skip
+    from kvbank.engine.model.stack import ServeOptions
+
+    options = ServeOptions(**json.loads(args.options))
+    try:
+        code = rank_main(args.rank, args.world, args.master, options, args.host, args.port,
+                         args.timeout)  # fmt: skip
+    except Exception as exc:
+        log.error("rank %d stops: %s", args.rank, exc)
+        code = 1
+    _exit(code)
+    return code
+
+
+def _exit(code: int) -> None:
+    # os._exit: a process group whose peer is gone can hang in its destructor; the rank's
+    # outcome is decided, so nothing is left to flush but the logs.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""How tensor-parallel ranks stay in step: rank 0 decides, followers replay, all ranks agree.
+
+Every engine step is one exchange over the process group, in the same order on every rank:
+
+1. rank 0 broadcasts a `Plan` (sequence-numbered): the requests it added and aborted since the
+   last step, in order, and the admission decisions its backend returned at each `poll` of this
+   step. A follower applies the same adds and aborts, then steps its own engine with a
+   `FollowerBackend` that hands its banker policy exactly those decisions, poll by poll, after
+   checking them against its own ledger (same head, same sequence order, admissible).
+2. every rank all-gathers a digest of the batch it scheduled (or of the error it hit). Any
+   difference raises `TPDiverged` on every rank at once, with each rank's digest in the message:
+   no rank asserts alone and none is left waiting in a collective.
+3. the forward pass runs (its all-reduces are the model's), and rank 0 broadcasts the sampled
+   tokens, so followers append exactly rank 0's tokens.
+
+An idle rank 0 sends a heartbeat plan every loop turn, so a dead peer is noticed within the
+process group's timeout even with no traffic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from kvbank.engine.admission import AdmissionBackend, EmbeddedBackend
+from kvbank.engine.runner import SamplingParams, StepBatch, StepResult
+from kvbank.ledger import Admitted, Decision, Hit, Ledger
+
+IDLE = "idle"
+NO_ROWS = "no rows"
+
+
+class TPDiverged(RuntimeError):
+    """The ranks disagree (a batch, a decision, an error on one of them): every rank stops."""
+
+
+@dataclass(frozen=True)
+class Added:
+    rid: str
+    prompt: list[int]
+    max_tokens: int | None
+    sampling: SamplingParams | None
+
+
+@dataclass
+class Plan:
+    seq: int
+    kind: str = "step"  # "step", "idle" (heartbeat), "stop" (rank 0 shuts down), "error"
+    journal: list[Added | str] = field(default_factory=list)  # adds, and aborted request ids
+    polls: list[list[Decision]] = field(default_factory=list)
+    message: str = ""
+
+
+def batch_digest(batch: StepBatch) -> str:
+    h = hashlib.sha1()
+    for row in batch.rows:
+        h.update(repr((row.rid, list(row.token_ids), row.start_pos, list(row.page_ids),
+                       row.sample)).encode())  # fmt: skip
+    return f"{len(batch.rows)} rows, {batch.num_tokens} tokens, {h.hexdigest()[:12]}"
+
+
+class Channel:
+    """The control messages of one TP group over the default process group (gloo on CPU)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank = rank
+        self.world = world
+        self.exchanges = 0
+
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def agree(self, digest: str, seq: int) -> None:
+        """All-gather each rank's digest; raise TPDiverged on every rank if any differ."""
+        self.exchanges += 1
+        digests: list[Any] = [None] * self.world
+        dist.all_gather_object(digests, digest)
+        if len(set(digests)) > 1:
+            lines = "; ".join(f"rank {r}: {d}" for r, d in enumerate(digests))
+            raise TPDiverged(
+                f"tensor-parallel ranks diverged at plan {seq}: {lines}. Every rank stops; "
+                f"restart the group (a follower must run exactly rank 0's batch)"
+            )
+
+
+class RecordingBackend:
+    """Rank 0's backend: the real one (embedded ledger or sidecar), with each poll's answer
+    recorded for the step's plan."""
+
+    def __init__(self, inner: AdmissionBackend) -> None:
+        self.inner = inner
+        self.polls: list[list[Decision]] = []
+
+    def take_polls(self) -> list[list[Decision]]:
+        polls, self.polls = self.polls, []
+        return polls
+
+    def poll(self, room: int) -> list[Decision]:
+        decisions = self.inner.poll(room)
+        self.polls.append(list(decisions))
+        return decisions
+
+    def submit(self, rid: str, pages: int, refusal: str | None = None) -> None:
+        self.inner.submit(rid, pages, refusal)
+
+    def cancel(self, rid: str) -> None:
+        self.inner.cancel(rid)
+
+    def report_hits(self, hits: Mapping[str, Hit]) -> None:
+        self.inner.report_hits(hits)
+
+    def take(self, rid: str, pages: int) -> None:
+        self.inner.take(rid, pages)
+
+    def release(self, rid: str) -> None:
+        self.inner.release(rid)
+
+    def set_supply(self, free: int, evictable: int) -> None:
+        self.inner.set_supply(free, evictable)
+
+    def outstanding(self) -> int:
+        return self.inner.outstanding()
+
+    def check_integrity(self, free: int, evictable: int) -> None:
+        self.inner.check_integrity(free, evictable)
+
+
+class FollowerBackend(EmbeddedBackend):
+    """A follower's backend: its own ledger sees the same events as rank 0's, but it decides
+    nothing; `poll` replays rank 0's decisions, checking each one can be applied here."""
+
+    def __init__(self, total_pages: int, debug: bool = False) -> None:
+        super().__init__(Ledger(total_pages, debug=debug))
+        self._planned: list[list[Decision]] = []
+        self._last_seq = -1
+
+    def expect(self, polls: list[list[Decision]]) -> None:
+        left = [d for batch in self._planned for d in batch]
+        if left:
+            raise TPDiverged(f"decisions of rank 0 were never applied here: {left}")
+        self._planned = list(polls)
+
+    def poll(self, room: int) -> list[Decision]:
+        if not self._planned:
+            return []
+        decisions = self._planned.pop(0)
+        refused = {r.rid for r in self._refused}
+        self._refused.clear()
+        ledger = self.ledger
+        for decision in sorted(decisions, key=lambda d: d.seq):
+            if decision.seq <= self._last_seq:
+                raise TPDiverged(
+                    f"rank 0's decision {decision.seq} for {decision.rid!r} comes after "
+                    f"{self._last_seq}: decisions must arrive in sequence order"
+                )
+            self._last_seq = decision.seq
+            if not isinstance(decision, Admitted):
+                if decision.rid not in refused and ledger.is_waiting(decision.rid):
+                    ledger.cancel(decision.rid)
+                continue
+            head = ledger.head
+            if head != decision.rid or not ledger.can_admit_head(decision.hit):
+                snap = ledger.snapshot()
+                raise TPDiverged(
+                    f"this follower cannot apply rank 0's admission {decision.seq} of "
+                    f"{decision.rid!r} ({decision.reserved} pages, hit {decision.hit.pages}): "
+                    f"its head is {head!r}, outstanding {snap.outstanding}, supply "
+                    f"{snap.supply}"
+                )
+            ledger.admit_head(decision.hit)
+        return decisions
+
+
+class LeaderRunner:
+    """Rank 0's runner: before the forward pass it sends the step's plan and agrees on the
+    batch; after it, it sends the sampled tokens."""
+
+    def __init__(self, inner: Any, channel: Channel, make_plan: Callable[[str], Plan]) -> None:
+        self.inner = inner
+        self.channel = channel
+        self.make_plan = make_plan
+        self.eos_token_id: int = inner.eos_token_id
+        self.synced = False
+
+    def run(self, batch: StepBatch) -> StepResult:
+        plan = self.make_plan("step")
+        self.channel.broadcast(plan)
+        self.synced = True
+        self.channel.agree(batch_digest(batch), plan.seq)
+        result: StepResult = self.inner.run(batch)
+        self.channel.broadcast(result.tokens)
+        return result
+
+    def release(self, rid: str) -> None:
+        self.inner.release(rid)
+
+
+class FollowerRunner:
+    """A follower's runner: agree on the batch, run the forward pass (the all-reduces), and
+    return rank 0's tokens."""
+
+    def __init__(self, inner: Any, channel: Channel) -> None:
+        self.inner = inner
+        self.channel = channel
+        self.eos_token_id: int = inner.eos_token_id
+        self.synced = False
+        self.seq = -1
+
+    def run(self, batch: StepBatch) -> StepResult:
+        self.synced = True
+        self.channel.agree(batch_digest(batch), self.seq)
+        self.inner.forward(batch)
+        tokens: dict[str, int] = self.channel.broadcast(None)
+        return StepResult(tokens)
+
+    def release(self, rid: str) -> None:
+        self.inner.release(rid)
