@@ -1,0 +1,62 @@
+{{/* Names every template shares. The defaults for release "kvbank" are the operator's own
+defaults (kvbank-webhook, kvbank-webhook-tls, kvbank-operator), but the chart always passes
+them explicitly. */}}
+{{- define "kvbank.fullname" -}}
+{{- if contains "kvbank" .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-kvbank" .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvbank.operatorName" -}}{{ include "kvbank.fullname" . }}-operator{{- end -}}
+{{- define "kvbank.webhookService" -}}{{ include "kvbank.fullname" . }}-webhook{{- end -}}
+{{- define "kvbank.webhookSecret" -}}{{ include "kvbank.fullname" . }}-webhook-tls{{- end -}}
+{{/* Cluster-scoped like the ClusterRole: one release per cluster, since one operator judges
+every namespace's pools against cluster-wide CapacityPolicies. */}}
+{{- define "kvbank.webhookConfiguration" -}}{{ include "kvbank.operatorName" . }}{{- end -}}
+
+{{- define "kvbank.labels" -}}
+app.kubernetes.io/name: kvbank
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kvbank.operatorSelector" -}}
+app.kubernetes.io/name: kvbank
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "kvbank.operatorImage" -}}
+{{ .Values.operator.image.repository }}:{{ .Values.operator.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "kvbank.engineImage" -}}
+{{ .Values.engine.image.repository }}:{{ .Values.engine.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The labels the operator puts on every rank pod (kvbank.operator.render.names). */}}
+{{- define "kvbank.rankSelector" -}}
+app.kubernetes.io/name: kvbank
+app.kubernetes.io/component: rank
+app.kubernetes.io/managed-by: kvbank-operator
+{{- end -}}
+
+{{- define "kvbank.validate" -}}
+{{- $modes := list "self-signed" "cert-manager" -}}
+{{- if not (has .Values.certificates.mode $modes) -}}
+{{- fail (printf "certificates.mode is %q; use self-signed or cert-manager" .Values.certificates.mode) -}}
+{{- end -}}
+{{- if not (has .Values.webhook.failurePolicy (list "Fail" "Ignore")) -}}
+{{- fail (printf "webhook.failurePolicy is %q; use Fail or Ignore" .Values.webhook.failurePolicy) -}}
+{{- end -}}
+{{- if and .Values.webhook.url (not (hasPrefix "https://" .Values.webhook.url)) -}}
+{{- fail (printf "webhook.url is %q; the apiserver calls webhooks over https://" .Values.webhook.url) -}}
+{{- end -}}
+{{- if and .Values.webhook.url (eq .Values.certificates.mode "cert-manager") -}}
+{{- fail "webhook.url (local development) needs certificates.mode self-signed: cert-manager's certificate names only the Service" -}}
+{{- end -}}
+{{- end -}}
