@@ -127,6 +127,11 @@ class RecordingBackend:
     def outstanding(self) -> int:
         return self.inner.outstanding()
 
+    def flush(self) -> None:
+        flush = getattr(self.inner, "flush", None)
+        if flush is not None:
+            flush()
+
     def check_integrity(self, free: int, evictable: int) -> None:
         self.inner.check_integrity(free, evictable)
 

@@ -78,6 +78,7 @@ class EngineLoop:
         self._streams: dict[str, Submission] = {}
         self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
+        self._busy = False
 
     # ---- called from HTTP handlers (any thread) -------------------------------------------------
 
@@ -148,6 +149,7 @@ class EngineLoop:
                 if not self.engine.has_work():
                     self._idle_step()
                     continue
+                self._busy = True
                 outputs = self._step()
                 self._deliver(outputs)
                 if self.on_step:
@@ -162,6 +164,13 @@ class EngineLoop:
             self._fail_all()
 
     def _idle_step(self) -> None:
+        if self._busy:
+            # A sidecar backend sends only while polled: push the last events out when the
+            # engine goes idle, so the sidecar's ledger does not wait for the next request.
+            self._busy = False
+            flush = getattr(self.engine.backend, "flush", None)
+            if flush is not None:
+                flush()
         if self._wake.wait(self.IDLE_WAIT_S):
             self._wake.clear()
         if self._idle:
