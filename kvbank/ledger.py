@@ -319,7 +319,7 @@ class Ledger:
         if timeline.fallback or len(self._waiting) < 2:
             return []
         head_shape = self._shape(self._waiting[head])
-        start = timeline.promise(head_shape, self.supply)
+        start = timeline.promise(head, head_shape, self.supply)
         if start is None:
             return []
         self.promised = (head, start)
@@ -398,7 +398,12 @@ class Ledger:
     def end_step(self) -> list[str]:
         """Close a step; returns the running requests that did not advance in it (then the
         ledger admits conservatively until a step in which all of them advance)."""
-        return [] if self._timeline is None else self._timeline.end_step()
+        if self._timeline is None:
+            return []
+        stalled = self._timeline.end_step()
+        if self.debug:
+            self.check_integrity()
+        return stalled
 
     @property
     def stalled_steps(self) -> int:
@@ -434,7 +439,12 @@ class Ledger:
     # ---- integrity -----------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Raise InvariantBreach, with the numbers, unless the state is safe."""
+        """Raise InvariantBreach, with the numbers, unless the state is safe. With a peak
+        policy, call it between steps (after every running request's advance): mid-step, some
+        requests' timelines still start a step behind."""
+        self._check(peak=True)
+
+    def _check(self, peak: bool) -> None:
         total = 0
         for res in self._running.values():
             if res.held > res.reserved:
@@ -448,12 +458,14 @@ class Ledger:
             )
         timeline = self._timeline
         if timeline is not None and self.policy is not None and self.policy.peak:
+            if not peak:
+                return
             # Pages released but not yet reported back by the pool still count as supply.
             supply = self.supply + timeline.pending_return
-            peak, step = timeline.peak()
-            if peak > supply:
+            highest, step = timeline.peak()
+            if highest > supply:
                 raise InvariantBreach(
-                    f"the running requests may need {peak} more pages at step {step} from now "
+                    f"the running requests may need {highest} more pages at step {step} from now "
                     f"but supply is {supply} (free {self.free} + evictable {self.evictable} + "
                     f"{timeline.pending_return} released, not yet reported)"
                 )
@@ -480,7 +492,7 @@ class Ledger:
 
     def _after_change(self) -> None:
         if self.debug:
-            self.check_integrity()
+            self._check(peak=False)
 
     def _check_new(self, rid: str) -> None:
         if not isinstance(rid, str) or not rid:

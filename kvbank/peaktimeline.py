@@ -64,6 +64,8 @@ class Timeline:
         self.stalled_steps = 0  # steps in which a running request did not advance
         self.fallback = False  # admit conservatively until every request advances again
         self.pending_return = 0  # exclusive pages released but not yet in a supply report
+        self.clock = 0  # steps closed so far
+        self._promise: tuple[str, int] | None = None  # (head, the step it is promised by)
         self._profile: Profile | None = None
 
     @property
@@ -198,6 +200,7 @@ class Timeline:
         stalled = [rid for rid, t in self.tracks.items() if not t.moved and t.budget != NEVER]
         for track in self.tracks.values():
             track.moved = False
+        self.clock += 1
         if stalled:
             self.stalled_steps += 1
             if not self.fallback:
@@ -220,13 +223,20 @@ class Timeline:
         """Whether the newcomer, started now with `hit`, keeps the peak within supply."""
         return self._highest(shape, 0, hit, None) <= supply - hit.idle
 
-    def promise(self, head: PeakShape, supply: int) -> int | None:
-        """The earliest step from which the head surely fits, counting no cached hit for it (a
-        hit only helps), or None if none is in sight. Tried at each finish, in order."""
+    def promise(self, rid: str, head: PeakShape, supply: int) -> int | None:
+        """Steps from now until the head surely fits, counting no cached hit for it (a hit only
+        helps), or None if none is in sight. Tried now, at the step the head was promised
+        before (which still holds: the timeline only improves as requests advance) and at each
+        finish; the earliest that fits is kept as the new promise."""
         profile = self.profile()
-        for start in (0, *(int(s) for s in profile.finishes)):
+        starts = {0, *(int(s) for s in profile.finishes)}
+        if self._promise is not None and self._promise[0] == rid:
+            starts.add(max(0, self._promise[1] - self.clock))
+        for start in sorted(starts):
             if self._highest(head, start, Hold(0, 0), None) <= supply:
+                self._promise = (rid, self.clock + start)
                 return start
+        self._promise = None
         return None
 
     def fits_behind(
