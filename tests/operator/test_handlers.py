@@ -1,0 +1,179 @@
+"""The kopf handlers, registered on a fresh registry with the in-memory cluster and called as
+kopf would call them: thin wrappers whose only logic is turning API failures into retries
+and refusals into AdmissionErrors."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+import kopf
+import pytest
+from operator_fakes import FakeCluster
+from operator_specs import namespace_doc, pool_doc, stored
+
+from kvbank.operator import config as operator_config
+from kvbank.operator.cluster import KubeError
+from kvbank.operator.handlers import Runtime, register
+from kvbank.operator.live import PoolFigures
+from kvbank.operator.webhook_tls import ServerTLS
+
+LOG = logging.getLogger("test")
+
+
+class NoSidecars:
+    async def status(self, address: str, timeout: float) -> PoolFigures:
+        raise ConnectionError("no sidecar in this test")
+
+
+def _config(*flags: str) -> operator_config.OperatorConfig:
+    parser = argparse.ArgumentParser()
+    operator_config.add_arguments(parser)
+    return operator_config.OperatorConfig.from_args(parser.parse_args(list(flags)))
+
+
+def _setup(tls: bool = False) -> tuple[kopf.OperatorRegistry, Runtime, FakeCluster]:
+    cluster = FakeCluster()
+    cluster.put(namespace_doc("team-a"))
+    runtime = Runtime(
+        config=_config("--webhook-configuration", "kvbank", "--cert-check-interval", "3600"),
+        cluster=cluster,
+        source=NoSidecars(),
+        tls=ServerTLS() if tls else None,
+    )
+    registry = kopf.OperatorRegistry()
+    register(registry, runtime)
+    return registry, runtime, cluster
+
+
+def _handler(registry: kopf.OperatorRegistry, name: str) -> Any:
+    for group in (registry._webhooks, registry._changing, registry._spawning, registry._activities):
+        for handler in group.get_all_handlers():
+            if handler.fn.__name__ == name:
+                return handler.fn
+    raise LookupError(name)
+
+
+class TestRegistration:
+    def test_handler_ids_are_the_webhook_paths(self) -> None:
+        registry, _, _ = _setup()
+        ids = sorted(str(h.id) for h in registry._webhooks.get_all_handlers())
+        assert ids == ["validate-capacitypolicy", "validate-modelpool"]
+
+    def test_reconcile_runs_on_create_update_and_resume(self) -> None:
+        registry, _, _ = _setup()
+        causes = {
+            (h.reason and str(h.reason.value), h.initial)
+            for h in registry._changing.get_all_handlers()
+            if h.fn.__name__ == "reconcile_pool"
+        }
+        assert causes == {("create", None), ("update", None), (None, True)}
+        assert any(h.fn.__name__ == "pool_status" for h in registry._spawning.get_all_handlers())
+
+
+class TestValidate:
+    def test_refusal_is_an_admission_error_with_every_violation(self) -> None:
+        registry, _, _ = _setup()
+        validate = _handler(registry, "validate_modelpool")
+        body = pool_doc(kv={"pageSize": 16, "pages": 400}, tensorParallel=3)
+        with pytest.raises(kopf.AdmissionError) as caught:
+            asyncio.run(validate(body=body, old=None))
+        assert caught.value.code == 422
+        text = str(caught.value)
+        assert text.startswith("ModelPool team-a/llama: 3 violation(s):")
+        assert asyncio.run(validate(body=pool_doc(), old=None)) is None
+
+    def test_api_trouble_refuses_with_503(self) -> None:
+        registry, _, cluster = _setup()
+        cluster.fail_after = 0
+        with pytest.raises(kopf.AdmissionError) as caught:
+            asyncio.run(_handler(registry, "validate_modelpool")(body=pool_doc(), old=None))
+        assert caught.value.code == 503 and "cannot judge the ModelPool now" in str(caught.value)
+
+    def test_policy_validation(self) -> None:
+        registry, _, _ = _setup()
+        validate = _handler(registry, "validate_policy")
+        bad = {
+            "apiVersion": "kvbank.dev/v1alpha1",
+            "kind": "CapacityPolicy",
+            "metadata": {"name": "p"},
+            "spec": {"limits": {"maxTokens": 0}},
+        }
+        with pytest.raises(kopf.AdmissionError, match="spec.limits.maxTokens: must be from 1"):
+            asyncio.run(validate(body=bad))
+
+
+class TestReconcileHandler:
+    def test_applies_through_the_wrapper(self) -> None:
+        registry, _, cluster = _setup()
+        cluster.put(stored(pool_doc()))
+        body = cluster.one("ModelPool", "llama")
+        asyncio.run(_handler(registry, "reconcile_pool")(body=body, logger=LOG))
+        assert len(cluster.kinds("StatefulSet")) == 1
+
+    def test_an_unavailable_api_becomes_a_retry(self) -> None:
+        registry, _, cluster = _setup()
+        cluster.put(stored(pool_doc()))
+        body = cluster.one("ModelPool", "llama")
+        cluster.fail_after = 4
+        with pytest.raises(kopf.TemporaryError) as caught:
+            asyncio.run(_handler(registry, "reconcile_pool")(body=body, logger=LOG))
+        assert caught.value.delay == 10.0
+
+    def test_a_refused_request_becomes_a_slower_retry(self) -> None:
+        registry, _, cluster = _setup()
+        cluster.put(stored(pool_doc()))
+
+        async def forbidden(manifest: Any) -> Any:
+            raise KubeError(403, "statefulsets is forbidden")
+
+        cluster.apply = forbidden  # type: ignore[method-assign]
+        body = cluster.one("ModelPool", "llama")
+        with pytest.raises(kopf.TemporaryError, match="forbidden") as caught:
+            asyncio.run(_handler(registry, "reconcile_pool")(body=body, logger=LOG))
+        assert caught.value.delay == 60.0
+
+
+class TestStartup:
+    def test_configures_kopf_and_serves_its_own_certificate(self) -> None:
+        registry, runtime, cluster = _setup(tls=True)
+        cluster.put(
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "ValidatingWebhookConfiguration",
+                "metadata": {"name": "kvbank"},
+                "webhooks": [{"name": "modelpools.kvbank.dev", "clientConfig": {}}],
+            }
+        )
+        settings = kopf.OperatorSettings()
+        memo = kopf.Memo()
+
+        async def start_and_stop() -> None:
+            await _handler(registry, "startup")(settings=settings, memo=memo)
+            await _handler(registry, "cleanup")(memo=memo)
+
+        asyncio.run(start_and_stop())
+        server = settings.admission.server
+        assert isinstance(server, kopf.WebhookServer)
+        assert (server.addr, server.port) == ("0.0.0.0", 9443)
+        assert server.context is runtime.tls.context if runtime.tls else False
+        assert settings.admission.managed is None
+        assert cluster.one("Secret", "kvbank-webhook-tls")["data"]["tls.crt"]
+        hook = cluster.one("ValidatingWebhookConfiguration", "kvbank")["webhooks"][0]
+        assert hook["clientConfig"]["caBundle"]
+        assert memo["renewal"].cancelled()
+
+
+class TestStatusTimer:
+    def test_reads_pods_and_writes_status(self) -> None:
+        registry, _, cluster = _setup()
+        cluster.put(stored(pool_doc()))
+        asyncio.run(
+            _handler(registry, "reconcile_pool")(body=cluster.one("ModelPool", "llama"), logger=LOG)
+        )
+        asyncio.run(_handler(registry, "pool_status")(body=cluster.one("ModelPool", "llama")))
+        status = cluster.one("ModelPool", "llama")["status"]
+        assert status["readyReplicas"] == 0
+        assert {c["type"] for c in status["conditions"]} == {"Accepted", "Ready", "Degraded"}
