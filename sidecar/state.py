@@ -217,7 +217,7 @@ class AdmissionState:
         s.unapplied_idle = unapplied
         if waited:
             self.metrics.waits.inc()
-        fill_pool(reply.pool, ledger)
+        fill_pool(reply.pool, ledger, totals=False)
         s.last_reply = reply
         return reply
 
@@ -275,12 +275,15 @@ def _peek(hits: dict[str, Hit], room: int | None) -> Callable[[str], Hit | None]
     return peek
 
 
-def fill_pool(pool: pb.PoolFigures, ledger: Ledger) -> None:
+def fill_pool(pool: pb.PoolFigures, ledger: Ledger, totals: bool = True) -> None:
+    """`totals` adds reserved and held, which cost a pass over the running requests: status
+    has them, a report's reply (on every engine step) does not."""
     pool.total_pages = ledger.total_pages
     pool.usable_pages = ledger.usable_pages
     pool.free = ledger.free
     pool.evictable = ledger.evictable
     pool.outstanding = ledger.outstanding
-    running = ledger.running()
-    pool.reserved = sum(r.reserved for r in running)
-    pool.held = sum(r.held for r in running)
+    if totals:
+        running = ledger.running()
+        pool.reserved = sum(r.reserved for r in running)
+        pool.held = sum(r.held for r in running)
