@@ -50,6 +50,9 @@ def configure(settings: kopf.OperatorSettings, rt: Runtime) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=API_GROUP)
     settings.posting.level = logging.WARNING
+    # No watch on CRDs or namespaces (least RBAC): the CRDs are installed before the operator,
+    # and kopf's one discovery at start finds them.
+    settings.scanning.disabled = True
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = rt.config.api_timeout * 3
     if rt.tls is not None:

@@ -160,6 +160,8 @@ class TestStartup:
         assert (server.addr, server.port) == ("0.0.0.0", 9443)
         assert server.context is runtime.tls.context if runtime.tls else False
         assert settings.admission.managed is None
+        assert settings.scanning.disabled  # no CRD or namespace watch to grant
+        assert settings.persistence.progress_storage.prefix == "kvbank.dev"
         assert cluster.one("Secret", "kvbank-webhook-tls")["data"]["tls.crt"]
         hook = cluster.one("ValidatingWebhookConfiguration", "kvbank")["webhooks"][0]
         assert hook["clientConfig"]["caBundle"]
