@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvbank/proto/admission.proto\x12\tkvbank.v1\"(\n\x03Hit\x12\r\n\x05pages\x18\x01 \x01(\x03\x12\x12\n\nidle_pages\x18\x02 \x01(\x03\"5\n\x06Submit\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x03\x12\x0f\n\x07refusal\x18\x03 \x01(\t\"\x15\n\x06\x43\x61ncel\x12\x0b\n\x03rid\x18\x01 \x01(\t\"\"\n\x04Take\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x03\"\x16\n\x07Release\x12\x0b\n\x03rid\x18\x01 \x01(\t\")\n\x06Supply\x12\x0c\n\x04\x66ree\x18\x01 \x01(\x03\x12\x11\n\tevictable\x18\x02 \x01(\x03\"\xc6\x01\n\x05\x45vent\x12#\n\x06submit\x18\x01 \x01(\x0b\x32\x11.kvbank.v1.SubmitH\x00\x12#\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x11.kvbank.v1.CancelH\x00\x12\x1f\n\x04take\x18\x03 \x01(\x0b\x32\x0f.kvbank.v1.TakeH\x00\x12%\n\x07release\x18\x04 \x01(\x0b\x32\x12.kvbank.v1.ReleaseH\x00\x12#\n\x06supply\x18\x05 \x01(\x0b\x32\x11.kvbank.v1.SupplyH\x00\x42\x06\n\x04kind\"3\n\x07HeadHit\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x1b\n\x03hit\x18\x02 \x01(\x0b\x32\x0e.kvbank.v1.Hit\"\xab\x01\n\x08Progress\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x41\n\x10tokens_per_label\x18\x02 \x03(\x0b\x32\'.kvbank.v1.Progress.TokensPerLabelEntry\x12\x18\n\x10remaining_output\x18\x03 \x01(\x03\x1a\x35\n\x13TokensPerLabelEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"=\n\x0eRunningRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x10\n\x08reserved\x18\x02 \x01(\x03\x12\x0c\n\x04held\x18\x03 \x01(\x03\"\xaf\x01\n\x12OpenSessionRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0btotal_pages\x18\x02 \x01(\x03\x12\x10\n\x08next_seq\x18\x03 \x01(\x03\x12*\n\x07running\x18\x04 \x03(\x0b\x32\x19.kvbank.v1.RunningRequest\x12!\n\x06supply\x18\x05 \x01(\x0b\x32\x11.kvbank.v1.Supply\x12\x10\n\x08lease_ms\x18\x06 \x01(\x03\"5\n\x10OpenSessionReply\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x10\n\x08next_seq\x18\x02 \x01(\x03\"\xdf\x01\n\rReportRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x12\n\nreport_seq\x18\x02 \x01(\x03\x12\x13\n\x0b\x61pplied_seq\x18\x03 \x01(\x03\x12 \n\x06\x65vents\x18\x04 \x03(\x0b\x32\x10.kvbank.v1.Event\x12 \n\x04hits\x18\x05 \x03(\x0b\x32\x12.kvbank.v1.HeadHit\x12\r\n\x05\x61\x64mit\x18\x06 \x01(\x08\x12%\n\x08progress\x18\x07 \x03(\x0b\x32\x13.kvbank.v1.Progress\x12\x11\n\x04room\x18\x08 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_room\"6\n\x05\x41\x64mit\x12\x10\n\x08reserved\x18\x01 \x01(\x03\x12\x1b\n\x03hit\x18\x02 \x01(\x0b\x32\x0e.kvbank.v1.Hit\"\x19\n\x06Refuse\x12\x0f\n\x07message\x18\x01 \x01(\t\"*\n\x08Restored\x12\x10\n\x08reserved\x18\x01 \x01(\x03\x12\x0c\n\x04held\x18\x02 \x01(\x03\"\xb1\x01\n\x08\x44\x65\x63ision\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0b\n\x03rid\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\x04\x12!\n\x05\x61\x64mit\x18\x04 \x01(\x0b\x32\x10.kvbank.v1.AdmitH\x00\x12#\n\x06refuse\x18\x05 \x01(\x0b\x32\x11.kvbank.v1.RefuseH\x00\x12\'\n\x08restored\x18\x06 \x01(\x0b\x32\x13.kvbank.v1.RestoredH\x00\x42\t\n\x07outcome\"\x8e\x01\n\x0bPoolFigures\x12\x13\n\x0btotal_pages\x18\x01 \x01(\x03\x12\x14\n\x0cusable_pages\x18\x02 \x01(\x03\x12\x0c\n\x04\x66ree\x18\x03 \x01(\x03\x12\x11\n\tevictable\x18\x04 \x01(\x03\x12\x10\n\x08reserved\x18\x05 \x01(\x03\x12\x0c\n\x04held\x18\x06 \x01(\x03\x12\x13\n\x0boutstanding\x18\x07 \x01(\x03\"l\n\x0bReportReply\x12&\n\tdecisions\x18\x01 \x03(\x0b\x32\x13.kvbank.v1.Decision\x12\x0f\n\x07waiting\x18\x02 \x01(\x03\x12$\n\x04pool\x18\x03 \x01(\x0b\x32\x16.kvbank.v1.PoolFigures\"6\n\rFollowRequest\x12\x13\n\x0b\x66ollower_id\x18\x01 \x01(\t\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x03\".\n\nAckRequest\x12\x13\n\x0b\x66ollower_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\"!\n\x08\x41\x63kReply\x12\x15\n\rlog_first_seq\x18\x01 \x01(\x03\"\x0f\n\rStatusRequest\"%\n\x07Waiting\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x03\"G\n\x0bReservation\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x10\n\x08reserved\x18\x02 \x01(\x03\x12\x0c\n\x04held\x18\x03 \x01(\x03\x12\x0b\n\x03seq\x18\x04 \x01(\x03\"7\n\rFollowerState\x12\x13\n\x0b\x66ollower_id\x18\x01 \x01(\t\x12\x11\n\tacked_seq\x18\x02 \x01(\x03\"\xfc\x01\n\x0bStatusReply\x12$\n\x04pool\x18\x01 \x01(\x0b\x32\x16.kvbank.v1.PoolFigures\x12#\n\x07waiting\x18\x02 \x03(\x0b\x32\x12.kvbank.v1.Waiting\x12\'\n\x07running\x18\x03 \x03(\x0b\x32\x16.kvbank.v1.Reservation\x12\x10\n\x08next_seq\x18\x04 \x01(\x03\x12\x0f\n\x07session\x18\x05 \x01(\x04\x12\x15\n\rlog_first_seq\x18\x06 \x01(\x03\x12\x12\n\nlog_length\x18\x07 \x01(\x03\x12+\n\tfollowers\x18\x08 \x03(\x0b\x32\x18.kvbank.v1.FollowerState2\xbc\x02\n\tAdmission\x12I\n\x0bOpenSession\x12\x1d.kvbank.v1.OpenSessionRequest\x1a\x1b.kvbank.v1.OpenSessionReply\x12:\n\x06Report\x12\x18.kvbank.v1.ReportRequest\x1a\x16.kvbank.v1.ReportReply\x12\x39\n\x06\x46ollow\x12\x18.kvbank.v1.FollowRequest\x1a\x13.kvbank.v1.Decision0\x01\x12\x31\n\x03\x41\x63k\x12\x15.kvbank.v1.AckRequest\x1a\x13.kvbank.v1.AckReply\x12:\n\x06Status\x12\x18.kvbank.v1.StatusRequest\x1a\x16.kvbank.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvbank/proto/admission.proto\x12\tkvbank.v1\"(\n\x03Hit\x12\r\n\x05pages\x18\x01 \x01(\x03\x12\x12\n\nidle_pages\x18\x02 \x01(\x03\"5\n\x06Submit\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x03\x12\x0f\n\x07refusal\x18\x03 \x01(\t\"\x15\n\x06\x43\x61ncel\x12\x0b\n\x03rid\x18\x01 \x01(\t\"\"\n\x04Take\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x03\"\x16\n\x07Release\x12\x0b\n\x03rid\x18\x01 \x01(\t\")\n\x06Supply\x12\x0c\n\x04\x66ree\x18\x01 \x01(\x03\x12\x11\n\tevictable\x18\x02 \x01(\x03\"\xc6\x01\n\x05\x45vent\x12#\n\x06submit\x18\x01 \x01(\x0b\x32\x11.kvbank.v1.SubmitH\x00\x12#\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x11.kvbank.v1.CancelH\x00\x12\x1f\n\x04take\x18\x03 \x01(\x0b\x32\x0f.kvbank.v1.TakeH\x00\x12%\n\x07release\x18\x04 \x01(\x0b\x32\x12.kvbank.v1.ReleaseH\x00\x12#\n\x06supply\x18\x05 \x01(\x0b\x32\x11.kvbank.v1.SupplyH\x00\x42\x06\n\x04kind\"3\n\x07HeadHit\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x1b\n\x03hit\x18\x02 \x01(\x0b\x32\x0e.kvbank.v1.Hit\"\xde\x01\n\x08Progress\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x41\n\x10tokens_per_label\x18\x02 \x03(\x0b\x32\'.kvbank.v1.Progress.TokensPerLabelEntry\x12\x10\n\x08produced\x18\x03 \x01(\x03\x12\x13\n\x0b\x63hunks_left\x18\x04 \x01(\x03\x12\x16\n\texclusive\x18\x05 \x01(\x03H\x00\x88\x01\x01\x1a\x35\n\x13TokensPerLabelEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x42\x0c\n\n_exclusive\"=\n\x0eRunningRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x10\n\x08reserved\x18\x02 \x01(\x03\x12\x0c\n\x04held\x18\x03 \x01(\x03\"\xaf\x01\n\x12OpenSessionRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0btotal_pages\x18\x02 \x01(\x03\x12\x10\n\x08next_seq\x18\x03 \x01(\x03\x12*\n\x07running\x18\x04 \x03(\x0b\x32\x19.kvbank.v1.RunningRequest\x12!\n\x06supply\x18\x05 \x01(\x0b\x32\x11.kvbank.v1.Supply\x12\x10\n\x08lease_ms\x18\x06 \x01(\x03\"5\n\x10OpenSessionReply\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x10\n\x08next_seq\x18\x02 \x01(\x03\"\xdf\x01\n\rReportRequest\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x12\n\nreport_seq\x18\x02 \x01(\x03\x12\x13\n\x0b\x61pplied_seq\x18\x03 \x01(\x03\x12 \n\x06\x65vents\x18\x04 \x03(\x0b\x32\x10.kvbank.v1.Event\x12 \n\x04hits\x18\x05 \x03(\x0b\x32\x12.kvbank.v1.HeadHit\x12\r\n\x05\x61\x64mit\x18\x06 \x01(\x08\x12%\n\x08progress\x18\x07 \x03(\x0b\x32\x13.kvbank.v1.Progress\x12\x11\n\x04room\x18\x08 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_room\"6\n\x05\x41\x64mit\x12\x10\n\x08reserved\x18\x01 \x01(\x03\x12\x1b\n\x03hit\x18\x02 \x01(\x0b\x32\x0e.kvbank.v1.Hit\"\x19\n\x06Refuse\x12\x0f\n\x07message\x18\x01 \x01(\t\"*\n\x08Restored\x12\x10\n\x08reserved\x18\x01 \x01(\x03\x12\x0c\n\x04held\x18\x02 \x01(\x03\"\xb1\x01\n\x08\x44\x65\x63ision\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0b\n\x03rid\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\x04\x12!\n\x05\x61\x64mit\x18\x04 \x01(\x0b\x32\x10.kvbank.v1.AdmitH\x00\x12#\n\x06refuse\x18\x05 \x01(\x0b\x32\x11.kvbank.v1.RefuseH\x00\x12\'\n\x08restored\x18\x06 \x01(\x0b\x32\x13.kvbank.v1.RestoredH\x00\x42\t\n\x07outcome\"\x8e\x01\n\x0bPoolFigures\x12\x13\n\x0btotal_pages\x18\x01 \x01(\x03\x12\x14\n\x0cusable_pages\x18\x02 \x01(\x03\x12\x0c\n\x04\x66ree\x18\x03 \x01(\x03\x12\x11\n\tevictable\x18\x04 \x01(\x03\x12\x10\n\x08reserved\x18\x05 \x01(\x03\x12\x0c\n\x04held\x18\x06 \x01(\x03\x12\x13\n\x0boutstanding\x18\x07 \x01(\x03\"l\n\x0bReportReply\x12&\n\tdecisions\x18\x01 \x03(\x0b\x32\x13.kvbank.v1.Decision\x12\x0f\n\x07waiting\x18\x02 \x01(\x03\x12$\n\x04pool\x18\x03 \x01(\x0b\x32\x16.kvbank.v1.PoolFigures\"6\n\rFollowRequest\x12\x13\n\x0b\x66ollower_id\x18\x01 \x01(\t\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x03\".\n\nAckRequest\x12\x13\n\x0b\x66ollower_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\"!\n\x08\x41\x63kReply\x12\x15\n\rlog_first_seq\x18\x01 \x01(\x03\"\x0f\n\rStatusRequest\"%\n\x07Waiting\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x03\"G\n\x0bReservation\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x10\n\x08reserved\x18\x02 \x01(\x03\x12\x0c\n\x04held\x18\x03 \x01(\x03\x12\x0b\n\x03seq\x18\x04 \x01(\x03\"7\n\rFollowerState\x12\x13\n\x0b\x66ollower_id\x18\x01 \x01(\t\x12\x11\n\tacked_seq\x18\x02 \x01(\x03\"\xfc\x01\n\x0bStatusReply\x12$\n\x04pool\x18\x01 \x01(\x0b\x32\x16.kvbank.v1.PoolFigures\x12#\n\x07waiting\x18\x02 \x03(\x0b\x32\x12.kvbank.v1.Waiting\x12\'\n\x07running\x18\x03 \x03(\x0b\x32\x16.kvbank.v1.Reservation\x12\x10\n\x08next_seq\x18\x04 \x01(\x03\x12\x0f\n\x07session\x18\x05 \x01(\x04\x12\x15\n\rlog_first_seq\x18\x06 \x01(\x03\x12\x12\n\nlog_length\x18\x07 \x01(\x03\x12+\n\tfollowers\x18\x08 \x03(\x0b\x32\x18.kvbank.v1.FollowerState2\xbc\x02\n\tAdmission\x12I\n\x0bOpenSession\x12\x1d.kvbank.v1.OpenSessionRequest\x1a\x1b.kvbank.v1.OpenSessionReply\x12:\n\x06Report\x12\x18.kvbank.v1.ReportRequest\x1a\x16.kvbank.v1.ReportReply\x12\x39\n\x06\x46ollow\x12\x18.kvbank.v1.FollowRequest\x1a\x13.kvbank.v1.Decision0\x01\x12\x31\n\x03\x41\x63k\x12\x15.kvbank.v1.AckRequest\x1a\x13.kvbank.v1.AckReply\x12:\n\x06Status\x12\x18.kvbank.v1.StatusRequest\x1a\x16.kvbank.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,45 +50,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEADHIT']._serialized_start=467
   _globals['_HEADHIT']._serialized_end=518
   _globals['_PROGRESS']._serialized_start=521
-  _globals['_PROGRESS']._serialized_end=692
-  _globals['_PROGRESS_TOKENSPERLABELENTRY']._serialized_start=639
-  _globals['_PROGRESS_TOKENSPERLABELENTRY']._serialized_end=692
-  _globals['_RUNNINGREQUEST']._serialized_start=694
-  _globals['_RUNNINGREQUEST']._serialized_end=755
-  _globals['_OPENSESSIONREQUEST']._serialized_start=758
-  _globals['_OPENSESSIONREQUEST']._serialized_end=933
-  _globals['_OPENSESSIONREPLY']._serialized_start=935
-  _globals['_OPENSESSIONREPLY']._serialized_end=988
-  _globals['_REPORTREQUEST']._serialized_start=991
-  _globals['_REPORTREQUEST']._serialized_end=1214
-  _globals['_ADMIT']._serialized_start=1216
-  _globals['_ADMIT']._serialized_end=1270
-  _globals['_REFUSE']._serialized_start=1272
-  _globals['_REFUSE']._serialized_end=1297
-  _globals['_RESTORED']._serialized_start=1299
-  _globals['_RESTORED']._serialized_end=1341
-  _globals['_DECISION']._serialized_start=1344
-  _globals['_DECISION']._serialized_end=1521
-  _globals['_POOLFIGURES']._serialized_start=1524
-  _globals['_POOLFIGURES']._serialized_end=1666
-  _globals['_REPORTREPLY']._serialized_start=1668
-  _globals['_REPORTREPLY']._serialized_end=1776
-  _globals['_FOLLOWREQUEST']._serialized_start=1778
-  _globals['_FOLLOWREQUEST']._serialized_end=1832
-  _globals['_ACKREQUEST']._serialized_start=1834
-  _globals['_ACKREQUEST']._serialized_end=1880
-  _globals['_ACKREPLY']._serialized_start=1882
-  _globals['_ACKREPLY']._serialized_end=1915
-  _globals['_STATUSREQUEST']._serialized_start=1917
-  _globals['_STATUSREQUEST']._serialized_end=1932
-  _globals['_WAITING']._serialized_start=1934
-  _globals['_WAITING']._serialized_end=1971
-  _globals['_RESERVATION']._serialized_start=1973
-  _globals['_RESERVATION']._serialized_end=2044
-  _globals['_FOLLOWERSTATE']._serialized_start=2046
-  _globals['_FOLLOWERSTATE']._serialized_end=2101
-  _globals['_STATUSREPLY']._serialized_start=2104
-  _globals['_STATUSREPLY']._serialized_end=2356
-  _globals['_ADMISSION']._serialized_start=2359
-  _globals['_ADMISSION']._serialized_end=2675
+  _globals['_PROGRESS']._serialized_end=743
+  _globals['_PROGRESS_TOKENSPERLABELENTRY']._serialized_start=676
+  _globals['_PROGRESS_TOKENSPERLABELENTRY']._serialized_end=729
+  _globals['_RUNNINGREQUEST']._serialized_start=745
+  _globals['_RUNNINGREQUEST']._serialized_end=806
+  _globals['_OPENSESSIONREQUEST']._serialized_start=809
+  _globals['_OPENSESSIONREQUEST']._serialized_end=984
+  _globals['_OPENSESSIONREPLY']._serialized_start=986
+  _globals['_OPENSESSIONREPLY']._serialized_end=1039
+  _globals['_REPORTREQUEST']._serialized_start=1042
+  _globals['_REPORTREQUEST']._serialized_end=1265
+  _globals['_ADMIT']._serialized_start=1267
+  _globals['_ADMIT']._serialized_end=1321
+  _globals['_REFUSE']._serialized_start=1323
+  _globals['_REFUSE']._serialized_end=1348
+  _globals['_RESTORED']._serialized_start=1350
+  _globals['_RESTORED']._serialized_end=1392
+  _globals['_DECISION']._serialized_start=1395
+  _globals['_DECISION']._serialized_end=1572
+  _globals['_POOLFIGURES']._serialized_start=1575
+  _globals['_POOLFIGURES']._serialized_end=1717
+  _globals['_REPORTREPLY']._serialized_start=1719
+  _globals['_REPORTREPLY']._serialized_end=1827
+  _globals['_FOLLOWREQUEST']._serialized_start=1829
+  _globals['_FOLLOWREQUEST']._serialized_end=1883
+  _globals['_ACKREQUEST']._serialized_start=1885
+  _globals['_ACKREQUEST']._serialized_end=1931
+  _globals['_ACKREPLY']._serialized_start=1933
+  _globals['_ACKREPLY']._serialized_end=1966
+  _globals['_STATUSREQUEST']._serialized_start=1968
+  _globals['_STATUSREQUEST']._serialized_end=1983
+  _globals['_WAITING']._serialized_start=1985
+  _globals['_WAITING']._serialized_end=2022
+  _globals['_RESERVATION']._serialized_start=2024
+  _globals['_RESERVATION']._serialized_end=2095
+  _globals['_FOLLOWERSTATE']._serialized_start=2097
+  _globals['_FOLLOWERSTATE']._serialized_end=2152
+  _globals['_STATUSREPLY']._serialized_start=2155
+  _globals['_STATUSREPLY']._serialized_end=2407
+  _globals['_ADMISSION']._serialized_start=2410
+  _globals['_ADMISSION']._serialized_end=2726
 # @@protoc_insertion_point(module_scope)

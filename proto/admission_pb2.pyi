@@ -75,7 +75,7 @@ class HeadHit(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., hit: _Optional[_Union[Hit, _Mapping]] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("rid", "tokens_per_label", "remaining_output")
+    __slots__ = ("rid", "tokens_per_label", "produced", "chunks_left", "exclusive")
     class TokensPerLabelEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,11 +85,15 @@ class Progress(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_LABEL_FIELD_NUMBER: _ClassVar[int]
-    REMAINING_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    PRODUCED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     rid: str
     tokens_per_label: _containers.ScalarMap[str, int]
-    remaining_output: int
-    def __init__(self, rid: _Optional[str] = ..., tokens_per_label: _Optional[_Mapping[str, int]] = ..., remaining_output: _Optional[int] = ...) -> None: ...
+    produced: int
+    chunks_left: int
+    exclusive: int
+    def __init__(self, rid: _Optional[str] = ..., tokens_per_label: _Optional[_Mapping[str, int]] = ..., produced: _Optional[int] = ..., chunks_left: _Optional[int] = ..., exclusive: _Optional[int] = ...) -> None: ...
 
 class RunningRequest(_message.Message):
     __slots__ = ("rid", "reserved", "held")

@@ -193,6 +193,14 @@ class AdmissionState:
                 raise InvalidPages(
                     "an event must carry one of submit, cancel, take, release, supply"
                 )
+        for step in req.progress:
+            ledger.advance(
+                step.rid,
+                step.produced,
+                dict(step.tokens_per_label) or None,
+                step.chunks_left,
+                step.exclusive if step.HasField("exclusive") else None,
+            )
         if req.admit:
             room = req.room if req.HasField("room") else None
             admitted = ledger.admit_ready(_peek(hits, room))

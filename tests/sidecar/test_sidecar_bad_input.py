@@ -85,6 +85,13 @@ BAD_REPORTS: dict[str, tuple[Callable[[int], pb.ReportRequest], str, str]] = {
         "NOT_FOUND",
         "'a' is not waiting",
     ),
+    "progress of a request that is not running": (
+        lambda s: pb.ReportRequest(
+            session=s, report_seq=3, applied_seq=0, progress=[pb.Progress(rid="w", produced=1)]
+        ),
+        "NOT_FOUND",
+        "'w' is not running",
+    ),
     "duplicate request": (lambda s: report(s, submit("w", 3)), "ALREADY_EXISTS", "'w'"),
     # Good events first, then a bad one: nothing of the batch may stick.
     "a bad event after good ones": (
