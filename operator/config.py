@@ -117,6 +117,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sidecars asked at once, per pool",
     )
     status.add_argument(
+        "--sidecar-token",
+        default=_env("KVBANK_SIDECAR_TOKEN"),
+        help="shared token for the sidecars' status call, when they require one",
+    )
+    status.add_argument(
         "--status-timeout",
         type=float,
         default=_float_env("KVBANK_STATUS_TIMEOUT", 2.0),
@@ -156,6 +161,7 @@ class OperatorConfig:
     status_interval: float
     status_concurrency: int
     status_timeout: float
+    sidecar_token: str | None
     render: RenderSettings
     liveness: str | None
 
@@ -184,6 +190,7 @@ class OperatorConfig:
             status_interval=args.status_interval,
             status_concurrency=args.status_concurrency,
             status_timeout=args.status_timeout,
+            sidecar_token=args.sidecar_token or None,
             render=RenderSettings(
                 image=args.image,
                 image_pull_policy=args.image_pull_policy,

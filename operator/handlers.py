@@ -97,24 +97,8 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    @kopf.on.validate(
-        *POOLS, id="validate-modelpool", operations=["CREATE", "UPDATE"], registry=registry
-    )
-    async def validate_modelpool(body: kopf.Body, **kwargs: Any) -> None:
-        try:
-            refusal = await admission.review(rt.cluster, body, kwargs.get("old"))
-        except KubeError as exc:
-            raise kopf.AdmissionError(f"cannot judge the ModelPool now: {exc}", code=503) from exc
-        if refusal:
-            raise kopf.AdmissionError(refusal, code=422)
-
-    @kopf.on.validate(
-        *POLICIES, id="validate-capacitypolicy", operations=["CREATE", "UPDATE"], registry=registry
-    )
-    async def validate_policy(body: kopf.Body, **_: Any) -> None:
-        refusal = admission.review_policy(body)
-        if refusal:
-            raise kopf.AdmissionError(refusal, code=422)
+    if rt.tls is not None:  # kopf refuses to start with webhook handlers and no server
+        register_webhooks(registry, rt)
 
     @kopf.on.resume(*POOLS, registry=registry)
     @kopf.on.create(*POOLS, registry=registry)
@@ -139,3 +123,24 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
                 now=reconcile.utc_now(),
             )
         )
+
+
+def register_webhooks(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+    @kopf.on.validate(
+        *POOLS, id="validate-modelpool", operations=["CREATE", "UPDATE"], registry=registry
+    )
+    async def validate_modelpool(body: kopf.Body, **kwargs: Any) -> None:
+        try:
+            refusal = await admission.review(rt.cluster, body, kwargs.get("old"))
+        except KubeError as exc:
+            raise kopf.AdmissionError(f"cannot judge the ModelPool now: {exc}", code=503) from exc
+        if refusal:
+            raise kopf.AdmissionError(refusal, code=422)
+
+    @kopf.on.validate(
+        *POLICIES, id="validate-capacitypolicy", operations=["CREATE", "UPDATE"], registry=registry
+    )
+    async def validate_policy(body: kopf.Body, **_: Any) -> None:
+        refusal = admission.review_policy(body)
+        if refusal:
+            raise kopf.AdmissionError(refusal, code=422)

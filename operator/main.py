@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     runtime = Runtime(
         config=config,
         cluster=cluster,
-        source=SidecarClientSource(),
+        source=SidecarClientSource(config.sidecar_token),
         tls=None if config.tls.mode == "none" else ServerTLS(),
     )
     registry = kopf.OperatorRegistry()

@@ -58,7 +58,7 @@ def _handler(registry: kopf.OperatorRegistry, name: str) -> Any:
 
 class TestRegistration:
     def test_handler_ids_are_the_webhook_paths(self) -> None:
-        registry, _, _ = _setup()
+        registry, _, _ = _setup(tls=True)
         ids = sorted(str(h.id) for h in registry._webhooks.get_all_handlers())
         assert ids == ["validate-capacitypolicy", "validate-modelpool"]
 
@@ -75,7 +75,7 @@ class TestRegistration:
 
 class TestValidate:
     def test_refusal_is_an_admission_error_with_every_violation(self) -> None:
-        registry, _, _ = _setup()
+        registry, _, _ = _setup(tls=True)
         validate = _handler(registry, "validate_modelpool")
         body = pool_doc(kv={"pageSize": 16, "pages": 400}, tensorParallel=3)
         with pytest.raises(kopf.AdmissionError) as caught:
@@ -86,14 +86,14 @@ class TestValidate:
         assert asyncio.run(validate(body=pool_doc(), old=None)) is None
 
     def test_api_trouble_refuses_with_503(self) -> None:
-        registry, _, cluster = _setup()
+        registry, _, cluster = _setup(tls=True)
         cluster.fail_after = 0
         with pytest.raises(kopf.AdmissionError) as caught:
             asyncio.run(_handler(registry, "validate_modelpool")(body=pool_doc(), old=None))
         assert caught.value.code == 503 and "cannot judge the ModelPool now" in str(caught.value)
 
     def test_policy_validation(self) -> None:
-        registry, _, _ = _setup()
+        registry, _, _ = _setup(tls=True)
         validate = _handler(registry, "validate_policy")
         bad = {
             "apiVersion": "kvbank.dev/v1alpha1",

@@ -83,5 +83,7 @@ def test_run_hands_kopf_the_registry_and_namespaces(
     assert operator_main.run(args) == 0
     assert seen["namespaces"] == ["team-a"] and seen["clusterwide"] is False
     assert seen["standalone"] is True
-    names = {h.fn.__name__ for h in seen["registry"]._webhooks.get_all_handlers()}
-    assert names == {"validate_modelpool", "validate_policy"}
+    # no certificate, no webhook server: kopf would refuse to start with webhook handlers
+    assert seen["registry"]._webhooks.get_all_handlers() == []
+    reconcilers = {h.fn.__name__ for h in seen["registry"]._changing.get_all_handlers()}
+    assert reconcilers == {"reconcile_pool"}
