@@ -45,6 +45,8 @@ def test_a_built_wheel_carries_working_stubs(tmp_path: Path) -> None:
         "admission_pb2_grpc.py",
     ):
         assert f"kvbank/proto/{name}" in names
+    for module in ("server", "service", "state", "client", "backend", "follower", "status"):
+        assert f"kvbank/sidecar/{module}.py" in names
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     code = (
         "import kvbank.proto.admission_pb2_grpc as g, kvbank.proto.admission_pb2 as p;"
