@@ -56,6 +56,10 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> FastA
         metrics.requests.labels("invalid").inc()
         return error(400, exc.message, "invalid_request_error", exc.param, exc.code)
 
+    @app.exception_handler(EngineStopped)
+    async def engine_stopped(_: Request, exc: EngineStopped) -> JSONResponse:
+        return error(503, f"the engine stopped: {exc}", "server_error")
+
     @app.get("/health")
     async def health() -> Response:
         if not loop.alive:

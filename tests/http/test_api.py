@@ -167,3 +167,15 @@ def test_queue_bound_answers_429_and_a_disconnect_frees_the_pages(server: LiveSe
     )
     assert figures['kvbank_requests_total{outcome="aborted"}'] == aborted_before + 1
     assert figures["kvbank_pool_free_pages"] + figures["kvbank_pool_evictable_pages"] == 63
+
+
+def test_a_seeded_sampled_request_is_reproducible(server: LiveServer) -> None:
+    body = {"prompt": "The page cache", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9}
+    texts = [
+        server.client.post("/v1/completions", json={**body, "seed": seed}).json()["choices"][0][
+            "text"
+        ]
+        for seed in (5, 5, 6)
+    ]
+    assert texts[0] == texts[1]
+    assert texts[0] != texts[2]
