@@ -28,9 +28,10 @@ class AdmissionBackend(Protocol):
         ...
 
     def report_hits(self, hits: Mapping[str, Hit]) -> None:
-        """The cached hits of the first waiting requests, computed by peek. The engine has
-        pinned these pages (see `kvbank.engine.banker`), so they hold until a decision is
-        applied; a hit reported again for the same request only grows."""
+        """The cached hit of the waiting head, computed by peek. The engine has pinned these
+        pages (see `kvbank.engine.banker`), so they hold until a decision is applied; a hit
+        reported again for the same request only grows, and has no idle part (pinned pages
+        are held)."""
         ...
 
     def take(self, rid: str, pages: int) -> None:

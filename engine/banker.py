@@ -5,11 +5,15 @@ requests and reports it. Why pin rather than only protect: a remote backend may 
 later, and a page reported as a hit must still be there when the `Admitted` is applied, or the
 request would need more pages than it reserved. A pinned page is held, so it leaves the evictable
 supply at once (the pool reports the lower supply) and the hit is reported with no idle part.
-That changes no decision: leasing an idle page saves the request one page of need and costs the
-supply one page, so `outstanding + need <= supply` reads the same either way. To keep the ledger
-safe while a pin waits, the head pins idle pages only up to the slack (`supply - outstanding`),
-and the requests behind it pin only pages a running request already holds (pinning those costs
-no supply, so they cannot crowd out the head's admission).
+That changes no decision for the head: leasing an idle page saves it one page of need and costs
+the supply one page, so `outstanding + need <= supply` reads the same either way. To keep the
+ledger safe while a pin waits, idle pages are pinned only up to the slack (`supply - outstanding`).
+
+Only the head is pinned. A pin behind the head would not be neutral: a page a running request
+holds today would stay held by the pin after that request finishes, never returning to the
+supply the head is waiting for, and a head that needs the whole pool would wait forever (the
+property test found exactly that). With the embedded backend the loop below re-pins each new head
+before asking again, so every admission still leases its cached prefix.
 
 Decisions are applied in sequence order and at most once: a sequence number at or below the last
 applied one is skipped, so a backend that resends is harmless.
@@ -26,9 +30,8 @@ from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, Ledger
 class BankerPolicy(AdmissionPolicy):
     name = "banker"
 
-    def __init__(self, backend: AdmissionBackend, hit_window: int = 4) -> None:
+    def __init__(self, backend: AdmissionBackend) -> None:
         self.backend = backend
-        self.hit_window = hit_window
         self._last_seq = -1
         self._reported: dict[str, int] = {}  # rid -> pinned pages last reported
 
@@ -52,22 +55,14 @@ class BankerPolicy(AdmissionPolicy):
 
     def _pin_and_report(self) -> None:
         sched, kv = self.sched, self.sched.kv
-        slack = max(0, kv.supply - self.backend.outstanding())
-        hits: dict[str, Hit] = {}
-        for position, req in enumerate(sched.waiting):
-            if position >= self.hit_window:
-                break
-            if not req.cacheable:
-                continue
-            before = kv.supply
-            pinned = kv.pin(req, slack if position == 0 else 0)
-            slack -= before - kv.supply
-            if pinned != self._reported.get(req.rid, 0):
-                hits[req.rid] = Hit(pinned, 0)
-                self._reported[req.rid] = pinned
-        if hits:
+        if not sched.waiting or not sched.waiting[0].cacheable:
+            return
+        head = sched.waiting[0]
+        pinned = kv.pin(head, max(0, kv.supply - self.backend.outstanding()))
+        if pinned != self._reported.get(head.rid, 0):
+            self._reported[head.rid] = pinned
             self.backend.set_supply(kv.free, kv.evictable)
-            self.backend.report_hits(hits)
+            self.backend.report_hits({head.rid: Hit(pinned, 0)})
 
     def _apply(self, decisions: list[Decision]) -> bool:
         """Apply decisions in sequence order; True when any request was admitted."""

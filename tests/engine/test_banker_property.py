@@ -1,0 +1,72 @@
+"""Random small workloads under the banker policy: with integrity checked after every step
+(debug mode), nothing breaches, nothing is preempted, and every admitted request finishes."""
+
+from __future__ import annotations
+
+from engine_builders import make_engine, tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbank.engine.engine import RequestRejected
+from kvbank.engine.request import FinishReason
+from kvbank.modelpool import KvSlot
+
+SLOTS = [
+    {"main": KvSlot(1, 1)},
+    {"main": KvSlot(1, 1), "cross": KvSlot(fixed=6)},
+    {"main": KvSlot(1, 1), "cfg": KvSlot(1, 1)},
+]
+
+request = st.tuples(
+    st.integers(0, 12),  # arrival step
+    st.integers(1, 30),  # prompt tokens
+    st.one_of(st.none(), st.integers(1, 20)),  # max_tokens
+    st.integers(1, 24),  # where the model would stop
+    st.sampled_from([0, 1, 2]),  # prompt family: shared prefixes make hits
+    st.booleans(),  # text only (the other labels go to the sink)
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    pages=st.integers(6, 40),
+    slots=st.sampled_from(SLOTS),
+    speculative=st.integers(0, 2),
+    budget=st.integers(4, 40),
+    requests=st.lists(request, min_size=1, max_size=14),
+)
+def test_banker_never_breaches_never_preempts_and_always_finishes(
+    pages: int,
+    slots: dict[str, KvSlot],
+    speculative: int,
+    budget: int,
+    requests: list[tuple[int, int, int | None, int, int, bool]],
+) -> None:
+    model = tiny_model(
+        page_size=4, max_seq_len=48, max_tokens=16, speculative=speculative, slots=slots
+    )
+    engine, runner = make_engine(pages, model=model, max_batch_tokens=budget)
+    admitted: set[str] = set()
+    finished: set[str] = set()
+    arrivals = sorted(enumerate(requests), key=lambda item: item[1][0])
+    for step in range(1500):
+        while arrivals and arrivals[0][1][0] <= step:
+            index, (_, prompt_len, max_tokens, stop, family, text_only) = arrivals.pop(0)
+            prompt = [100 * family + (i % 9) for i in range(prompt_len)]
+            labels = frozenset({"main"}) if text_only else None
+            try:
+                engine.add_request(f"r{index}", prompt, max_tokens, labels=labels)
+            except RequestRejected:
+                continue
+            runner.stop_after(f"r{index}", stop)
+            admitted.add(f"r{index}")
+        if not arrivals and not engine.has_work():
+            break
+        for out in engine.step():  # debug mode: deep integrity check after the step
+            if out.finished:
+                assert out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+                finished.add(out.rid)
+    assert finished == admitted
+    assert engine.sched.stats.preemptions == 0
+    assert engine.kv.pool.held == 0 and engine.backend is not None
+    assert engine.backend.outstanding() == 0

@@ -1,0 +1,158 @@
+"""The engine's step loop: admission, chunked prefill, multi-label pages, stops, bad requests."""
+
+from __future__ import annotations
+
+import pytest
+from engine_builders import drain, make_engine, tiny_model
+
+from kvbank.capacity import RequestShape, count_pages, refusal
+from kvbank.engine.admission import EmbeddedBackend, embedded
+from kvbank.engine.engine import RequestRejected
+from kvbank.engine.request import FinishReason
+from kvbank.ledger import Decision, InvalidPages
+from kvbank.modelpool import KvSlot
+
+
+def test_a_request_runs_to_max_tokens_and_returns_every_page() -> None:
+    engine, _ = make_engine(20)
+    engine.add_request("a", list(range(10)), max_tokens=5)
+    first = engine.step()
+    assert [(o.rid, len(o.new_token_ids), o.finished) for o in first] == [("a", 1, False)]
+    finished, _ = drain(engine)
+    assert finished["a"].finish_reason is FinishReason.LENGTH
+    assert engine.kv.pool.held == 0 and engine.kv.supply == 19
+
+
+def test_the_runner_stop_token_ends_a_request_early() -> None:
+    engine, runner = make_engine(20)
+    engine.add_request("a", list(range(10)), max_tokens=8)
+    runner.stop_after("a", 3)
+    tokens: list[int] = []
+    while engine.has_work():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            reason = out.finish_reason
+    assert len(tokens) == 3 and tokens[-1] == runner.eos_token_id
+    assert reason is FinishReason.STOP
+
+
+def test_a_long_prompt_is_chunked_and_its_first_chunk_takes_the_whole_prompt() -> None:
+    engine, _ = make_engine(40, max_batch_tokens=8)
+    req = engine.add_request("a", list(range(30)), max_tokens=2)
+    engine.step()
+    assert req.num_computed == 8 and req.held == 8  # 30 prompt tokens = 8 pages, all taken
+    engine.step()
+    engine.step()
+    assert req.num_computed == 24 and req.held == 8 and not req.output
+    engine.step()
+    assert req.num_computed == 30 and len(req.output) == 1
+
+
+def test_decode_rows_come_first_and_admission_spends_only_the_rest_of_the_budget() -> None:
+    engine, _ = make_engine(60, max_batch_tokens=10)
+    engine.add_request("a", list(range(9)), max_tokens=6)
+    engine.step()  # a: 9 prompt tokens
+    b = engine.add_request("b", list(range(50, 70)), max_tokens=2)
+    batch = engine.sched.schedule(engine.steps)
+    assert [(r.rid, len(r.token_ids)) for r in batch.rows] == [("a", 1), ("b", 9)]
+    assert b.held == 5  # the whole 20-token prompt
+
+
+def test_speculative_room_is_allocated_before_each_decode_step() -> None:
+    model = tiny_model(speculative=2)
+    engine, _ = make_engine(20, model=model)
+    req = engine.add_request("a", list(range(4)), max_tokens=5)
+    engine.step()  # prefill: 4 positions, one page; samples token 1
+    assert req.held == 1
+    engine.step()  # decode writes position 4 and drafts 5, 6: room for 7 positions
+    assert req.held == 2
+    finished, _ = drain(engine)
+    assert req.held == 0 and finished["a"].finish_reason is FinishReason.LENGTH
+
+
+def test_each_label_gets_what_count_pages_counts_and_an_unwritten_label_gets_none() -> None:
+    slots = {"main": KvSlot(1, 1), "cfg": KvSlot(1, 1), "cross": KvSlot(fixed=10)}
+    model = tiny_model(slots=slots)
+    engine, _ = make_engine(40, model=model)
+    image = engine.add_request("img", list(range(6)), max_tokens=3, extra_tokens={"main": 8})
+    text = engine.add_request("txt", list(range(6)), max_tokens=3, labels=frozenset({"main"}))
+    engine.step()
+    assert {k: len(v) for k, v in image.pages.items()} == {"main": 4, "cfg": 2, "cross": 3}
+    assert {k: len(v) for k, v in text.pages.items()} == {"main": 2}
+    worst = count_pages(model, RequestShape(6, 3, {"main": 8}))
+    assert worst.per_label == {"main": 5, "cfg": 3, "cross": 3}
+    drain(engine)
+
+
+def test_the_prefix_cache_keys_only_labels_whose_tokens_are_the_prompt() -> None:
+    slots = {"main": KvSlot(1, 1), "cross": KvSlot(fixed=10)}
+    engine, _ = make_engine(40, model=tiny_model(slots=slots))
+    engine.add_request("a", list(range(12)), max_tokens=2)
+    drain(engine)
+    assert len(engine.kv.index) == 0  # the cross label is not the prompt: nothing is keyed
+    text, _ = make_engine(40, model=tiny_model(slots=slots))
+    text.add_request("a", list(range(12)), max_tokens=2, labels=frozenset({"main"}))
+    drain(text)
+    assert len(text.kv.index) == 3
+
+
+def test_bad_requests_are_rejected_with_a_reason_and_change_nothing() -> None:
+    engine, _ = make_engine(10)
+    with pytest.raises(RequestRejected, match="empty prompt"):
+        engine.add_request("a", [])
+    with pytest.raises(RequestRejected, match="max_tokens=0"):
+        engine.add_request("a", [1], max_tokens=0)
+    with pytest.raises(RequestRejected, match="max_tokens=-3"):
+        engine.add_request("a", [1], max_tokens=-3)
+    with pytest.raises(RequestRejected, match="no room for output"):
+        engine.add_request("a", list(range(64)))
+    expected = refusal(tiny_model(), RequestShape(30, 16), 10)
+    assert expected is not None
+    with pytest.raises(RequestRejected) as caught:
+        engine.add_request("big", list(range(30)), max_tokens=16)
+    assert expected in str(caught.value)
+    assert not engine.has_work() and engine.sched.stats.rejected == 1
+    engine.add_request("a", [1, 2])
+    with pytest.raises(RequestRejected, match="already in use"):
+        engine.add_request("a", [3])
+
+
+def test_abort_frees_a_running_request_and_cancels_a_waiting_one() -> None:
+    engine, _ = make_engine(12)
+    engine.add_request("a", list(range(20)), max_tokens=16)  # 9 pages: fills the ledger
+    engine.add_request("b", list(range(20)), max_tokens=16)
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 1
+    assert engine.abort("b") and engine.abort("a")
+    outs = engine.step()
+    assert {(o.rid, o.finish_reason) for o in outs} == {
+        ("a", FinishReason.ABORT),
+        ("b", FinishReason.ABORT),
+    }
+    assert not engine.has_work() and engine.kv.pool.held == 0
+    assert not engine.abort("a")
+
+
+class ResendingBackend(EmbeddedBackend):
+    """Delivers every decision twice, as a backend that retries would."""
+
+    def poll(self, room: int) -> list[Decision]:
+        decisions = super().poll(room)
+        return decisions + decisions
+
+
+def test_applying_an_admission_twice_is_harmless() -> None:
+    backend = ResendingBackend(embedded(40).ledger)
+    engine, _ = make_engine(40, backend=backend)
+    for i in range(4):
+        engine.add_request(f"r{i}", list(range(10 * i, 10 * i + 9)), max_tokens=3)
+    finished, _ = drain(engine)
+    assert len(finished) == 4 and engine.sched.stats.admitted == 4
+
+
+def test_taking_past_the_reservation_raises() -> None:
+    engine, _ = make_engine(40)
+    req = engine.add_request("a", list(range(8)), max_tokens=4)
+    engine.step()
+    with pytest.raises(InvalidPages, match="reserved 3"):
+        engine.policy.on_take(req, 2)
