@@ -47,7 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", help="PEM server certificate (with --tls-key)")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--lease-s", type=float, default=10.0, help="default engine lease")
-    parser.add_argument("--follower-timeout-s", type=float, default=30.0)
+    parser.add_argument(
+        "--follower-timeout-s",
+        type=float,
+        default=30.0,
+        help="a silent follower stops holding the log",
+    )
     parser.add_argument("--log-max", type=int, default=65536, help="decision log entries kept")
     parser.add_argument("--max-message-bytes", type=int, default=1 << 20)
     parser.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period")

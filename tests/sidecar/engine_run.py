@@ -15,9 +15,9 @@ from kvbank.engine.virtual import VirtualRunner
 from kvbank.engine.workload import generate
 from kvbank.ledger import Admitted
 
-SCENARIOS = Path("/work/shared/scenarios")
-if not SCENARIOS.is_dir():
-    SCENARIOS = Path(__file__).resolve().parents[2] / "examples" / "scenarios"
+# Copies of two benchmark scenarios, kept here so these tests do not depend on files outside the
+# repository.
+SCENARIOS = Path(__file__).resolve().with_name("scenarios")
 
 
 @dataclass
