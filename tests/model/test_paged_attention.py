@@ -111,3 +111,22 @@ def test_greedy_output_is_the_same_when_the_prefix_comes_from_cache(runner: Torc
     cold = Seq("cold", prompt, counter.take(12))
     warm = Seq("warm", prompt, first.pages[:6] + counter.take(6), computed=24)
     assert generate(runner, [cold], 12) == {"cold": generate(runner, [warm], 12)["warm"]}
+
+
+def test_a_padded_decode_batch_equals_rows_one_by_one() -> None:
+    """Decode rows of different lengths run as one masked batch; each equals its own pass."""
+    torch.manual_seed(1)
+    device = torch.device("cpu")
+    (cache,) = allocate_cache(1, 32, PAGE_SIZE, KV_HEADS, HEAD_DIM, torch.float32, device)
+    cache.normal_()
+    rows = [(2, 1, [5]), (12, 1, [9, 3, 7, 30]), (7, 1, [11, 12])]
+    q = torch.randn(len(rows), HEADS, HEAD_DIM)
+    backend = TorchAttention()
+    batch = build_paged_batch(rows, PAGE_SIZE, device)
+    backend.plan(batch)
+    together = backend.attend(q, cache, batch)
+    for i, row in enumerate(rows):
+        single = build_paged_batch([row], PAGE_SIZE, device)
+        backend.plan(single)
+        alone = backend.attend(q[i : i + 1], cache, single)
+        assert torch.allclose(together[i], alone[0], atol=1e-6)
