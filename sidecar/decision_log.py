@@ -43,6 +43,7 @@ class DecisionLog:
         self._clock = clock
         self._entries: deque[pb.Decision] = deque()
         self.first_seq = 0
+        self.generation = 0  # bumped by reset: streams opened before it must reconnect
         self.followers: dict[str, FollowerMark] = {}
         self.on_append: Callable[[], None] = lambda: None
 
@@ -57,6 +58,7 @@ class DecisionLog:
         """Start over at `first_seq` (a new engine session numbers from where it stands)."""
         self._entries.clear()
         self.first_seq = first_seq
+        self.generation += 1
         self.on_append()  # wake streams so they see the change
 
     def append(self, entry: pb.Decision) -> None:

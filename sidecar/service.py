@@ -99,6 +99,7 @@ class AdmissionService(pb_grpc.AdmissionServicer):
         seq = request.from_seq
         await self._call(lambda: _check_from(request, log.first_seq, log.next_seq), context)
         log.seen(request.follower_id, seq)
+        generation = log.generation
         while True:
             while seq < log.next_seq:
                 entry = await self._call(functools.partial(log.get, seq), context)
@@ -106,11 +107,14 @@ class AdmissionService(pb_grpc.AdmissionServicer):
                 seq += 1
             changed = self._log_changed
             await changed.wait()
-            if seq > log.next_seq:  # the log was reset by a new session behind this follower
+            if log.generation != generation:
+                # A new engine session renumbered the log. The follower reconnects from its own
+                # next decision; the new log either continues there (the engine re-opened after
+                # a restart or a lapsed lease) or refuses it (a different engine).
                 await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"a new engine session restarted the log at {log.first_seq}, behind this "
-                    f"follower's next decision {seq}; restart the follower with its rank",
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the engine session was re-opened with the log at {log.first_seq}; "
+                    f"reconnect from decision {seq}",
                 )
 
 

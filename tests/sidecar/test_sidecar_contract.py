@@ -6,11 +6,12 @@ from __future__ import annotations
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sidecar_harness import ThreadSidecar
 
 from kvbank.proto import admission_pb2 as pb
-from kvbank.sidecar.client import SidecarClient
+from kvbank.sidecar.client import SidecarClient, SidecarUnavailable
 
 
 def submit(rid: str, pages: int) -> pb.Event:
@@ -146,6 +147,26 @@ def test_followers_read_the_same_decisions_in_order_and_acks_trim_the_log(
     # A follower that reconnects from its own sequence number resumes exactly there.
     resumed = client.follow("rank-1", 3)
     assert [next(resumed).rid for _ in range(2)] == ["r3", "r4"]
+
+
+def test_a_reopened_session_sends_followers_back_to_reconnect_from_their_sequence_number(
+    client: SidecarClient,
+) -> None:
+    session = open_session(client)
+    client.report(
+        pb.ReportRequest(
+            session=session, report_seq=1, applied_seq=-1, events=[submit("a", 1)], admit=True
+        )
+    )
+    stream = client.follow("rank-1", 0)
+    assert next(stream).rid == "a"
+    restore = pb.RunningRequest(rid="a", reserved=1, held=0)
+    open_session(client, next_seq=1, running=[restore])  # the engine re-opens (same sidecar)
+    with pytest.raises(SidecarUnavailable, match="reconnect from decision 1"):
+        next(stream)
+    resumed = client.follow("rank-1", 1)
+    entry = next(resumed)
+    assert (entry.seq, entry.rid, entry.WhichOneof("outcome")) == (1, "a", "restored")
 
 
 def test_a_dead_engines_session_is_dropped_with_its_reservations(
