@@ -91,4 +91,5 @@ def policy_names() -> list[str]:
 def _register_builtins() -> None:
     """Importing the policy modules registers them (banker first, then the baselines)."""
     import kvbank.engine.banker
-    import kvbank.engine.baselines  # noqa: F401
+    import kvbank.engine.baselines
+    import kvbank.engine.peak  # noqa: F401

@@ -243,6 +243,19 @@ class Ledger:
         self._waiting[rid] = _Waiting(pages, shape)
         return None
 
+    def set_shape(self, rid: str, shape: PeakShape) -> None:
+        """Replace a waiting request's shape (its prefill bound depends on the queue ahead of
+        it when it is admitted). The worst-case pages must stay the same."""
+        waiting = self._waiting.get(rid)
+        if waiting is None:
+            raise UnknownRequest(f"request {rid!r} is not waiting")
+        if shape.pages != waiting.pages:
+            raise InvalidPages(
+                f"request {rid!r}: the new shape counts {shape.pages} worst-case pages but it "
+                f"was submitted with {waiting.pages}"
+            )
+        waiting.shape = shape
+
     def cancel(self, rid: str) -> None:
         """Drop a waiting request (its client went away before admission)."""
         if self._waiting.pop(rid, None) is None:
@@ -294,23 +307,35 @@ class Ledger:
             self._timeline.add(rid, waiting.shape, pages, Hold(hit.pages, hit.idle_pages))
         return self._decide(Admitted(rid, self.next_seq, pages, hit))
 
-    def admit_ready(self, peek: Callable[[str], Hit | None] = lambda rid: NO_HIT) -> list[Admitted]:
+    def admit_ready(
+        self,
+        peek: Callable[[str], Hit | None] = lambda rid: NO_HIT,
+        started: Callable[[Admitted], None] | None = None,
+    ) -> list[Admitted]:
         """Admit heads in FIFO order while they fit. `peek(rid)` recomputes the head's hit each
         time it is tried, without touching the prefix index's LRU; it returns None when the
         caller cannot tell that head's hit (a remote engine reported hits for the first few
-        waiting requests only), which stops admission there."""
+        waiting requests only), which stops admission there. `started(decision)` runs after
+        each admission, before the next peek, so the caller can lease that request's hit first."""
         admitted = []
         while (rid := self.head) is not None:
             hit = peek(rid)
             if hit is None or not self.can_admit_head(hit):
                 break
             admitted.append(self.admit_head(hit))
+            if started is not None:
+                started(admitted[-1])
         self.promised = None
         if rid is not None and self.policy is not None and self.policy.backfill:
-            admitted.extend(self._backfill(rid, peek))
+            admitted.extend(self._backfill(rid, peek, started))
         return admitted
 
-    def _backfill(self, head: str, peek: Callable[[str], Hit | None]) -> list[Admitted]:
+    def _backfill(
+        self,
+        head: str,
+        peek: Callable[[str], Hit | None],
+        started: Callable[[Admitted], None] | None,
+    ) -> list[Admitted]:
         """EASY backfill: find the earliest step the blocked head surely fits, then let up to
         `backfill_depth` later requests start now, each only if the head still fits at that
         step beside it. The head is never delayed, so nothing starves."""
@@ -335,6 +360,8 @@ class Ledger:
             hold = Hold(hit.pages, hit.idle_pages)
             if timeline.fits_behind(head_shape, start, self._shape(waiting), hold, self.supply):
                 admitted.append(self._admit(rid, hit))
+                if started is not None:
+                    started(admitted[-1])
         return admitted
 
     def restore(self, rid: str, reserved: int, held: int) -> Reservation:

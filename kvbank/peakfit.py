@@ -1,15 +1,19 @@
 """Peak-fit admission: the pages admitted requests may hold at each future step, and its peak.
 
 Every running request advances at least one token per step (the scheduler's promise, checked
-each step by `Timeline.end_step`). So a request with `tokens` per label, `chunks` prefill chunks
-left and `remaining` output tokens still allowed holds at future step k (k = 0 is the next step)
-at most, per label,
+each step by `Timeline.end_step`) and at most `advance` (1 + spec when every draft token may be
+accepted, 1 when the engine writes one token per decode row and allocates `spec` lookahead
+positions). So a request with `tokens` per label, `chunks` prefill chunks left and `remaining`
+output tokens still allowed holds at future step k (k = 0 is the next step) at most, per label,
 
-    min(worst, tokens + per_output * (1 + spec) * max(0, k - chunks + 1))
+    min(worst, tokens + per_output * (advance * j + lookahead))   for j >= 1
 
-tokens (a step writes the token after the last one written, hence the + 1: a request at d
-tokens needs the page of token d + 1 in the step that produces it), and after step
-chunks + remaining - 1 it has finished and returned its exclusive pages. Summed over the running
+with lookahead = 1 + spec - advance, and its prompt while j <= 0. Decoding, j = k + 1 (a step
+writes the token after the last one written: a request at d tokens needs the page of token d + 1
+in the step that produces it). Prefilling, j = k: its prefill may end in the next step however
+many chunks it may take, so its growth is counted from then, while its finish is counted from
+its worst-case number of chunks: it has surely finished, and returned its exclusive pages, after
+step chunks + remaining - 1. Summed over the running
 requests, extra demand (pages beyond what each holds now, minus what finished ones return) only
 rises between two finishes, so its peak is at the step before a finish: one candidate step per
 running request. The timeline keeps that demand at the candidates (the profile, rebuilt once
@@ -81,7 +85,7 @@ class Track:
     the rest of what it holds is shared with other holders (a prefix) and stays."""
 
     tokens: list[int]  # per label, never below the label's prompt tokens
-    rate: tuple[int, ...]  # tokens per label one step may add: per_output * (1 + spec)
+    per_output: tuple[int, ...]  # tokens per label per output token; 0: a flat (worst) curve
     worst: tuple[int, ...]
     chunks: int  # prefill steps left (worst case)
     remaining: int  # decode steps left at most: output budget - produced (NEVER: unknown)
@@ -91,6 +95,7 @@ class Track:
     base: tuple[int, ...]
     labels: tuple[str, ...] = ()
     produced: int = 0
+    step_produced: int = 0  # produced when the step began
     moved: bool = True  # advanced since the last end_step
 
     @property
@@ -99,11 +104,30 @@ class Track:
         return min(NEVER, self.chunks + self.remaining)
 
 
-def track_for(shape: PeakShape, spec: int, held: int, exclusive: int, peak: bool) -> Track:
+@dataclass(frozen=True)
+class Pace:
+    """Tokens one decode step may add (`advance`) and positions allocated past them
+    (`lookahead`); advance + lookahead = 1 + speculative tokens."""
+
+    advance: int
+    lookahead: int
+
+    @classmethod
+    def of(cls, speculative_tokens: int, max_advance: int | None = None) -> Pace:
+        advance = 1 + speculative_tokens if max_advance is None else max_advance
+        if not 1 <= advance <= 1 + speculative_tokens:
+            raise ValueError(
+                f"a step advances a request by 1 to 1 + speculative_tokens "
+                f"({1 + speculative_tokens}) tokens, got max_advance {max_advance}"
+            )
+        return cls(advance, 1 + speculative_tokens - advance)
+
+
+def track_for(shape: PeakShape, held: int, exclusive: int, peak: bool) -> Track:
     """The track of a request just admitted. Without peak, its curve is flat at its worst case
     (the conservative reading), but its finish is still known, for backfill."""
     if peak:
-        rate = tuple(r * (1 + spec) for r in shape.per_output)
+        rate = shape.per_output
         tokens = list(shape.base)
     else:
         rate = tuple(0 for _ in shape.per_output)
@@ -132,14 +156,15 @@ class Profile:
     """Extra demand of the running requests at their candidate steps, and the pages their
     finishes return by then. Built from the tracks as they stand; immutable."""
 
-    def __init__(self, tracks: list[Track], page_size: int):
+    def __init__(self, tracks: list[Track], page_size: int, pace: Pace):
         self.page_size = page_size
+        self.pace = pace
         n = len(tracks)
         self.count = n
         rows = [len(t.tokens) for t in tracks]
         self.row_starts = np.cumsum([0, *rows[:-1]], dtype=np.int64) if n else np.zeros(0, int)
         self.tokens = np.array([x for t in tracks for x in t.tokens], dtype=np.int64)
-        self.rate = np.array([x for t in tracks for x in t.rate], dtype=np.int64)
+        self.per_output = np.array([x for t in tracks for x in t.per_output], dtype=np.int64)
         self.worst = np.array([x for t in tracks for x in t.worst], dtype=np.int64)
         self.chunks = np.repeat(np.array([t.chunks for t in tracks], dtype=np.int64), rows)
         self.held = np.array([t.held for t in tracks], dtype=np.int64)
@@ -158,8 +183,11 @@ class Profile:
     def _evaluate(self, ks: Steps) -> Steps:
         if self.count == 0:
             return np.zeros(len(ks), dtype=np.int64)
-        steps = np.maximum(ks[None, :] - self.chunks[:, None] + 1, 0)
-        tokens = np.minimum(self.worst[:, None], self.tokens[:, None] + self.rate[:, None] * steps)
+        steps = np.maximum(ks[None, :] - np.minimum(self.chunks, 1)[:, None] + 1, 0)
+        written = self.pace.advance * steps + self.pace.lookahead * np.minimum(steps, 1)
+        tokens = np.minimum(
+            self.worst[:, None], self.tokens[:, None] + self.per_output[:, None] * written
+        )
         pages = np.add.reduceat(-(-tokens // self.page_size), self.row_starts, axis=0)
         growth = np.maximum(pages - self.held[:, None], 0)
         term = np.where(ks[None, :] < self.end[:, None], growth, -self.exclusive[:, None])
@@ -186,7 +214,7 @@ class Profile:
 
 def newcomer(
     shape: PeakShape,
-    spec: int,
+    pace: Pace,
     page_size: int,
     ks: Steps,
     start: int,
@@ -200,9 +228,10 @@ def newcomer(
     worst = np.array(shape.worst, dtype=np.int64)[:, None]
     if peak:
         base = np.array(shape.base, dtype=np.int64)[:, None]
-        rate = np.array(shape.per_output, dtype=np.int64)[:, None] * (1 + spec)
-        steps = np.maximum(ks[None, :] - start - shape.prefill_chunks + 1, 0)
-        tokens = np.minimum(worst, base + rate * steps)
+        per_output = np.array(shape.per_output, dtype=np.int64)[:, None]
+        steps = np.maximum(ks[None, :] - start - min(shape.prefill_chunks, 1) + 1, 0)
+        written = pace.advance * steps + pace.lookahead * np.minimum(steps, 1)
+        tokens = np.minimum(worst, base + per_output * written)
     else:
         tokens = np.broadcast_to(worst, (len(shape.worst), len(ks)))
     pages = (-(-tokens // page_size)).sum(axis=0) - hit_pages

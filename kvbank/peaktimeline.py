@@ -17,6 +17,7 @@ import numpy as np
 
 from kvbank.peakfit import (
     NEVER,
+    Pace,
     PeakShape,
     Profile,
     Track,
@@ -40,6 +41,9 @@ class PeakPolicy:
     peak: bool = True
     backfill: bool = False
     backfill_depth: int = 8
+    # Most tokens a step adds to a request: None for 1 + speculative_tokens (every draft token
+    # may be accepted); 1 for an engine that writes one token per decode row.
+    max_advance: int | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.speculative_tokens < 0 or self.backfill_depth < 0:
@@ -47,6 +51,7 @@ class PeakPolicy:
                 f"page_size {self.page_size} must be >= 1, speculative_tokens "
                 f"{self.speculative_tokens} and backfill_depth {self.backfill_depth} >= 0"
             )
+        Pace.of(self.speculative_tokens, self.max_advance)  # raises on a pace out of range
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class Hold:
 class Timeline:
     def __init__(self, policy: PeakPolicy):
         self.policy = policy
+        self.pace = Pace.of(policy.speculative_tokens, policy.max_advance)
         self.tracks: dict[str, Track] = {}
         self.stalled_steps = 0  # steps in which a running request did not advance
         self.fallback = False  # admit conservatively until every request advances again
@@ -74,7 +80,7 @@ class Timeline:
 
     def profile(self) -> Profile:
         if self._profile is None:
-            self._profile = Profile(list(self.tracks.values()), self.policy.page_size)
+            self._profile = Profile(list(self.tracks.values()), self.policy.page_size, self.pace)
         return self._profile
 
     def _changed(self) -> None:
@@ -92,8 +98,7 @@ class Timeline:
             self.tracks[rid] = flat_track(reserved, self.policy.page_size, hit.pages)
             self.tracks[rid].exclusive = hit.idle
         else:
-            spec = self.policy.speculative_tokens
-            self.tracks[rid] = track_for(shape, spec, hit.pages, hit.idle, self.policy.peak)
+            self.tracks[rid] = track_for(shape, hit.pages, hit.idle, self.policy.peak)
         self._changed()
 
     def restore(self, rid: str, reserved: int, held: int) -> None:
@@ -143,6 +148,7 @@ class Timeline:
                 f"request {rid!r} reports {produced} output tokens; it had {track.produced} "
                 f"and may produce at most {track.budget}"
             )
+
         if not 0 <= chunks_left <= track.chunks:
             return (
                 f"request {rid!r} reports {chunks_left} prefill chunks left; it had "
@@ -184,14 +190,10 @@ class Timeline:
             track.remaining = track.budget - produced
             if self.policy.peak:
                 for i, label in enumerate(track.labels):
-                    implied = track.base[i] + (track.rate[i] // (1 + self.spec)) * produced
+                    implied = track.base[i] + track.per_output[i] * produced
                     told = tokens_per_label[label] if tokens_per_label else implied
                     track.tokens[i] = min(track.worst[i], max(told, track.base[i]))
         self._changed()
-
-    @property
-    def spec(self) -> int:
-        return self.policy.speculative_tokens
 
     def end_step(self) -> list[str]:
         """Close a step: every running request must have advanced in it. If one did not, the
@@ -200,6 +202,7 @@ class Timeline:
         stalled = [rid for rid, t in self.tracks.items() if not t.moved and t.budget != NEVER]
         for track in self.tracks.values():
             track.moved = False
+            track.step_produced = track.produced
         self.clock += 1
         if stalled:
             self.stalled_steps += 1
@@ -274,7 +277,7 @@ class Timeline:
     def _newcomer(self, shape: PeakShape, ks: np.ndarray, start: int, hit: Hold) -> np.ndarray:
         policy = self.policy
         return newcomer(
-            shape, self.spec, policy.page_size, ks, start, hit.pages, hit.idle, self.peak_active
+            shape, self.pace, policy.page_size, ks, start, hit.pages, hit.idle, self.peak_active
         )
 
     def peak(self) -> tuple[int, int]:

@@ -195,8 +195,10 @@ class Driver:
                 if not live.started:  # the first chunk takes the whole prompt
                     live.started = True
                     self.allocate(live, max(0, self.pages_at(live, 0) - live.held))
-                live.prompt_left = max(0, live.prompt_left - self.chunk)
-                live.chunks_left -= 1
+                # A chunk is at least the guaranteed budget; a prefill may end early.
+                chunk = self.rng.choice([self.chunk, self.chunk, live.prompt_left])
+                live.prompt_left = max(0, live.prompt_left - chunk)
+                live.chunks_left = 0 if not live.prompt_left else live.chunks_left - 1
             else:
                 need = self.pages_at(live, live.produced + 1 + spec)
                 self.allocate(live, max(0, need - live.held))

@@ -80,12 +80,14 @@ def test_speculative_tokens_advance_the_bound_by_one_plus_spec_per_step() -> Non
     assert demand(timeline, 0, 7, 15, 16) == [1, 1, 1, -1]
 
 
-def test_prefill_holds_the_prompt_for_its_chunks_then_grows() -> None:
-    # Prompt 8 at pageSize 4 in 3 chunks: 2 pages for steps 0-2, then 9, 10 ... tokens.
+def test_a_prefill_may_end_early_so_it_grows_from_the_next_step_but_finishes_late() -> None:
+    # Prompt 8 at pageSize 4, up to 3 chunks, 8 output tokens: 2 pages at step 0; its prefill
+    # may end there, so 9 tokens (3 pages) at step 1 ... 16 (4 pages) from step 8; but it may
+    # also take all 3 chunks, so its pages come back only after step 3 + 8 - 1 = 10.
     timeline = Timeline(PeakPolicy(4))
     shape = peak_shape(text_model(4), RequestShape(8, 8), prefill_chunks=3)
     timeline.add("chunked", shape, shape.pages, Hold(0, 0))
-    assert demand(timeline, 0, 2, 3, 6, 7, 10, 11) == [2, 2, 3, 3, 4, 4, 0]
+    assert demand(timeline, 0, 1, 4, 5, 10, 11) == [2, 3, 3, 4, 4, 0]
 
 
 def test_a_shared_hit_stops_the_earliest_finisher_returning_those_pages() -> None:

@@ -1,0 +1,91 @@
+"""Cost of the peak-fit admission check at 256 running requests.
+
+Builds a ledger with 256 running chat requests at random progress (prompt 100-2000 tokens,
+max_tokens 1024, pageSize 16, one speculative token) and a pool sized so that the conservative
+test refuses the head, then times (1) the check with the profile already built (what every
+further check in a step costs), (2) the profile rebuild (paid once after the step's progress
+reports), (3) the backfill promise for the blocked head. Prints medians in microseconds.
+
+    .venv/bin/python benchmarks/admission_check.py [--running 256] [--repeats 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+from kvbank.capacity import CapacityModel, RequestShape
+from kvbank.ledger import Ledger
+from kvbank.modelpool import KvSlot
+from kvbank.peakfit import PeakShape, peak_shape
+from kvbank.peaktimeline import Hold, PeakPolicy
+
+PAGE = 16
+
+
+def build(running: int, seed: int) -> tuple[Ledger, PeakShape]:
+    """A ledger with `running` requests at random progress. They are admitted into a pool large
+    enough for all their worst cases, then the pool reports the supply a peak-admitted pool
+    would have: what they hold leaves a quarter of what they may still take."""
+    rng = random.Random(seed)
+    model = CapacityModel({"main": KvSlot(1, 1, 0)}, PAGE, 8192, 1024, 1)
+    shapes = [peak_shape(model, RequestShape(rng.randint(100, 2000), 1024)) for _ in range(running)]
+    worst = sum(s.pages for s in shapes)
+    ledger = Ledger(worst + 1, policy=PeakPolicy(PAGE, 1, peak=True, backfill=True))
+    held = 0
+    for i, shape in enumerate(shapes):
+        rid = f"r{i}"
+        ledger.submit(rid, shape.pages, shape=shape)
+        ledger.admit_head()
+        produced = rng.randint(0, shape.output_budget - 1)
+        pages = -(-(shape.base[0] + produced) // PAGE)
+        ledger.take(rid, pages)
+        ledger.advance(rid, produced)
+        held += pages
+    ledger.set_supply((worst - held) // 4, 0)
+    return ledger, peak_shape(model, RequestShape(1500, 1024))
+
+
+def median_us(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - start)
+    return statistics.median(times) / 1000
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--running", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args()
+    ledger, head = build(args.running, args.seed)
+    timeline = ledger._timeline
+    assert timeline is not None
+    supply = ledger.supply
+    hold = Hold(0, 0)
+    timeline.profile()
+    check = median_us(lambda: timeline.fits(head, hold, supply), args.repeats)
+
+    def rebuild() -> None:
+        timeline._changed()
+        timeline.profile()
+
+    rebuild_us = median_us(rebuild, max(50, args.repeats // 20))
+    timeline.profile()
+    promise = median_us(lambda: timeline.promise("head", head, supply), max(50, args.repeats // 20))
+    verdict = timeline.fits(head, hold, supply)
+    print(f"running requests: {args.running}, supply {supply} pages, head fits: {verdict}")
+    print(f"admission check (profile built): median {check:.1f} us")
+    print(f"profile rebuild (once per step after progress reports): median {rebuild_us:.1f} us")
+    print(f"backfill promise for the blocked head: median {promise:.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,171 @@
+"""Peak-fit admission in the engine: `peak`, `peak+backfill` and `banker+backfill`.
+
+The ledger (kvbank.ledger with a kvbank.peaktimeline.PeakPolicy) lives in-process and decides
+synchronously, so a head's hit is peeked and leased in the same pass: nothing is pinned, and the
+ledger's own account of shared pages stays exact (a pin would hold pages the ledger cannot see).
+
+The bound the ledger relies on is the scheduler's to keep (see kvbank.engine.scheduler): every
+running request gets a decode row every step, and prefill rows are served oldest first with at
+least `max_batch_tokens - max_running` tokens a step. So a request admitted behind `T` pending
+prefill tokens (its own prompt included) finishes its prefill within ceil(T / that) + 1 steps;
+that is the bound it is admitted with. After each step every running request's progress goes to
+the ledger; one that made none (or a prefill past its bound) is reported as stalled, counted in
+`stalled_steps`, logged, and the ledger admits conservatively until every request advances again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from kvbank.engine.kv import Chains
+from kvbank.engine.policy import AdmissionPolicy, register
+from kvbank.engine.request import Request
+from kvbank.engine.scheduler import Scheduler
+from kvbank.ledger import Admitted, Hit, InvariantBreach, Ledger
+from kvbank.peakfit import peak_shape
+from kvbank.peaktimeline import PeakPolicy
+
+log = logging.getLogger(__name__)
+
+
+class PeakFitPolicy(AdmissionPolicy):
+    def __init__(self, name: str, peak: bool, backfill: bool) -> None:
+        self.name = name
+        self.peak = peak
+        self.backfill = backfill
+        self.stalled_steps = 0
+        self._chunks: dict[str, int] = {}  # running request -> prefill steps it may still take
+        self._chains: dict[str, Chains] = {}  # hits peeked in this pass, leased at admission
+
+    def bind(self, sched: Scheduler) -> None:
+        super().bind(sched)
+        model = sched.model
+        # A decode row writes one token and allocates speculative_tokens positions past it.
+        policy = PeakPolicy(
+            model.page_size, model.speculative_tokens, self.peak, self.backfill, max_advance=1
+        )
+        self.ledger = Ledger(sched.kv.pool.total_pages, policy=policy)
+        self.prefill_rate = max(1, sched.max_batch_tokens - sched.max_running)
+
+    # ---- arrivals and admission ----------------------------------------------------------------
+
+    def on_arrival(self, req: Request) -> None:
+        shape = peak_shape(self.sched.model, req.shape)
+        refused = self.ledger.submit(req.rid, req.count.total, shape=shape)
+        if refused is not None:  # the engine refuses unholdable requests before this
+            raise InvariantBreach(f"request {req.rid!r} was refused by the ledger: {refused}")
+
+    def on_cancel(self, req: Request) -> None:
+        self.ledger.cancel(req.rid)
+
+    def _prefill_bound(self, req: Request) -> int:
+        """Steps the request's prefill may take if admitted now: every prefill token ahead of
+        it, and its own, at the guaranteed rate, plus the admission step (which may have no
+        budget left for it)."""
+        ahead = sum(
+            r.num_tokens - r.num_computed
+            for r in self.sched.running.values()
+            if r.rid in self._chunks
+        )
+        return -(-(ahead + req.num_tokens) // self.prefill_rate) + 1
+
+    def _peek(self, rid: str) -> Hit | None:
+        sched = self.sched
+        req = sched.waiting_by_rid.get(rid)
+        if req is None or not sched.can_start():
+            return None
+        waiting = self.ledger._waiting[rid]
+        assert waiting.shape is not None
+        chunks = self._prefill_bound(req)
+        if waiting.shape.prefill_chunks != chunks:
+            self.ledger.set_shape(rid, replace(waiting.shape, prefill_chunks=chunks))
+        chains = sched.kv.peek(req)
+        self._chains[rid] = chains
+        return Hit(sum(len(c) for c in chains.values()), sched.kv.idle_pages(chains))
+
+    def _started(self, decision: Admitted) -> None:
+        sched = self.sched
+        req = sched.waiting_by_rid[decision.rid]
+        waiting_chunks = self._prefill_bound(req)
+        sched.start(req, self._chains.pop(decision.rid))
+        self._chunks[req.rid] = waiting_chunks
+
+    def admit(self) -> None:
+        self._sync_supply()
+        self.ledger.admit_ready(self._peek, self._started)
+        self._chains.clear()
+
+    # ---- pages ---------------------------------------------------------------------------------
+
+    def on_shortage(self, req: Request) -> Request | None:
+        raise InvariantBreach(
+            f"request {req.rid!r} could not grow under {self.name}: it holds {req.held} of its "
+            f"{req.count.total} reserved pages, supply is {self.sched.kv.supply}"
+        )
+
+    def on_take(self, req: Request, pages: int) -> None:
+        self.ledger.take(req.rid, pages)
+
+    def on_release(self, req: Request) -> None:
+        self._chunks.pop(req.rid, None)
+        self.ledger.release(req.rid)
+
+    def end_step(self) -> None:
+        """Report every running request's progress, then close the step in the ledger."""
+        sched, ledger = self.sched, self.ledger
+        for req in sched.running.values():
+            row = sched.rows.get(req.rid)
+            chunks = self._chunks.get(req.rid)
+            if chunks is not None:  # in prefill: the bound counts down, progress or not
+                if req.num_computed >= len(req.prompt):
+                    del self._chunks[req.rid]
+                    chunks = 0
+                elif chunks <= 1:
+                    continue  # past its bound: stalled
+                else:
+                    chunks -= 1
+                    self._chunks[req.rid] = chunks
+            elif row is None:
+                continue  # a decode row was skipped: stalled
+            # Tokens whose KV is written (the last sampled token is not yet): the timeline's
+            # next step writes the one after them.
+            written = {
+                lay.name: lay.tokens_at(req.num_computed, len(req.prompt)) for lay in req.layout
+            }
+            ledger.advance(req.rid, len(req.output), written, chunks or 0)
+        self._sync_supply()
+        stalled = ledger.end_step()
+        if stalled:
+            self.stalled_steps += 1
+            log.warning(
+                "%s: %d running request(s) made no progress this step; admitting "
+                "conservatively until all advance",
+                self.name,
+                len(stalled),
+            )
+
+    def _sync_supply(self) -> None:
+        kv, ledger = self.sched.kv, self.ledger
+        if (kv.free, kv.evictable) != (ledger.free, ledger.evictable):
+            ledger.set_supply(kv.free, kv.evictable)
+
+    def check_integrity(self) -> None:
+        kv, ledger = self.sched.kv, self.ledger
+        ledger.check_integrity()
+        if (kv.free, kv.evictable) != (ledger.free, ledger.evictable):
+            raise InvariantBreach(
+                f"the pool's supply (free {kv.free}, evictable {kv.evictable}) differs from "
+                f"the ledger's (free {ledger.free}, evictable {ledger.evictable})"
+            )
+
+
+def _factory(name: str, peak: bool, backfill: bool):  # type: ignore[no-untyped-def]
+    def make(backend: object) -> AdmissionPolicy:
+        return PeakFitPolicy(name, peak, backfill)
+
+    return make
+
+
+register("peak", _factory("peak", True, False))
+register("peak+backfill", _factory("peak+backfill", True, True))
