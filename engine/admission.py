@@ -95,6 +95,8 @@ class EmbeddedBackend:
             ledger.set_supply(free, evictable)
 
     def poll(self, room: int) -> list[Decision]:
+        if not room and not self._refused:
+            return []  # the busy step's path: nothing to decide
         decisions: list[Decision] = list(self._refused)
         self._refused.clear()
         ledger = self.ledger

@@ -32,8 +32,12 @@ class BankerPolicy(AdmissionPolicy):
 
     def __init__(self, backend: AdmissionBackend) -> None:
         self.backend = backend
+        self._take = backend.take  # bound once: a busy step takes pages for many requests
         self._last_seq = -1
         self._reported: dict[str, int] = {}  # rid -> pinned pages last reported
+        # (head, index version, slack) at the last pin: with none of them changed the pin cannot
+        # grow, so the head is not re-peeked (the common busy step costs one comparison).
+        self._pinned_at: tuple[str, int, int] | None = None
 
     def on_arrival(self, req: Request) -> None:
         # The page need is the engine's own count_pages result, never a client's number.
@@ -58,7 +62,16 @@ class BankerPolicy(AdmissionPolicy):
         if not sched.waiting or not sched.waiting[0].cacheable:
             return
         head = sched.waiting[0]
-        pinned = kv.pin(head, max(0, kv.supply - self.backend.outstanding()))
+        slack = max(0, kv.supply - self.backend.outstanding())
+        state = (head.rid, kv.index.version, slack)
+        if state == self._pinned_at:
+            return
+        pinned = kv.pin(head, slack)
+        self._pinned_at = (
+            head.rid,
+            kv.index.version,
+            max(0, kv.supply - self.backend.outstanding()),
+        )
         if pinned != self._reported.get(head.rid, 0):
             self._reported[head.rid] = pinned
             self.backend.set_supply(kv.free, kv.evictable)
@@ -108,7 +121,7 @@ class BankerPolicy(AdmissionPolicy):
         )
 
     def on_take(self, req: Request, pages: int) -> None:
-        self.backend.take(req.rid, pages)  # raises if past the reservation: a bug, never absorbed
+        self._take(req.rid, pages)  # raises if past the reservation: a bug, never absorbed
 
     def on_release(self, req: Request) -> None:
         self.backend.release(req.rid)

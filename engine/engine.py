@@ -12,6 +12,7 @@ not ready this step are applied at a later one. Not thread-safe: one caller driv
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from kvbank.capacity import CapacityModel, RequestShape, count_pages, refusal
@@ -67,6 +68,7 @@ class Engine:
         self.steps = 0
         self.last_result: StepResult | None = None
         self.last_rows = 0
+        self.last_schedule_s = 0.0
         self._arrivals = 0
         self._known: set[str] = set()
         self._aborted: list[RequestOutput] = []
@@ -157,7 +159,9 @@ class Engine:
         """schedule -> run -> postprocess. Returns the new tokens of every row that sampled and
         every request that finished (or was aborted or rejected) since the last step."""
         sched = self.sched
+        started = time.perf_counter()
         batch = sched.schedule(self.steps)
+        self.last_schedule_s = time.perf_counter() - started  # scheduling and admission
         self.steps += 1
         self.last_rows = len(batch.rows)
         result = self.runner.run(batch) if batch.rows else StepResult({}, 0.0)

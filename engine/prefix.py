@@ -42,6 +42,7 @@ class PrefixIndex:
         self._nodes: dict[int, Node] = {}  # page id -> node
         self._leaves: list[tuple[int, int]] = []  # (stamp, page): idle leaves, lazily pruned
         self._clock = 0
+        self.version = 0  # bumped when a page enters or leaves the index: a match may differ
 
     def __contains__(self, page: int) -> bool:
         return page in self._nodes
@@ -102,6 +103,7 @@ class PrefixIndex:
         if key in siblings or page in self._nodes:
             return False
         self._clock += 1
+        self.version += 1
         node = Node(page, label, key, parent_node, self._clock)
         siblings[key] = node
         self._nodes[page] = node
@@ -150,6 +152,7 @@ class PrefixIndex:
         return victim
 
     def _remove(self, page: int) -> None:
+        self.version += 1
         node = self._nodes.pop(page)
         parent = node.parent
         siblings = parent.children if parent is not None else self._roots[node.label]

@@ -86,6 +86,9 @@ class Request:
     preemptions: int = 0
     page_size: int = 16
     worst: int = 0  # count.total, kept as a plain number: the step reads it per row
+    # Only a request whose every label is keyed can skip positions: a hit in one label would
+    # leave the others' KV for those positions unwritten.
+    cacheable: bool = False
     room: int = 0  # positions the held pages cover; a decode row within it allocates nothing
 
     @property
@@ -95,12 +98,6 @@ class Request:
     @property
     def max_output(self) -> int:
         return self.count.output_tokens
-
-    @property
-    def cacheable(self) -> bool:
-        """Only a request whose every label is keyed can skip positions: a hit in one label
-        would leave the others' KV for those positions unwritten."""
-        return all(label.keyed for label in self.layout)
 
     def token(self, position: int) -> int:
         prompt_len = len(self.prompt)
@@ -151,4 +148,5 @@ def make_request(
         page_size=model.page_size,
     )
     req.worst = req.count.total
+    req.cacheable = all(label.keyed for label in req.layout)
     return req
