@@ -76,7 +76,11 @@ class SidecarBackend:
         self._outstanding = 0
         self._hits: dict[str, Hit] = {}
         self._events: list[pb.Event] = []
-        self._supply: tuple[int, int] | None = None
+        self._supply: tuple[int, int] | None = None  # the pool's last (free, evictable)
+        # Whether the sidecar's ledger holds exactly `_supply`: a take or an admission's lease
+        # moves the ledger's own figures, and then the next report must be sent even if the
+        # pool reports the same numbers again.
+        self._supply_in_ledger = False
         self._ready: list[Decision] = []
         self._inflight: Future[pb.ReportReply] | None = None
         self._inflight_request: pb.ReportRequest | None = None
@@ -108,6 +112,7 @@ class SidecarBackend:
             )
         entry[1] += pages
         self._outstanding -= pages
+        self._supply_in_ledger = False
         self._events.append(pb.Event(take=pb.Take(rid=rid, pages=pages)))
 
     def release(self, rid: str) -> None:
@@ -118,9 +123,9 @@ class SidecarBackend:
         self._events.append(pb.Event(release=pb.Release(rid=rid)))
 
     def set_supply(self, free: int, evictable: int) -> None:
-        if self._supply == (free, evictable):
+        if self._supply == (free, evictable) and self._supply_in_ledger:
             return
-        self._supply = (free, evictable)
+        self._supply, self._supply_in_ledger = (free, evictable), True
         event = pb.Event(supply=pb.Supply(free=free, evictable=evictable))
         if self._events and self._events[-1].HasField("supply"):
             self._events[-1] = event  # back-to-back supply reports: the last one stands
@@ -248,6 +253,8 @@ class SidecarBackend:
             if kind == "admit":
                 hit = Hit(d.admit.hit.pages, d.admit.hit.idle_pages)
                 self._running[d.rid] = [d.admit.reserved, hit.pages]
+                if hit.idle_pages:
+                    self._supply_in_ledger = False
                 self._outstanding += d.admit.reserved - hit.pages
                 self._ready.append(Admitted(d.rid, d.seq, d.admit.reserved, hit))
             else:

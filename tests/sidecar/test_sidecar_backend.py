@@ -1,0 +1,44 @@
+"""The engine's gRPC backend against a real sidecar: its registry, the supply it forwards, and a
+cancel that crosses an admission."""
+
+from __future__ import annotations
+
+from kvbank.ledger import Admitted, Hit
+from kvbank.sidecar.backend import SidecarBackend
+from kvbank.sidecar.client import SidecarClient
+
+
+def test_a_repeated_supply_after_a_take_still_reaches_the_ledger(client: SidecarClient) -> None:
+    backend = SidecarBackend(client, 101)
+    backend.set_supply(100, 0)
+    backend.submit("a", 10)
+    assert [(d.rid, d.seq) for d in backend.poll(1)] == [("a", 0)]
+    backend.take("a", 3)  # the ledger now counts free 97
+    backend.set_supply(100, 0)  # the pool has 100 again (say, another request's pages returned)
+    backend.check_integrity(100, 0)  # flushes, then compares the sidecar's figures
+    assert backend.last_pool is not None
+    assert (backend.last_pool.free, backend.last_pool.outstanding) == (100, 7)
+    assert backend.outstanding() == 7
+
+
+def test_a_cancel_after_the_admission_was_decided_sends_nothing(client: SidecarClient) -> None:
+    backend = SidecarBackend(client, 101, blocking=True)
+    backend.submit("a", 10)
+    backend.report_hits({"a": Hit(2, 0)})
+    (decision,) = backend.poll(1)
+    assert decision == Admitted("a", 0, 10, Hit(2, 0))
+    backend.cancel("a")  # too late: the engine releases it when it applies the admission
+    backend.release("a")
+    backend.check_integrity(100, 0)
+    status = client.status()
+    assert (status.running, status.waiting, status.outstanding) == (0, 0, 0)
+
+
+def test_room_limits_each_poll_like_the_embedded_backend(client: SidecarClient) -> None:
+    backend = SidecarBackend(client, 101)
+    for rid in ("a", "b", "c"):
+        backend.submit(rid, 10)
+    assert [d.rid for d in backend.poll(0)] == []
+    assert [d.rid for d in backend.poll(2)] == ["a", "b"]
+    assert [d.rid for d in backend.poll(5)] == ["c"]
+    assert backend.outstanding() == 30
