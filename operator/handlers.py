@@ -82,6 +82,12 @@ async def renew_forever(rt: Runtime) -> None:
 
 
 def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # A fresh registry has none of kopf's default login handlers; this is the one for the
+        # same kubeconfig or in-cluster token the project's client uses (KUBECONFIG is set).
+        return kopf.login_via_client(**kwargs)
+
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure(settings, rt)

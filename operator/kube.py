@@ -82,7 +82,10 @@ class KubeClient:
             raise KubeUnavailable(0, f"{method} {path}: {exc}") from exc
         except ApiException as exc:  # TLS failures come back as status 0
             raise KubeUnavailable(exc.status or 0, f"{method} {path}: {exc.reason}") from exc
-        data = json.loads(raw) if raw else None
+        try:
+            data = json.loads(raw) if raw else None
+        except ValueError:  # some errors are plain text ("404 page not found" from discovery)
+            data = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
         return int(response.status), data
 
     async def _request(
@@ -169,7 +172,7 @@ class KubeClient:
     ) -> dict[str, Any] | None:
         path = resource_path(api_version, kind, name, namespace, subresource)
         result: dict[str, Any] | None = await self._request(
-            "PATCH", path, body=json.dumps(patch), content_type=MERGE, absent_ok=True
+            "PATCH", path, body=dict(patch), content_type=MERGE, absent_ok=True
         )
         return result
 

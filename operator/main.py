@@ -16,6 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kubeconfig:
+        # Before the Kubernetes client is imported: it reads KUBECONFIG once, at import, and
+        # kopf's login (kopf.login_via_client) must find the same file as the project's client.
+        os.environ["KUBECONFIG"] = args.kubeconfig
     # kopf, the Kubernetes client and cryptography load only when the operator runs.
     import kopf
 
@@ -29,8 +33,6 @@ def run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if config.kubeconfig:
-        os.environ["KUBECONFIG"] = config.kubeconfig  # kopf's own login reads the same file
     cluster = KubeClient(load_api_client(config.kubeconfig), timeout=config.api_timeout)
     runtime = Runtime(
         config=config,

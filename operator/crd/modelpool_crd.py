@@ -132,9 +132,8 @@ def _spec() -> Schema:
                 rules=[
                     rule(
                         "self.maxTokens < self.maxSeqLen",
-                        message_expression="'maxTokens must be below maxSeqLen (' + "
-                        "string(self.maxSeqLen) + ') so a prompt fits, got ' + "
-                        "string(self.maxTokens)",
+                        message_expression="'maxTokens must be below maxSeqLen (%d) so a "
+                        "prompt fits, got %d'.format([self.maxSeqLen, self.maxTokens])",
                     )
                 ],
             ),

@@ -25,6 +25,12 @@ ARCH = "self.model.architecture"
 ARCH_FIELDS = ("layers", "attentionHeads", "kvHeads", "headDim", "parameters", "dtype")
 
 
+def _format(template: str, *values: str) -> str:
+    """A messageExpression through `format`: the apiserver's cost estimator bounds it, whereas
+    `'...' + string(n)` is estimated as unbounded and refused."""
+    return f"'{template}'.format([{', '.join(values)}])"
+
+
 def _or_default(path: str, field: str, default: int | str) -> str:
     return f"(has({path}.{field}) ? {path}.{field} : {default})"
 
@@ -59,16 +65,14 @@ def architecture_rules() -> list[dict[str, str]]:
         ),
         rule(
             f"!({heads_known} && {kv_known}) || {kv} <= {heads}",
-            message_expression=(
-                f"'kvHeads must be at most attentionHeads (' + string({heads}) + '), got ' + "
-                f"string({kv})"
+            message_expression=_format(
+                "kvHeads must be at most attentionHeads (%d), got %d", heads, kv
             ),
         ),
         rule(
             f"!({heads_known} && {kv_known}) || {kv} > {heads} || {heads} % {kv} == 0",
-            message_expression=(
-                f"'kvHeads must divide attentionHeads (' + string({heads}) + '), got ' + "
-                f"string({kv})"
+            message_expression=_format(
+                "kvHeads must divide attentionHeads (%d), got %d", heads, kv
             ),
         ),
     ]
@@ -103,41 +107,46 @@ def spec_rules() -> list[dict[str, str]]:
     return [
         rule(
             f"!{heads_known} || {heads} % {tp} == 0",
-            message_expression=(
-                f"'tensorParallel=' + string({tp}) + ' does not divide "
-                f"model.architecture.attentionHeads=' + string({heads}) + "
-                "'. Use a tensorParallel that divides it.'"
+            message_expression=_format(
+                "tensorParallel=%d does not divide model.architecture.attentionHeads=%d. "
+                "Use a tensorParallel that divides it.",
+                tp,
+                heads,
             ),
         ),
         rule(
             f"!{kv_known} || {kv} % {tp} == 0 || {tp} % {kv} == 0",
-            message_expression=(
-                f"'tensorParallel=' + string({tp}) + ' cannot split "
-                f"model.architecture.kvHeads=' + string({kv}) + "
-                "': one must divide the other. Use a divisor or a multiple of kvHeads.'"
+            message_expression=_format(
+                "tensorParallel=%d cannot split model.architecture.kvHeads=%d: one must divide "
+                "the other. Use a divisor or a multiple of kvHeads.",
+                tp,
+                kv,
             ),
         ),
         rule(
             f"{single_paged} || self.kvSlots.all(k, {worst} <= {usable})",
-            message_expression=(
-                "'kv.pages=' + string(self.kv.pages) + ' cannot hold one worst-case request (' + "
-                f"string({worst_value}) + ' pages at pageSize ' + string(self.kv.pageSize) + "
-                "'). Raise kv.pages to at least ' + "
-                f"string({worst_value} + {SINK_PAGES}) + "
-                "', or lower limits.maxSeqLen or limits.maxTokens (kvbank check prints how far).'"
+            message_expression=_format(
+                "kv.pages=%d cannot hold one worst-case request (%d pages at pageSize %d). "
+                "Raise kv.pages to at least %d, or lower limits.maxSeqLen or limits.maxTokens "
+                "(kvbank check prints how far).",
+                "self.kv.pages",
+                worst_value,
+                "self.kv.pageSize",
+                f"{worst_value} + {SINK_PAGES}",
             ),
         ),
         rule(
             f"{single_paged} || !has(self.admission) || !has({min_conc}) || "
             f"self.kvSlots.all(k, {worst} > {usable} || {usable} / {worst} >= {min_conc})",
-            message_expression=(
-                f"'admission.minConcurrency=' + string({min_conc}) + ' needs ' + "
-                f"string({min_conc} * {worst_value} + {SINK_PAGES}) + ' pages but kv.pages=' + "
-                f"string(self.kv.pages) + ' holds ' + string({usable} / {worst_value}) + "
-                "' worst-case requests. Raise kv.pages to at least ' + "
-                f"string({min_conc} * {worst_value} + {SINK_PAGES}) + "
-                "', or lower admission.minConcurrency to ' + "
-                f"string({usable} / {worst_value}) + '.'"
+            message_expression=_format(
+                "admission.minConcurrency=%d needs %d pages but kv.pages=%d holds %d worst-case "
+                "requests. Raise kv.pages to at least %d, or lower admission.minConcurrency to %d.",
+                min_conc,
+                f"{min_conc} * {worst_value} + {SINK_PAGES}",
+                "self.kv.pages",
+                f"{usable} / {worst_value}",
+                f"{min_conc} * {worst_value} + {SINK_PAGES}",
+                f"{usable} / {worst_value}",
             ),
         ),
     ]
@@ -147,10 +156,10 @@ def root_rules() -> list[dict[str, str]]:
     return [
         rule(
             f"self.metadata.name.size() <= {MAX_POOL_NAME_LENGTH}",
-            message_expression=(
-                f"'metadata.name must be at most {MAX_POOL_NAME_LENGTH} characters (its pods, "
-                "Services and revision hashes add suffixes within 63), got ' + "
-                "string(self.metadata.name.size())"
+            message_expression=_format(
+                f"metadata.name must be at most {MAX_POOL_NAME_LENGTH} characters (its pods, "
+                "Services and revision hashes add suffixes within 63), got %d",
+                "self.metadata.name.size()",
             ),
         )
     ]

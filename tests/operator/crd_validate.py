@@ -11,10 +11,17 @@ from typing import Any
 import celpy
 
 
+def _format(template: Any, values: Any) -> Any:
+    """Kubernetes' CEL string extension `'%d ...'.format([...])`, which cel-python lacks."""
+    return celpy.celtypes.StringType(
+        str(template) % tuple(int(v) if isinstance(v, int) else str(v) for v in values)
+    )
+
+
 @cache
 def _program(expression: str) -> Any:
     env = celpy.Environment()
-    return env.program(env.compile(expression))
+    return env.program(env.compile(expression), functions={"format": _format})
 
 
 def compile_rule(expression: str) -> None:

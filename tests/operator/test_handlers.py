@@ -62,6 +62,12 @@ class TestRegistration:
         ids = sorted(str(h.id) for h in registry._webhooks.get_all_handlers())
         assert ids == ["validate-capacitypolicy", "validate-modelpool"]
 
+    def test_kopf_can_log_in(self) -> None:
+        """A fresh registry has no login handler of kopf's; without one kopf cannot start."""
+        registry, _, _ = _setup()
+        names = {h.fn.__name__ for h in registry._activities.get_all_handlers()}
+        assert {"login", "startup", "cleanup"} <= names
+
     def test_reconcile_runs_on_create_update_and_resume(self) -> None:
         registry, _, _ = _setup()
         causes = {

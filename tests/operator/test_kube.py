@@ -1,6 +1,7 @@
 """The one Kubernetes client: REST paths for every kind, and the 404/409/timeout policy of
-`kvbank.operator.cluster`, checked at the HTTP boundary (ApiClient.call_api replaced by a
-recorder; the autouse guard still refuses any other raw call)."""
+`kvbank.operator.cluster`, checked at the network boundary: urllib3's pool manager is replaced,
+so requests pass through the client library's own serialisation (which once double-encoded a
+merge patch that a recorder above it could not see)."""
 
 from __future__ import annotations
 
@@ -11,50 +12,60 @@ from typing import Any
 import pytest
 import urllib3
 from kubernetes import client as k8s
+from kubernetes.client.rest import RESTClientObject
 
 from kvbank.operator.cluster import KubeConflict, KubeError, KubeUnavailable, resource_path
 from kvbank.operator.kube import KubeClient
 
+ORIGINAL_CALL_API = k8s.ApiClient.call_api
+ORIGINAL_REQUEST = RESTClientObject.request
 
-class FakeResponse:
+
+class FakeHTTPResponse:
+    """What urllib3 hands the client's REST layer."""
+
     def __init__(self, status: int, body: Any) -> None:
         self.status = status
-        self._raw = json.dumps(body).encode() if body is not None else b""
-
-    def read(self) -> bytes:
-        return self._raw
+        self.reason = "fake"
+        self.headers: dict[str, str] = {}
+        if isinstance(body, bytes):
+            self.data = body
+        else:
+            self.data = json.dumps(body).encode() if body is not None else b""
 
 
 class Transport:
+    """Stands in for urllib3's pool manager, under the client's own serialisation, so a test
+    sees the bytes the apiserver would receive."""
+
     def __init__(self, *answers: Any) -> None:
         self.answers = list(answers)
         self.requests: list[dict[str, Any]] = []
 
-    def __call__(self, method, url, header_params=None, body=None, _request_timeout=None):
+    def request(self, method, url, *, body=None, headers=None, timeout=None, **_):
         self.requests.append(
-            {
-                "method": method,
-                "url": url,
-                "headers": header_params,
-                "body": body,
-                "timeout": _request_timeout,
-            }
+            {"method": method, "url": url, "headers": headers, "body": body, "timeout": timeout}
         )
         answer = self.answers.pop(0)
         if isinstance(answer, BaseException):
             raise answer
-        return FakeResponse(*answer)
+        return FakeHTTPResponse(*answer)
 
 
 @pytest.fixture
 def transport(monkeypatch: pytest.MonkeyPatch):
+    # Undo the autouse guard for the client's own layers; the network below is the fake.
+    monkeypatch.setattr(k8s.ApiClient, "call_api", ORIGINAL_CALL_API)
+    monkeypatch.setattr(RESTClientObject, "request", ORIGINAL_REQUEST)
+
     def install(*answers: Any) -> tuple[KubeClient, Transport]:
         fake = Transport(*answers)
-        monkeypatch.setattr(k8s.ApiClient, "call_api", lambda self, *a, **kw: fake(*a, **kw))
         configuration = k8s.Configuration(host="https://kube.test")
         configuration.api_key = {"BearerToken": "secret-token"}
         configuration.api_key_prefix = {"BearerToken": "Bearer"}
-        return KubeClient(k8s.ApiClient(configuration), timeout=3.0), fake
+        api = k8s.ApiClient(configuration)
+        api.rest_client.pool_manager = fake
+        return KubeClient(api, timeout=3.0), fake
 
     return install
 
@@ -102,7 +113,7 @@ class TestPolicy:
         assert request["headers"]["Content-Type"] == "application/apply-patch+yaml"
         assert request["headers"]["authorization"] == "Bearer secret-token"
         assert json.loads(request["body"]) == CM
-        assert request["timeout"] == 3.0
+        assert request["timeout"].total == 3.0
 
     def test_absent_is_an_answer(self, transport) -> None:
         kube, _ = transport((404, {"message": "nope"}), (404, {}), (404, {}), (404, {}))
@@ -142,6 +153,20 @@ class TestPolicy:
         assert not isinstance(caught.value, KubeUnavailable)
         assert caught.value.status == 403 and "is forbidden" in str(caught.value)
 
+    def test_merge_patch_sends_the_patch_once_encoded(self, transport) -> None:
+        kube, fake = transport((200, {"status": {}}))
+        patch = {"status": {"observedGeneration": 2}}
+        asyncio.run(kube.patch("kvbank.dev/v1alpha1", "ModelPool", "p", "ns", patch, "status"))
+        (request,) = fake.requests
+        assert request["url"].endswith("/namespaces/ns/modelpools/p/status")
+        assert request["headers"]["Content-Type"] == "application/merge-patch+json"
+        assert json.loads(request["body"]) == patch
+
+    def test_a_plain_text_error_keeps_its_text(self, transport) -> None:
+        kube, _ = transport((500, b"etcdserver: request timed out"))
+        with pytest.raises(KubeUnavailable, match="etcdserver: request timed out"):
+            asyncio.run(kube.get("v1", "ConfigMap", "c", "ns"))
+
     def test_list_items_get_their_kind(self, transport) -> None:
         kube, fake = transport((200, {"items": [{"metadata": {"name": "p"}}]}))
         items = asyncio.run(kube.list("v1", "Pod", "ns", label_selector="kvbank.dev/pool=a"))
@@ -151,7 +176,8 @@ class TestPolicy:
         )
 
     def test_discovery_tells_whether_an_api_is_served(self, transport) -> None:
-        kube, fake = transport((200, {"resources": []}), (404, None))
+        # the apiserver answers an unserved group with a plain-text 404
+        kube, fake = transport((200, {"resources": []}), (404, b"404 page not found\n"))
         assert asyncio.run(kube.api_available("leaderworkerset.x-k8s.io/v1"))
         assert not asyncio.run(kube.api_available("leaderworkerset.x-k8s.io/v1"))
         assert fake.requests[0]["url"] == "https://kube.test/apis/leaderworkerset.x-k8s.io/v1"
