@@ -204,7 +204,8 @@ class AdmissionState:
         if req.admit:
             room = req.room if req.HasField("room") else None
             admitted = ledger.admit_ready(_peek(hits, room))
-            waited = ledger.head is not None and (not admitted or ledger.head in hits)
+            out_of_room = room is not None and len(admitted) >= room
+            waited = ledger.head is not None and not out_of_room  # the head lacks pages
             decisions.extend(admitted)
         else:
             waited = False

@@ -49,6 +49,7 @@ def test_pool_metrics_status_and_graceful_sigterm() -> None:
                     events=[
                         pb.Event(submit=pb.Submit(rid="a", pages=513)),
                         pb.Event(submit=pb.Submit(rid="b", pages=30000)),
+                        pb.Event(submit=pb.Submit(rid="c", pages=19999)),
                     ],
                     admit=True,
                 )
@@ -60,7 +61,8 @@ def test_pool_metrics_status_and_graceful_sigterm() -> None:
             "kvbank_pages_free 19999.0",
             "kvbank_pages_reserved 513.0",
             "kvbank_pages_outstanding 513.0",
-            "kvbank_queue_depth 0.0",
+            "kvbank_queue_depth 1.0",
+            "kvbank_waits_total 1.0",
             "kvbank_admissions_total 1.0",
             "kvbank_rejections_total 1.0",
             "kvbank_admission_wait_seconds_count 1.0",
@@ -71,6 +73,7 @@ def test_pool_metrics_status_and_graceful_sigterm() -> None:
         assert shown.returncode == 0, shown.stderr
         assert "20000 pages (19999 usable): free 19999, evictable 0" in shown.stdout
         assert "reserved 513, held 0, outstanding 513 (slack 19486)" in shown.stdout
+        assert f"  {'c':<24} {19999:>8} pages" in shown.stdout.splitlines()
         row = f"  {'a':<24} seq {1:>6}  reserved {513:>6}  held {0:>6}"
         assert row in shown.stdout.splitlines()
     finally:
