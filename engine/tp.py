@@ -124,13 +124,13 @@ def _cuda() -> bool:
 
 def _leader(options: Any, parallel: Any, channel: Any, host: str, port: int) -> int:
     from kvbank.engine.admission import embedded
-    from kvbank.engine.model.stack import build_stack, sidecar_backend
+    from kvbank.engine.model.stack import build_stack, options_sidecar_backend
     from kvbank.engine.serve import serve_stack
     from kvbank.engine.tp_sync import LeaderRunner, Plan, RecordingBackend
 
     recording = None
     if options.policy == "banker":
-        inner = (sidecar_backend(options.sidecar, options.pages) if options.sidecar
+        inner = (options_sidecar_backend(options) if options.sidecar
                  else embedded(options.pages, debug=options.debug))  # fmt: skip
         recording = RecordingBackend(inner)
     stack = build_stack(options, parallel, recording)

@@ -92,6 +92,15 @@ def sidecar_backend(address: str, total_pages: int, token: str | None = None) ->
     return backend
 
 
+def options_sidecar_backend(options: ServeOptions) -> AdmissionBackend:
+    """The sidecar backend `--sidecar` (and `--sidecar-token-file`) ask for."""
+    assert options.sidecar is not None
+    token = None
+    if options.sidecar_token_file:
+        token = Path(options.sidecar_token_file).read_text().strip() or None
+    return sidecar_backend(options.sidecar, options.pages, token)
+
+
 def build_stack(
     options: ServeOptions,
     parallel: Parallel | None = None,
@@ -132,10 +141,7 @@ def build_stack(
     attention = options.attention or default_attention(device)
     runner = TorchRunner(model, options.pages, options.page_size, eos, attention, options.seed)
     if backend is None and options.sidecar and options.policy == "banker":
-        token = None
-        if options.sidecar_token_file:
-            token = Path(options.sidecar_token_file).read_text().strip() or None
-        backend = sidecar_backend(options.sidecar, options.pages, token)
+        backend = options_sidecar_backend(options)
     engine_config = EngineConfig(
         capacity,
         options.pages,

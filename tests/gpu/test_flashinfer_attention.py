@@ -39,7 +39,9 @@ def _compare(rows: list[tuple[int, int, list[int]]]) -> None:
     k = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     v = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
     write_kv(cache, k, v, batch)
-    reference = TorchAttention().attend(q, cache, batch)
+    torch_path = TorchAttention()
+    torch_path.plan(batch)  # a decode-only batch takes the padded, masked batch path
+    reference = torch_path.attend(q, cache, batch)
     flash = FlashInferAttention(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, device)
     flash.plan(batch)
     out = flash.attend(q, cache, batch)
