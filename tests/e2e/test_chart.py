@@ -1,0 +1,330 @@
+"""`helm lint` and `helm template` of charts/kvbank, checked against the operator's own code:
+the environment the Deployment sets is what `kvbank operator` reads, the webhook paths are its
+handler ids, and the ClusterRole grants what its builders apply. No cluster is needed."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from e2e_kube import CHART, ROOT, Tools, ensure_tools
+from e2e_kube import example as load_example
+
+from kvbank.capacity import holdability
+from kvbank.modelpool import parse_modelpool
+from kvbank.operator import config as operator_config
+from kvbank.operator.cluster import RESOURCES
+from kvbank.operator.policy import parse_capacity_policy
+from kvbank.operator.render.bundle import render_pool
+from kvbank.operator.render.names import Owner, RenderSettings, Workload
+
+KUBE_VERSION = "1.36.0"
+
+
+@pytest.fixture(scope="module")
+def helm() -> Tools:
+    return Tools(ensure_tools(), Path("/nonexistent/kubeconfig"))
+
+
+def render(helm: Tools, *sets: str, expect_ok: bool = True, extra: tuple[str, ...] = ()) -> Any:
+    args = ["template", "kvbank", str(CHART), "-n", "kvbank-system", "--kube-version", KUBE_VERSION]
+    for s in sets:
+        args += ["--set", s]
+    out = helm.helm(*args, *extra)
+    if not expect_ok:
+        assert out.returncode != 0, "helm template should have refused these values"
+        return out.stderr
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(docs, kind)
+    assert len(found) == 1, f"{len(found)} {kind} rendered"
+    return found[0]
+
+
+def env_of(deployment: dict[str, Any]) -> dict[str, str]:
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+def test_lint_passes_in_both_certificate_modes(helm: Tools) -> None:
+    for mode in ("self-signed", "cert-manager"):
+        out = helm.helm(
+            "lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION,
+            "--set", f"certificates.mode={mode}",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_default_render_has_exactly_the_operator_objects(helm: Tools) -> None:
+    docs = render(helm)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "Role",
+        "RoleBinding",
+        "Secret",
+        "Service",
+        "ServiceAccount",
+        "ValidatingWebhookConfiguration",
+    ]
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    service = one(docs, "Service")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_images_are_the_tags_the_containerfiles_build(helm: Tools) -> None:
+    built = set()
+    for path in (ROOT / "containers").glob("*.Containerfile"):
+        built |= set(re.findall(r"-t (\S+:\S+) \.", path.read_text()))
+    deployment = one(render(helm), "Deployment")
+    operator_image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert built == {operator_image, env_of(deployment)["KVBANK_IMAGE"]}
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert operator_image.endswith(":" + chart["appVersion"])
+
+
+def parsed_operator_config(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    operator_config.add_arguments(parser)
+    return operator_config.OperatorConfig.from_args(parser.parse_args([]))
+
+
+def test_the_deployment_environment_is_what_the_operator_reads(
+    helm: Tools, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = render(
+        helm, "operator.watchNamespaces={team-a,team-b}", "engine.gpuResource=amd.com/gpu"
+    )
+    config = parsed_operator_config(env_of(one(docs, "Deployment")), monkeypatch)
+    assert config.namespaces == ("team-a", "team-b")
+    assert config.tls.mode == "self-signed"
+    assert config.tls.namespace == "kvbank-system"
+    assert config.tls.secret_name == one(docs, "Secret")["metadata"]["name"]
+    assert (
+        config.tls.webhook_configuration
+        == one(docs, "ValidatingWebhookConfiguration")["metadata"]["name"]
+    )
+    service = one(docs, "Service")["metadata"]["name"]
+    assert f"{service}.kvbank-system.svc" in config.tls.names
+    assert config.webhook_port == 9443
+    assert config.render.image == "ghcr.io/kvbank/kvbank:0.1.0"
+    assert config.render.gpu_resource == "amd.com/gpu"
+
+
+def test_webhook_configuration_follows_the_values(helm: Tools) -> None:
+    handlers = (ROOT / "operator" / "handlers.py").read_text()
+    for failure_policy in ("Fail", "Ignore"):
+        docs = render(helm, f"webhook.failurePolicy={failure_policy}")
+        hooks = one(docs, "ValidatingWebhookConfiguration")["webhooks"]
+        assert [h["name"] for h in hooks] == [
+            "modelpools.kvbank.dev",
+            "capacitypolicies.kvbank.dev",
+        ]
+        pools = hooks[0]
+        assert pools["failurePolicy"] == failure_policy
+        assert pools["sideEffects"] == "None"
+        assert pools["admissionReviewVersions"] == ["v1"]
+        assert pools["timeoutSeconds"] == 10
+        assert pools["rules"] == [
+            {
+                "apiGroups": ["kvbank.dev"],
+                "apiVersions": ["*"],
+                "operations": ["CREATE", "UPDATE"],
+                "resources": ["modelpools"],
+                "scope": "Namespaced",
+            }
+        ]
+        for hook in hooks:
+            path = hook["clientConfig"]["service"]["path"]
+            assert f'id="{path.lstrip("/")}"' in handlers, f"no operator handler serves {path}"
+            assert "caBundle" not in hook["clientConfig"]  # the operator patches it in
+
+
+def test_local_mode_points_the_apiserver_at_a_url(helm: Tools) -> None:
+    docs = render(helm, "webhook.url=https://127.0.0.1:19443/")
+    hooks = one(docs, "ValidatingWebhookConfiguration")["webhooks"]
+    assert [h["clientConfig"] for h in hooks] == [
+        {"url": "https://127.0.0.1:19443/validate-modelpool"},
+        {"url": "https://127.0.0.1:19443/validate-capacitypolicy"},
+    ]
+    error = render(helm, "webhook.url=http://127.0.0.1:19443", expect_ok=False)
+    assert "webhook.url" in error and "https://" in error
+
+
+def rules(docs: list[dict[str, Any]], kind: str) -> Iterator[dict[str, Any]]:
+    for doc in by_kind(docs, kind):
+        yield from doc["rules"]
+
+
+def granted(docs: list[dict[str, Any]], group: str, resource: str) -> set[str]:
+    verbs: set[str] = set()
+    for rule in rules(docs, "ClusterRole"):
+        if group in rule["apiGroups"] and resource in rule["resources"]:
+            assert "resourceNames" not in rule, f"{resource} must not be limited by name"
+            verbs |= set(rule["verbs"])
+    return verbs
+
+
+def test_rbac_is_least_privilege(helm: Tools) -> None:
+    docs = render(helm)
+    everything = [*rules(docs, "ClusterRole"), *rules(docs, "Role")]
+    for rule in everything:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+        assert not {"delete", "deletecollection", "escalate", "bind"} & set(rule["verbs"]), rule
+    secrets = [r for r in everything if "secrets" in r["resources"]]
+    assert secrets == [
+        {
+            "apiGroups": [""],
+            "resources": ["secrets"],
+            "resourceNames": ["kvbank-webhook-tls"],
+            "verbs": ["get", "update"],
+        }
+    ]
+    hooks = [r for r in everything if "validatingwebhookconfigurations" in r["resources"]]
+    assert [r["resourceNames"] for r in hooks] == [["kvbank-operator"]]
+    assert granted(docs, "kvbank.dev", "modelpools/status") == {"patch"}
+    assert granted(docs, "kvbank.dev", "capacitypolicies") == {"get", "list", "watch"}
+
+
+def test_rbac_covers_every_kind_the_builders_apply(helm: Tools) -> None:
+    docs = render(helm)
+    example = load_example("modelpool-llama-8b.yaml")
+    pool = parse_modelpool(example)
+    owner = Owner(pool.name, pool.namespace, "0000")
+    for workload in Workload:
+        rendered = render_pool(
+            pool, holdability(pool), owner, example["spec"], RenderSettings(), workload
+        )
+        for manifest in rendered.manifests:
+            api_version, kind = manifest["apiVersion"], manifest["kind"]
+            group = api_version.rpartition("/")[0]
+            plural = RESOURCES[(api_version, kind)][0]
+            # Server-side apply is a PATCH, authorised as create when the object is new.
+            assert {"create", "patch"} <= granted(docs, group, plural), kind
+
+
+def test_cert_manager_mode_renders_a_certificate_and_no_secret_rights(
+    helm: Tools, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = render(helm, "certificates.mode=cert-manager")
+    assert not by_kind(docs, "Secret") and not by_kind(docs, "Role")
+    certificate = one(docs, "Certificate")
+    assert certificate["spec"]["secretName"] == "kvbank-webhook-tls"
+    assert certificate["spec"]["dnsNames"][0] == "kvbank-webhook.kvbank-system.svc"
+    assert one(docs, "Issuer")["spec"] == {"selfSigned": {}}
+    hooks = one(docs, "ValidatingWebhookConfiguration")
+    assert hooks["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": "kvbank-system/kvbank-webhook-tls"
+    }
+    assert not [r for r in rules(docs, "ClusterRole") if "resourceNames" in r]
+    deployment = one(docs, "Deployment")
+    config = parsed_operator_config(env_of(deployment), monkeypatch)
+    assert config.tls.mode == "cert-manager"
+    assert config.tls.webhook_configuration is None
+    mounts = deployment["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert {
+        "name": "webhook-tls",
+        "mountPath": str(config.tls.cert_dir),
+        "readOnly": True,
+    } in mounts
+    with_issuer = render(
+        helm, "certificates.mode=cert-manager", "certificates.certManager.issuerRef.name=corp-ca",
+        "certificates.certManager.issuerRef.kind=ClusterIssuer",
+    )  # fmt: skip
+    assert not by_kind(with_issuer, "Issuer")
+    assert one(with_issuer, "Certificate")["spec"]["issuerRef"] == {
+        "name": "corp-ca",
+        "kind": "ClusterIssuer",
+    }
+
+
+def test_bad_values_are_refused_with_what_to_write(helm: Tools) -> None:
+    error = render(helm, "certificates.mode=vault", expect_ok=False)
+    assert 'certificates.mode is "vault"; use self-signed or cert-manager' in error
+    error = render(helm, "webhook.failurePolicy=Maybe", expect_ok=False)
+    assert 'webhook.failurePolicy is "Maybe"; use Fail or Ignore' in error
+
+
+def test_network_policies_let_only_a_pools_own_ranks_reach_its_sidecars(helm: Tools) -> None:
+    assert not by_kind(render(helm), "NetworkPolicy")
+    docs = render(
+        helm, "networkPolicy.enabled=true", "networkPolicy.namespaces={team-a}",
+        "networkPolicy.pools[0].namespace=team-a", "networkPolicy.pools[0].name=llama-8b",
+    )  # fmt: skip
+    policies = {
+        (p["metadata"]["namespace"], p["metadata"]["name"]): p
+        for p in by_kind(docs, "NetworkPolicy")
+    }
+    assert set(policies) == {
+        ("team-a", "kvbank-ranks"),
+        ("team-a", "kvbank-sidecars-llama-8b"),
+        ("kvbank-system", "kvbank-operator"),
+    }
+    settings = RenderSettings()
+    base = policies[("team-a", "kvbank-ranks")]["spec"]
+    open_ports = {p["port"] for rule in base["ingress"] for p in rule["ports"]}
+    assert open_ports == {settings.http_port, settings.metrics_port}
+    pool = policies[("team-a", "kvbank-sidecars-llama-8b")]["spec"]
+    assert pool["podSelector"]["matchLabels"]["kvbank.dev/pool"] == "llama-8b"
+    [rule] = pool["ingress"]
+    assert rule["ports"] == [{"port": settings.sidecar_port, "protocol": "TCP"}]
+    own, operator = rule["from"]
+    assert own == {"podSelector": pool["podSelector"]}
+    assert operator["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": "kvbank-system"}
+    }
+    assert operator["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    # The operator's rank pods carry every label the policies select on.
+    example = load_example("modelpool-llama-8b.yaml")
+    parsed = parse_modelpool(example)
+    manifests = render_pool(
+        parsed, holdability(parsed), Owner("llama-8b", "team-a", "0"), example["spec"],
+        settings, Workload.STATEFUL_SET,
+    ).manifests  # fmt: skip
+    [workload] = [m for m in manifests if m["kind"] == "StatefulSet"]
+    pod_labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert pool["podSelector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_pod_monitor_only_when_asked_or_available(helm: Tools) -> None:
+    api = ("--api-versions", "monitoring.coreos.com/v1/PodMonitor")
+    assert not by_kind(render(helm), "PodMonitor")
+    assert by_kind(render(helm, extra=api), "PodMonitor")
+    assert not by_kind(render(helm, "metrics.podMonitor=false", extra=api), "PodMonitor")
+    monitor = one(render(helm, "metrics.podMonitor=true"), "PodMonitor")
+    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "interval": "30s"}]
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_default_capacity_policy_is_one_the_operator_parses(helm: Tools) -> None:
+    assert not by_kind(render(helm), "CapacityPolicy")
+    docs = render(
+        helm, "defaultCapacityPolicy.enabled=true",
+        "defaultCapacityPolicy.spec.limits.gpusPerNamespace=8",
+        "defaultCapacityPolicy.spec.limits.maxSeqLen=32768",
+    )  # fmt: skip
+    policy = parse_capacity_policy(one(docs, "CapacityPolicy"))
+    assert policy.name == "kvbank-default"
+    assert policy.limits.gpus_per_namespace == 8
+    assert policy.limits.max_seq_len == 32768
