@@ -23,6 +23,20 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from kvbank.engine.model.llama import Parallel
+from kvbank.engine.model.stack import ServeOptions
+from kvbank.engine.tp_sync import (
+    IDLE,
+    NO_ROWS,
+    Added,
+    Channel,
+    FollowerBackend,
+    FollowerRunner,
+    LeaderRunner,
+    Plan,
+    RecordingBackend,
+)
+
 log = logging.getLogger("kvbank.tp")
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -36,7 +50,13 @@ def _free_port() -> int:
 
 
 def rank_command(
-    rank: int, world: int, master: str, options: Any, host: str, port: int, timeout_s: float
+    rank: int,
+    world: int,
+    master: str,
+    options: ServeOptions,
+    host: str,
+    port: int,
+    timeout_s: float,
 ) -> list[str]:
     return [
         sys.executable, "-m", "kvbank.engine.tp",
@@ -47,13 +67,16 @@ def rank_command(
 
 
 def run_tp(
-    options: Any, world: int, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S
+    options: ServeOptions, world: int, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> int:
-    """Start every rank and wait. Non-zero when any rank fails; the others are stopped."""
-    if options.model is None:  # build the built-in model once, before the ranks race for it
-        from kvbank.engine.model.builtin import builtin_model_dir
+    """Start every rank and wait. Non-zero when any rank fails; the others are stopped. Raises
+    ValueError, before starting anything, when the model's heads cannot be split `world` ways."""
+    from kvbank.engine.model.config import load_config
+    from kvbank.engine.model.stack import resolve_model_dir
 
-        builtin_model_dir()
+    # Resolving builds the built-in model once, here, before the ranks would race for it.
+    _, model_dir = resolve_model_dir(options)
+    Parallel(0, world).check(load_config(model_dir))
     master = f"127.0.0.1:{_free_port()}"
     procs = [
         subprocess.Popen(rank_command(r, world, master, options, host, port, timeout_s))
@@ -75,7 +98,6 @@ def run_tp(
 def wait_for_ranks(procs: list[subprocess.Popen[bytes]]) -> int:
     while all(p.poll() is None for p in procs):
         time.sleep(0.2)
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
     deadline = time.monotonic() + GRACE_S
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -95,12 +117,9 @@ def wait_for_ranks(procs: list[subprocess.Popen[bytes]]) -> int:
 # ---- one rank ---------------------------------------------------------------------------------
 
 
-def rank_main(rank: int, world: int, master: str, options: Any, host: str, port: int,
+def rank_main(rank: int, world: int, master: str, options: ServeOptions, host: str, port: int,
               timeout_s: float) -> int:  # fmt: skip
     import torch.distributed as dist
-
-    from kvbank.engine.model.llama import Parallel
-    from kvbank.engine.tp_sync import Channel
 
     addr, master_port = master.rsplit(":", 1)
     device = options.device or ("cuda" if _cuda() else "cpu")
@@ -122,11 +141,12 @@ def _cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _leader(options: Any, parallel: Any, channel: Any, host: str, port: int) -> int:
+def _leader(
+    options: ServeOptions, parallel: Parallel, channel: Channel, host: str, port: int
+) -> int:
     from kvbank.engine.admission import embedded
     from kvbank.engine.model.stack import build_stack, options_sidecar_backend
     from kvbank.engine.serve import serve_stack
-    from kvbank.engine.tp_sync import LeaderRunner, Plan, RecordingBackend
 
     recording = None
     if options.policy == "banker":
@@ -160,14 +180,10 @@ def _leader(options: Any, parallel: Any, channel: Any, host: str, port: int) -> 
         if not runner.synced:
             plan = make_plan("step")
             channel.broadcast(plan)
-            from kvbank.engine.tp_sync import NO_ROWS
-
             channel.agree(NO_ROWS, plan.seq)
         return list(outputs)
 
     def heartbeat() -> None:
-        from kvbank.engine.tp_sync import IDLE
-
         plan = make_plan("idle")
         channel.broadcast(plan)
         channel.agree(IDLE, plan.seq)
@@ -182,8 +198,6 @@ def _leader(options: Any, parallel: Any, channel: Any, host: str, port: int) -> 
 def _journal_requests(engine: Any, journal: list[Any]) -> None:
     """Record rank 0's adds and aborts, in order, for the next plan. The engine loop calls
     these between steps; wrapping the bound methods keeps the engine core unaware of TP."""
-    from kvbank.engine.tp_sync import Added
-
     add, abort = engine.add_request, engine.abort
 
     def add_request(rid: str, prompt: list[int], max_tokens: int | None = None, **kw: Any) -> Any:
@@ -201,9 +215,8 @@ def _journal_requests(engine: Any, journal: list[Any]) -> None:
     engine.abort = abort_request
 
 
-def _follower(options: Any, parallel: Any, channel: Any) -> int:
+def _follower(options: ServeOptions, parallel: Parallel, channel: Channel) -> int:
     from kvbank.engine.model.stack import build_stack
-    from kvbank.engine.tp_sync import IDLE, NO_ROWS, Added, FollowerBackend, FollowerRunner
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: rank 0 says when to stop
     backend = FollowerBackend(options.pages, options.debug) if options.policy == "banker" else None
@@ -257,8 +270,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank {args.rank} %(name)s %(message)s")  # fmt: skip
-    from kvbank.engine.model.stack import ServeOptions
-
     options = ServeOptions(**json.loads(args.options))
     try:
         code = rank_main(args.rank, args.world, args.master, options, args.host, args.port,

@@ -181,3 +181,12 @@ def test_a_follower_refuses_a_decision_it_cannot_apply() -> None:
     assert [d.rid for d in fresh.poll(1)] == ["a"]
     with pytest.raises(TPDiverged, match="outstanding 6, supply 10"):
         fresh.poll(1)  # 6 + 6 pages do not fit in 10: rank 0 could not have decided this
+
+
+def test_a_tp_size_the_heads_cannot_split_is_refused_before_any_rank_starts(
+    builtin_model_dir: Path,
+) -> None:
+    from kvbank.engine.tp import run_tp
+
+    with pytest.raises(ValueError, match="num_attention_heads=8 is not divisible by --tp 3"):
+        run_tp(ServeOptions(model=str(builtin_model_dir)), 3, "127.0.0.1", _port())
