@@ -21,10 +21,12 @@ applied one is skipped, so a backend that resends is harmless.
 
 from __future__ import annotations
 
+import contextlib
+
 from kvbank.engine.admission import AdmissionBackend, EmbeddedBackend
 from kvbank.engine.policy import AdmissionPolicy, register
 from kvbank.engine.request import FinishReason, Request
-from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, Ledger
+from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, Ledger, UnknownRequest
 
 
 class BankerPolicy(AdmissionPolicy):
@@ -46,7 +48,9 @@ class BankerPolicy(AdmissionPolicy):
     def on_cancel(self, req: Request) -> None:
         self.sched.kv.unpin(req)
         self._reported.pop(req.rid, None)
-        self.backend.cancel(req.rid)
+        # A remote ledger may have admitted it already: `_apply` releases that Admitted.
+        with contextlib.suppress(UnknownRequest):
+            self.backend.cancel(req.rid)
 
     def admit(self) -> None:
         sched = self.sched

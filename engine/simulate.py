@@ -163,6 +163,8 @@ def run_policy(
     metrics: dict[str, Any] = {
         "scenario": scenario.name,
         "policy": policy,
+        "tp": scenario.tp,  # the pool is per rank and identical on every rank: rank 0 is run
+        "pool_pages": scenario.pages,
         "completed": done,
         "hung": workload.requests - done - counts["rejected"] - counts["failed"],
         "rejected": counts["rejected"],
