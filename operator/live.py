@@ -19,8 +19,9 @@ from typing import Any, Protocol
 
 from kvbank.modelpool import KIND
 from kvbank.operator.cluster import KVBANK, Cluster
+from kvbank.operator.pruning import prune_config_maps
 from kvbank.operator.ranks import RankedPod, leaders, rank_labels, ready_groups
-from kvbank.operator.render.names import LABEL_POOL
+from kvbank.operator.render.names import LABEL_POOL, config_name
 from kvbank.operator.render.status import DEGRADED, READY, Condition, conditions
 
 
@@ -148,6 +149,9 @@ async def refresh(
     replicas, tp = int(spec.get("replicas", 1)), int(spec.get("tensorParallel", 1))
     pods = await cluster.list("v1", "Pod", namespace, label_selector=f"{LABEL_POOL}={name}")
     await label_ranks(cluster, pods)
+    config_hash = (doc.get("status") or {}).get("configHash")
+    if config_hash:  # the roll may have finished: old configs nobody mounts can go
+        await prune_config_maps(cluster, namespace, name, config_name(name, config_hash), pods)
     ready = ready_groups(pods, tp)
     ranks = [p for p in leaders(pods) if p.ready]
     poll = await poll_sidecars(source, ranks, port, concurrency=concurrency, timeout=timeout)

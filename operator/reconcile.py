@@ -19,8 +19,15 @@ from kvbank.modelpool import KIND
 from kvbank.operator.admission import decide, message, neighbourhood
 from kvbank.operator.cluster import KVBANK, Cluster
 from kvbank.operator.crd.modelpool_rules import MAX_POOL_NAME_LENGTH
+from kvbank.operator.pruning import prune_config_maps
 from kvbank.operator.render.bundle import render_pool
-from kvbank.operator.render.names import LWS_API_VERSION, Owner, RenderSettings, Workload
+from kvbank.operator.render.names import (
+    LWS_API_VERSION,
+    Owner,
+    RenderSettings,
+    Workload,
+    config_name,
+)
 from kvbank.operator.render.status import ACCEPTED, Condition, conditions
 
 
@@ -89,6 +96,9 @@ async def reconcile(
     for manifest in rendered.manifests:
         await cluster.apply(manifest)
         applied.append(f"{manifest['kind']}/{manifest['metadata']['name']}")
+    await prune_config_maps(
+        cluster, owner.namespace, owner.name, config_name(owner.name, rendered.config_hash)
+    )
     held = decision.held
     text = (
         f"worst-case request {held.worst_request_pages} pages; the pool ({held.pages} pages) "

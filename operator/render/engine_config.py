@@ -11,7 +11,14 @@ from typing import Any
 
 from kvbank.capacity import Holdability
 from kvbank.modelpool import API_GROUP, API_VERSION, KIND, ModelPool
-from kvbank.operator.render.names import ENGINE_FILE, POOL_FILE, Owner, config_name, metadata
+from kvbank.operator.render.names import (
+    ENGINE_FILE,
+    LABEL_CONFIG_HASH,
+    POOL_FILE,
+    Owner,
+    config_name,
+    metadata,
+)
 
 
 def engine_config(pool: ModelPool, held: Holdability) -> dict[str, Any]:
@@ -63,9 +70,13 @@ def config_hash(data: Mapping[str, str]) -> str:
 
 
 def config_map(owner: Owner, data: Mapping[str, str]) -> dict[str, Any]:
+    digest = config_hash(data)
+    meta = metadata(config_name(owner.name, digest), owner, "config")
+    meta["labels"][LABEL_CONFIG_HASH] = digest
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": metadata(config_name(owner.name), owner, "config"),
+        "metadata": meta,
+        "immutable": True,
         "data": dict(data),
     }

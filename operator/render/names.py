@@ -14,6 +14,7 @@ LABEL_POOL = f"{API_GROUP}/pool"
 LABEL_RANK = f"{API_GROUP}/rank"
 LABEL_GROUP = f"{API_GROUP}/group"
 ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
+LABEL_CONFIG_HASH = f"{API_GROUP}/config-hash"
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
@@ -63,8 +64,11 @@ def headless_name(pool: str) -> str:
     return f"{pool}-ranks"
 
 
-def config_name(pool: str) -> str:
-    return f"{pool}-engine"
+def config_name(pool: str, config_hash: str) -> str:
+    """One immutable ConfigMap per spec version: a pod keeps the config it started with for its
+    whole life, so a rank restarting in an old pod never reads a newer (smaller) pool than its
+    group's other ranks run."""
+    return f"{pool}-engine-{config_hash[:10]}"
 
 
 def selector_labels(pool: str) -> dict[str, str]:

@@ -149,6 +149,8 @@ def pod_template(
         "spec": {
             "terminationGracePeriodSeconds": settings.termination_grace_seconds,
             "containers": [engine, sidecar],
-            "volumes": [{"name": "config", "configMap": {"name": config_name(pool.name)}}],
+            "volumes": [
+                {"name": "config", "configMap": {"name": config_name(pool.name, config_hash)}}
+            ],
         },
     }

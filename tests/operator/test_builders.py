@@ -9,6 +9,7 @@ from operator_specs import pool_doc
 
 from kvbank.capacity import holdability
 from kvbank.modelpool import parse_modelpool
+from kvbank.operator.pruning import stale_config_maps
 from kvbank.operator.render.bundle import render_pool
 from kvbank.operator.render.engine_config import (
     config_data,
@@ -107,13 +108,27 @@ class TestConfigMap:
         }
         assert len(hashes) == 2
 
-    def test_manifest(self) -> None:
+    def test_manifest_is_immutable_and_named_by_its_hash(self) -> None:
         manifest = config_map(OWNER, {"a": "b"})
+        digest = config_hash({"a": "b"})
         assert manifest["apiVersion"] == "v1" and manifest["kind"] == "ConfigMap"
-        assert manifest["metadata"]["name"] == "llama-engine"
+        assert manifest["metadata"]["name"] == f"llama-engine-{digest[:10]}"
+        assert manifest["metadata"]["labels"]["kvbank.dev/config-hash"] == digest
+        assert manifest["metadata"]["labels"]["app.kubernetes.io/component"] == "config"
         assert manifest["metadata"]["namespace"] == "team-a"
+        assert manifest["immutable"] is True
         assert _owner_ref(manifest) == [OWNER.reference()]
         assert manifest["data"] == {"a": "b"}
+
+
+class TestPruning:
+    def test_only_unmounted_old_configs_are_stale(self) -> None:
+        config_maps = [
+            {"metadata": {"name": n}} for n in ("p-engine-a", "p-engine-b", "p-engine-c")
+        ]
+        pods = [{"spec": {"volumes": [{"name": "config", "configMap": {"name": "p-engine-b"}}]}}]
+        assert stale_config_maps(config_maps, pods, "p-engine-c") == ["p-engine-a"]
+        assert stale_config_maps(config_maps, [], "p-engine-c") == ["p-engine-a", "p-engine-b"]
 
 
 class TestHeadlessService:
@@ -168,7 +183,7 @@ class TestPodTemplate:
         assert "--sidecar" in engine["args"]
         assert sidecar["args"][:4] == ["kvbank", "sidecar", "--listen", "0.0.0.0:50051"]
         assert template["spec"]["volumes"] == [
-            {"name": "config", "configMap": {"name": "llama-engine"}}
+            {"name": "config", "configMap": {"name": "llama-engine-abc123"}}
         ]
         assert template["spec"]["terminationGracePeriodSeconds"] == 600
 
@@ -234,7 +249,7 @@ class TestRenderPool:
         )
         kinds = [(m["kind"], m["metadata"]["name"]) for m in rendered.manifests]
         assert kinds == [
-            ("ConfigMap", "llama-engine"),
+            ("ConfigMap", f"llama-engine-{rendered.config_hash[:10]}"),
             ("Service", "llama-ranks"),
             ("Service", "llama"),
             ("PodDisruptionBudget", "llama"),
@@ -242,6 +257,8 @@ class TestRenderPool:
         ]
         template = rendered.manifests[-1]["spec"]["template"]
         assert template["metadata"]["annotations"][ANNOTATION_CONFIG_HASH] == rendered.config_hash
+        mounted = template["spec"]["volumes"][0]["configMap"]["name"]
+        assert mounted == rendered.manifests[0]["metadata"]["name"]
 
     def test_same_inputs_render_identical_manifests(self) -> None:
         pool, doc = _pool(), pool_doc()

@@ -13,11 +13,17 @@ from operator_fakes import FakeCluster
 from operator_specs import namespace_doc, policy_doc, pool_doc, stored
 
 from kvbank.operator.cluster import KubeUnavailable
+from kvbank.operator.live import refresh
 from kvbank.operator.reconcile import reconcile
 from kvbank.operator.render.names import ANNOTATION_CONFIG_HASH, RenderSettings
 
 SETTINGS = RenderSettings(image="registry.example/kvbank:1.2.3")
 OWNED = ["ConfigMap", "PodDisruptionBudget", "Service", "Service", "StatefulSet"]
+
+
+class NoSidecar:
+    async def status(self, address: str, timeout: float) -> Any:
+        raise ConnectionError("none")
 
 
 def _setup(*docs: dict[str, Any], apis: tuple[str, ...] = ()) -> FakeCluster:
@@ -52,8 +58,9 @@ class TestAccepted:
         cluster = _setup(stored(pool_doc()))
         outcome = _run(cluster)
         assert outcome.accepted
+        config_hash = cluster.one("ModelPool", "llama")["status"]["configHash"]
         assert outcome.applied == (
-            "ConfigMap/llama-engine",
+            f"ConfigMap/llama-engine-{config_hash[:10]}",
             "Service/llama-ranks",
             "Service/llama",
             "PodDisruptionBudget/llama",
@@ -99,9 +106,33 @@ class TestAccepted:
         second = cluster.one("StatefulSet", "llama")["spec"]["template"]["metadata"]["annotations"]
         assert first[ANNOTATION_CONFIG_HASH] != second[ANNOTATION_CONFIG_HASH]
         assert cluster.one("ModelPool", "llama")["status"]["observedGeneration"] == 2
-        assert (
-            '"maxSeqLen": 4096' in cluster.one("ConfigMap", "llama-engine")["data"]["engine.json"]
+        (config,) = cluster.kinds("ConfigMap")  # the old one: no pod mounts it, so it went
+        assert config["metadata"]["name"] == f"llama-engine-{second[ANNOTATION_CONFIG_HASH][:10]}"
+        assert '"maxSeqLen": 4096' in config["data"]["engine.json"]
+
+    def test_an_old_config_stays_while_a_pod_mounts_it(self) -> None:
+        cluster = _setup(stored(pool_doc()))
+        _run(cluster)
+        old_config = cluster.kinds("ConfigMap")[0]["metadata"]["name"]
+        template = cluster.one("StatefulSet", "llama")["spec"]["template"]
+        cluster.put(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "llama-0", "namespace": "team-a", **template["metadata"]},
+                "spec": template["spec"],
+            }
         )
+        pool = cluster.one("ModelPool", "llama")
+        pool["spec"]["kv"]["pages"] = 10000
+        _run(cluster)
+        names = sorted(c["metadata"]["name"] for c in cluster.kinds("ConfigMap"))
+        assert len(names) == 2 and old_config in names
+        del cluster.objects[("v1", "Pod", "team-a", "llama-0")]  # the roll replaced it
+        doc = cluster.one("ModelPool", "llama")
+        asyncio.run(refresh(cluster, NoSidecar(), doc, port=1, concurrency=1, timeout=0.1, now="t"))
+        (left,) = cluster.kinds("ConfigMap")
+        assert left["metadata"]["name"] != old_config
 
     def test_leader_worker_set_where_its_api_is_served(self) -> None:
         cluster = _setup(stored(pool_doc(tensorParallel=2)), apis=("leaderworkerset.x-k8s.io/v1",))
