@@ -5,10 +5,13 @@ mid-way without creating anything twice."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from operator_fakes import FakeCluster
 from operator_specs import namespace_doc, policy_doc, pool_doc, stored
 
@@ -208,3 +211,52 @@ class TestRestart:
             for k, v in objs.items()
         }
         assert strip(cluster.objects) == strip(reference.objects)
+
+
+def _without_versions(objects: dict) -> dict:
+    return {
+        key: {**obj, "metadata": {**obj["metadata"], "resourceVersion": None}}
+        for key, obj in objects.items()
+    }
+
+
+def _reconcile_until_done(cluster: FakeCluster, spec: dict[str, Any], crash_after: int) -> None:
+    """Write the spec, then reconcile with the API failing after `crash_after` calls, and
+    again (the restarted operator) with it healthy."""
+    pool = cluster.one("ModelPool", "llama")
+    if pool["spec"] != spec:
+        pool["spec"] = copy.deepcopy(spec)
+        pool["metadata"]["generation"] += 1
+    cluster.fail_after = crash_after
+    with contextlib.suppress(KubeUnavailable):
+        _run(cluster)
+    cluster.fail_after = None
+    _run(cluster)
+
+
+SPECS = st.builds(
+    lambda replicas, tp, pages, seq: pool_doc(
+        replicas=replicas,
+        tensorParallel=tp,
+        kv={"pageSize": 16, "pages": pages, "speculativeTokens": 1},
+        limits={"maxSeqLen": seq, "maxTokens": seq // 4},
+    )["spec"],
+    st.integers(0, 3),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([300, 5000, 20000]),  # 300 pages cannot hold an 8k request: refused
+    st.sampled_from([2048, 8192]),
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(SPECS, st.integers(0, 14)), min_size=1, max_size=3))
+def test_any_crash_point_in_any_update_sequence_converges(steps) -> None:
+    """Crashing anywhere in any reconcile of a sequence of updates ends in exactly the state an
+    operator that never crashed reaches: the same objects, none twice."""
+    first_spec = steps[0][0]
+    reference = _setup(stored({**pool_doc(), "spec": first_spec}))
+    crashed = _setup(stored({**pool_doc(), "spec": first_spec}))
+    for spec, crash_after in steps:
+        _reconcile_until_done(reference, spec, crash_after=10_000)
+        _reconcile_until_done(crashed, spec, crash_after)
+    assert _without_versions(crashed.objects) == _without_versions(reference.objects)
