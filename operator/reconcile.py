@@ -11,12 +11,12 @@ creates nothing twice; deleting the ModelPool lets the garbage collector remove 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from kvbank.modelpool import KIND
-from kvbank.operator.admission import decide, message, neighbourhood
+from kvbank.operator.admission import Decision, decide, message, neighbourhood
 from kvbank.operator.cluster import KVBANK, Cluster
 from kvbank.operator.crd.modelpool_rules import MAX_POOL_NAME_LENGTH
 from kvbank.operator.pruning import prune_config_maps
@@ -64,31 +64,43 @@ async def choose_workload(cluster: Cluster, doc: Mapping[str, Any]) -> Workload:
     return Workload.STATEFUL_SET
 
 
+def _name_problem(name: str) -> str | None:
+    if len(name) <= MAX_POOL_NAME_LENGTH:
+        return None
+    return (
+        f"metadata.name has {len(name)} characters; at most {MAX_POOL_NAME_LENGTH} leave room "
+        "for the suffixes of its pods and Services. Use a shorter name."
+    )
+
+
+async def _refuse(
+    cluster: Cluster, owner: Owner, decision: Decision, doc: Mapping[str, Any], now: str
+) -> Outcome:
+    """Accepted=False with every violation; nothing rendered, nothing running touched."""
+    generation = int(doc["metadata"].get("generation") or 0)
+    text = message(owner.namespace, owner.name, decision)
+    current = (doc.get("status") or {}).get("conditions")
+    update = Condition(ACCEPTED, False, decision.reason, text)
+    status = {
+        "observedGeneration": generation,
+        "conditions": conditions(current, [update], generation, now),
+    }
+    await patch_status(cluster, owner, status)
+    return Outcome(False, text)
+
+
 async def reconcile(
     cluster: Cluster, settings: RenderSettings, doc: Mapping[str, Any], now: str | None = None
 ) -> Outcome:
     now = now or utc_now()
     owner = owner_of(doc)
-    generation = int(doc["metadata"].get("generation") or 0)
-    current = (doc.get("status") or {}).get("conditions")
     decision = decide(doc, await neighbourhood(cluster, doc, earlier_only=True))
-    violations = list(decision.violations)
-    if len(owner.name) > MAX_POOL_NAME_LENGTH:
-        violations.append(
-            f"metadata.name has {len(owner.name)} characters; at most {MAX_POOL_NAME_LENGTH} "
-            "leave room for the suffixes of its pods and Services. Use a shorter name."
-        )
-    if violations or decision.pool is None or decision.held is None:
-        refused = type(decision)(decision.pool, decision.held, tuple(violations), decision.reason)
-        text = message(owner.namespace, owner.name, refused)
-        status = {
-            "observedGeneration": generation,
-            "conditions": conditions(
-                current, [Condition(ACCEPTED, False, refused.reason, text)], generation, now
-            ),
-        }
-        await patch_status(cluster, owner, status)
-        return Outcome(False, text)
+    name_problem = _name_problem(owner.name)
+    if name_problem:
+        reason = decision.reason if decision.violations else "NameTooLong"
+        decision = replace(decision, violations=(*decision.violations, name_problem), reason=reason)
+    if not decision.ok or decision.pool is None or decision.held is None:
+        return await _refuse(cluster, owner, decision, doc, now)
 
     kind = await choose_workload(cluster, doc)
     rendered = render_pool(decision.pool, decision.held, owner, doc["spec"], settings, kind)
@@ -99,11 +111,12 @@ async def reconcile(
     await prune_config_maps(
         cluster, owner.namespace, owner.name, config_name(owner.name, rendered.config_hash)
     )
-    held = decision.held
+    held, generation = decision.held, int(doc["metadata"].get("generation") or 0)
     text = (
         f"worst-case request {held.worst_request_pages} pages; the pool ({held.pages} pages) "
         f"holds {held.worst_concurrency} worst-case requests at once"
     )
+    current = (doc.get("status") or {}).get("conditions")
     status = {
         "observedGeneration": generation,
         "replicas": decision.pool.replicas,

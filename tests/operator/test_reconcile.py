@@ -192,6 +192,7 @@ class TestRefused:
         outcome = _run(cluster, name)
         assert not outcome.accepted
         assert "metadata.name has 41 characters; at most 40" in outcome.message
+        assert _condition(cluster, "Accepted", name)["reason"] == "NameTooLong"
 
 
 class TestRestart:
