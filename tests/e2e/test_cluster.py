@@ -1,0 +1,368 @@
+"""The users' commands against a real kube-apiserver: `helm install` the chart, `kubectl apply`
+ModelPools, with the operator as a local process holding only the chart's ServiceAccount token.
+
+The tests run in file order and share one control plane, release and operator (module
+fixtures): each step builds on the cluster the previous ones left, as a user's session would.
+No kubelet or controller-manager runs, so pods never start and nothing is garbage-collected:
+the tests assert on the stored objects, and every pool lives in a namespace of its own (deleting
+a namespace would never finish)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from e2e_kube import (
+    CHART,
+    TOOLS,
+    Operator,
+    Tools,
+    condition,
+    ensure_tools,
+    example,
+    free_port,
+    service_account_kubeconfig,
+    wait_for,
+)
+
+from kvbank.capacity import holdability
+from kvbank.modelpool import parse_modelpool
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+SYSTEM = "kvbank-system"
+RELEASE = "kvbank"
+ACCOUNT = "kvbank-operator"
+CRDS = ("modelpools.kvbank.dev", "capacitypolicies.kvbank.dev")
+POOL_SELECTOR = "kvbank.dev/pool={}"
+START_TIMEOUT = 180.0
+SETTLE_TIMEOUT = 60.0
+
+
+@dataclass
+class Cluster:
+    admin: Tools
+    operator_tools: Tools  # kubectl as the operator's ServiceAccount
+    operator: Operator
+    webhook_port: int
+    suffix: str
+
+    def namespace(self, prefix: str, labels: dict[str, str] | None = None) -> str:
+        """A fresh namespace per test: none is ever deleted, since no namespace controller runs."""
+        name = f"{prefix}-{self.suffix}"
+        meta: dict[str, Any] = {"name": name, "labels": labels or {}}
+        doc = {"apiVersion": "v1", "kind": "Namespace", "metadata": meta}
+        out = self.admin.apply(doc)
+        assert out.returncode == 0, out.stderr
+        return name
+
+    def pool(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.admin.get("modelpool", name, namespace)
+
+    def accepted(self, namespace: str, name: str, timeout: float = SETTLE_TIMEOUT) -> Any:
+        def probe() -> dict[str, Any] | None:
+            doc = self.pool(namespace, name)
+            cond = condition(doc, "Accepted")
+            if cond and cond["status"] == "True" and doc:
+                generation = doc["metadata"]["generation"]
+                if doc["status"].get("observedGeneration") == generation:
+                    return doc
+            return None
+
+        try:
+            return wait_for(f"ModelPool {namespace}/{name} Accepted=True", probe, timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\noperator log:\n{self.operator.log_tail()}") from None
+
+
+def webhook_answers(admin: Tools) -> bool:
+    """A server-side dry run reaches the webhook (failurePolicy Fail): it passes only once the
+    operator serves with the CA the apiserver was given."""
+    doc = example("modelpool-llama-8b.yaml", "default", name="probe")
+    out = admin.kubectl("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(doc))
+    return out.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    bin_dir = ensure_tools()
+    work = Path(tempfile.mkdtemp(prefix="kvbank-e2e-"))
+    operator: Operator | None = None
+    try:
+        started = time.monotonic()
+        out = subprocess.run(
+            ["bash", str(TOOLS), "start", str(work)],
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT + 60,
+            check=False,
+        )
+        assert out.returncode == 0, f"tools.sh start failed:\n{out.stderr[-4000:]}"
+        admin = Tools(bin_dir, Path(out.stdout.strip().splitlines()[-1]))
+        print(f"control plane ready in {time.monotonic() - started:.1f} s")
+
+        port = free_port()
+        install = admin.helm(
+            "install", RELEASE, str(CHART), "-n", SYSTEM, "--create-namespace",
+            "--set", f"webhook.url=https://127.0.0.1:{port}",
+        )  # fmt: skip
+        assert install.returncode == 0, install.stderr
+        admin.ok(
+            "wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{c}" for c in CRDS)
+        )
+
+        sa_config = service_account_kubeconfig(admin, ACCOUNT, SYSTEM, work / "operator.kubeconfig")
+        operator = Operator(sa_config, SYSTEM, port, work)
+        operator.start()
+        try:
+            wait_for("the operator's webhook", lambda: webhook_answers(admin), 120, every=1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\noperator log:\n{operator.log_tail()}") from None
+        yield Cluster(admin, Tools(bin_dir, sa_config), operator, port, uuid.uuid4().hex[:6])
+    finally:
+        if operator is not None:
+            operator.stop()
+        subprocess.run(["bash", str(TOOLS), "stop", str(work)], timeout=60, check=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def owned(cluster: Cluster, namespace: str, pool: str) -> dict[str, list[dict[str, Any]]]:
+    """Every object of the kinds a pool renders that carries the pool's label, by kind."""
+    selector = POOL_SELECTOR.format(pool)
+    kinds = ("configmaps", "services", "statefulsets", "poddisruptionbudgets")
+    return {kind: cluster.admin.items(kind, namespace, selector) for kind in kinds}
+
+
+def test_install_establishes_the_crds_and_the_operator_fills_its_certificate(
+    cluster: Cluster,
+) -> None:
+    for crd in CRDS:
+        established = condition(cluster.admin.get("crd", crd), "Established")
+        assert established is not None and established["status"] == "True", crd
+    hooks = cluster.admin.get("validatingwebhookconfiguration", "kvbank-operator")
+    assert hooks is not None
+    ca_bundles = {h["clientConfig"].get("caBundle") for h in hooks["webhooks"]}
+    secret = cluster.admin.get("secret", "kvbank-webhook-tls", SYSTEM)
+    assert secret is not None and set(secret["data"]) >= {"ca.crt", "tls.crt", "tls.key"}
+    # The apiserver trusts exactly the CA bundle the operator wrote next to its certificate.
+    assert ca_bundles == {secret["data"]["ca-bundle.crt"]}
+    urls = [h["clientConfig"]["url"] for h in hooks["webhooks"]]
+    assert urls == [
+        f"https://127.0.0.1:{cluster.webhook_port}/validate-modelpool",
+        f"https://127.0.0.1:{cluster.webhook_port}/validate-capacitypolicy",
+    ]
+
+
+def can_i(tools: Tools, *args: str) -> str:
+    return tools.kubectl("auth", "can-i", *args).stdout.strip()
+
+
+def test_the_operator_holds_only_the_charts_rights(cluster: Cluster) -> None:
+    sa = cluster.operator_tools
+    assert can_i(sa, "patch", "modelpools.kvbank.dev", "--subresource=status", "-n", "x") == "yes"
+    assert can_i(sa, "patch", "statefulsets.apps", "-n", "x") == "yes"
+    assert can_i(sa, "delete", "statefulsets.apps", "-n", "x") == "no"
+    assert can_i(sa, "create", "capacitypolicies.kvbank.dev") == "no"
+    assert can_i(sa, "get", "secrets/kvbank-webhook-tls", "-n", SYSTEM) == "yes"
+    assert can_i(sa, "get", "secrets/other", "-n", SYSTEM) == "no"
+    assert can_i(sa, "list", "secrets", "-n", SYSTEM) == "no"
+    assert can_i(sa, "update", "validatingwebhookconfigurations/kvbank-operator") == "yes"
+    assert can_i(sa, "update", "validatingwebhookconfigurations/someone-else") == "no"
+
+
+def test_a_holdable_pool_is_accepted_and_rendered(cluster: Cluster) -> None:
+    ns = cluster.namespace("team-a")
+    doc = example("modelpool-llama-8b.yaml", ns)
+    out = cluster.admin.apply(doc)
+    assert out.returncode == 0, out.stderr
+    held = holdability(parse_modelpool(doc))
+    pool = cluster.accepted(ns, "llama-8b")
+    status = pool["status"]
+    assert status["worstConcurrency"] == held.worst_concurrency == 38
+    assert status["worstRequestPages"] == held.worst_request_pages == 513
+    assert status["pages"] == 20000
+    assert "holds 38 worst-case requests" in condition(pool, "Accepted")["message"]  # type: ignore[index]
+
+    objects = wait_for("every rendered object", lambda: _all_rendered(cluster, ns, "llama-8b"), 30)
+    uid = pool["metadata"]["uid"]
+    for kind, items in objects.items():
+        for item in items:
+            [ref] = item["metadata"]["ownerReferences"]
+            assert (ref["kind"], ref["uid"], ref["controller"]) == ("ModelPool", uid, True), kind
+    [sts] = objects["statefulsets"]
+    assert sts["spec"]["replicas"] == 2  # replicas 2 x tensorParallel 1
+    assert sts["spec"]["serviceName"] == "llama-8b-ranks"
+    template = sts["spec"]["template"]
+    assert template["metadata"]["annotations"]["kvbank.dev/config-hash"] == status["configHash"]
+    assert [c["name"] for c in template["spec"]["containers"]] == ["engine", "sidecar"]
+    services = {s["metadata"]["name"]: s["spec"] for s in objects["services"]}
+    assert services["llama-8b-ranks"]["clusterIP"] == "None"
+    assert services["llama-8b"]["selector"]["kvbank.dev/rank"] == "0"
+    [pdb] = objects["poddisruptionbudgets"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    [config] = objects["configmaps"]
+    stored = yaml.safe_load(config["data"]["modelpool.yaml"])
+    assert parse_modelpool(stored) == parse_modelpool(doc)
+    engine = yaml.safe_load(config["data"]["engine.json"])
+    assert (engine["poolPages"], engine["worstConcurrency"]) == (20000, 38)
+
+
+def _all_rendered(cluster: Cluster, ns: str, pool: str) -> dict[str, list[dict[str, Any]]] | None:
+    objects = owned(cluster, ns, pool)
+    counts = {kind: len(items) for kind, items in objects.items()}
+    expected = {"configmaps": 1, "services": 2, "statefulsets": 1, "poddisruptionbudgets": 1}
+    return objects if counts == expected else None
+
+
+def test_an_unholdable_pool_is_rejected_naming_what_to_change(cluster: Cluster) -> None:
+    ns = cluster.namespace("team-b")
+    out = cluster.admin.apply(example("modelpool-unholdable.yaml", ns))
+    assert out.returncode != 0
+    assert "kv.pages=400 cannot hold one worst-case request" in out.stderr
+    assert "Raise kv.pages to at least 514" in out.stderr
+    assert cluster.pool(ns, "llama-8b-tiny-pool") is None
+
+
+def test_a_capacity_policy_quota_rejects_a_pool_that_passes_without_it(cluster: Cluster) -> None:
+    quota_label = f"kvbank-e2e/quota-{cluster.suffix}"
+    ns = cluster.namespace("quota", {quota_label: "small"})
+    doc = example("modelpool-llama-8b.yaml", ns)
+    dry = cluster.admin.kubectl("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(doc))
+    assert dry.returncode == 0, dry.stderr  # the pool itself is holdable
+    policy_name = f"one-gpu-{cluster.suffix}"
+    policy: dict[str, Any] = {
+        "apiVersion": "kvbank.dev/v1alpha1",
+        "kind": "CapacityPolicy",
+        "metadata": {"name": policy_name},
+        "spec": {
+            "namespaceSelector": {"matchLabels": {quota_label: "small"}},
+            "limits": {"gpusPerNamespace": 1},
+        },
+    }
+    out = cluster.admin.apply(policy)
+    assert out.returncode == 0, out.stderr
+    try:
+        out = cluster.admin.apply(doc)
+        assert out.returncode != 0
+        assert f"CapacityPolicy one-gpu-{cluster.suffix}" in out.stderr
+        assert "would use 2 GPUs" in out.stderr and "gpusPerNamespace is 1" in out.stderr
+        assert "Lower replicas to at most 1" in out.stderr
+        assert cluster.pool(ns, "llama-8b") is None
+        doc["spec"]["replicas"] = 1  # what the message asked for
+        out = cluster.admin.apply(doc)
+        assert out.returncode == 0, out.stderr
+        assert cluster.accepted(ns, "llama-8b")["status"]["replicas"] == 1
+    finally:
+        cluster.admin.kubectl("delete", "capacitypolicy", policy_name)
+
+
+def test_the_operator_killed_mid_reconcile_converges_with_nothing_duplicated(
+    cluster: Cluster,
+) -> None:
+    ns = cluster.namespace("crash")
+    doc = example("modelpool-llama-8b.yaml", ns)
+    out = cluster.admin.apply(doc)
+    assert out.returncode == 0, out.stderr
+    # Killed as soon as reconcile has applied its first object (the ConfigMap), before it can
+    # have reported Accepted: the rest is left for the restarted operator.
+    wait_for(
+        "the first rendered object",
+        lambda: cluster.admin.items("configmaps", ns, POOL_SELECTOR.format("llama-8b")),
+        SETTLE_TIMEOUT,
+        every=0.02,
+    )
+    cluster.operator.kill()
+    at_kill = condition(cluster.pool(ns, "llama-8b"), "Accepted")
+    cluster.operator.start()
+    pool = cluster.accepted(ns, "llama-8b")
+    objects = wait_for("every rendered object", lambda: _all_rendered(cluster, ns, "llama-8b"), 30)
+    for kind, items in objects.items():
+        for item in items:
+            assert len(item["metadata"]["ownerReferences"]) == 1, kind
+    assert pool["status"]["worstConcurrency"] == 38
+    print(f"Accepted at the kill: {at_kill}")
+    wait_for("the restarted webhook", lambda: webhook_answers(cluster.admin), 60, every=1)
+
+
+def test_helm_upgrade_keeps_the_certificate_and_changes_the_failure_policy(
+    cluster: Cluster,
+) -> None:
+    before = cluster.admin.get("secret", "kvbank-webhook-tls", SYSTEM)
+    out = cluster.admin.helm(
+        "upgrade", RELEASE, str(CHART), "-n", SYSTEM, "--reuse-values",
+        "--set", "webhook.failurePolicy=Ignore",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    hooks = cluster.admin.get("validatingwebhookconfiguration", "kvbank-operator")
+    assert hooks is not None
+    assert {h["failurePolicy"] for h in hooks["webhooks"]} == {"Ignore"}
+    after = cluster.admin.get("secret", "kvbank-webhook-tls", SYSTEM)
+    assert before is not None and after is not None and after["data"] == before["data"]
+    assert {h["clientConfig"].get("caBundle") for h in hooks["webhooks"]} == {
+        after["data"]["ca-bundle.crt"]
+    }
+    # The apiserver still reaches the webhook with the kept CA bundle.
+    assert webhook_answers(cluster.admin)
+
+
+def test_cel_alone_rejects_with_the_operator_stopped_and_reconcile_judges_what_slipped_past(
+    cluster: Cluster,
+) -> None:
+    cluster.operator.stop()
+    ns = cluster.namespace("no-operator")
+    bad = example("modelpool-llama-8b.yaml", ns, name="bad")
+    bad["spec"]["limits"] = {"maxSeqLen": 4096, "maxTokens": 4096}
+    out = cluster.admin.apply(bad)
+    assert out.returncode != 0
+    assert "maxTokens must be below maxSeqLen (4096) so a prompt fits, got 4096" in out.stderr
+    # failurePolicy Ignore: a holdable pool is stored unjudged, then judged by the operator.
+    good = example("modelpool-llama-8b.yaml", ns)
+    out = cluster.admin.apply(good)
+    assert out.returncode == 0, out.stderr
+    assert condition(cluster.pool(ns, "llama-8b"), "Accepted") is None
+    cluster.operator.start()
+    assert cluster.accepted(ns, "llama-8b")["status"]["worstConcurrency"] == 38
+    wait_for("the restarted webhook", lambda: webhook_answers(cluster.admin), 60, every=1)
+
+
+def test_the_operator_was_never_refused_by_the_apiserver(cluster: Cluster) -> None:
+    """Every step above ran under the chart's RBAC; a 403 anywhere means a rule is missing."""
+    refused = [
+        line
+        for log in cluster.operator.logs
+        for line in log.read_text(errors="replace").splitlines()
+        if "forbidden" in line.lower() or "HTTP 403" in line
+    ]
+    assert refused == []
+
+
+def test_helm_uninstall_removes_every_object_of_the_chart(cluster: Cluster) -> None:
+    manifest = cluster.admin.helm("get", "manifest", RELEASE, "-n", SYSTEM)
+    assert manifest.returncode == 0, manifest.stderr
+    chart_objects = [d for d in yaml.safe_load_all(manifest.stdout) if d]
+    assert len(chart_objects) >= 9
+    cluster.operator.stop()
+    out = cluster.admin.helm("uninstall", RELEASE, "-n", SYSTEM, "--wait", "--timeout", "60s")
+    assert out.returncode == 0, out.stderr
+
+    def gone(doc: dict[str, Any]) -> bool:
+        meta = doc["metadata"]
+        return cluster.admin.get(doc["kind"], meta["name"], meta.get("namespace")) is None
+
+    left = [f"{d['kind']}/{d['metadata']['name']}" for d in chart_objects if not gone(d)]
+    assert left == []
+    listed = cluster.admin.helm("list", "-n", SYSTEM, "-q")
+    assert listed.stdout.strip() == ""
+    # crds/ is Helm's install-only folder: the CRDs, and so every user's ModelPools, stay.
+    for crd in CRDS:
+        assert cluster.admin.get("crd", crd) is not None
+    assert "llama-8b" in cluster.admin.ok("get", "modelpools", "-A", "-o", "name")
