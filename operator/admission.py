@@ -8,6 +8,7 @@ Violation lines are the ones `kvbank check` prints: the parser's field errors an
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from kvbank.operator.policy import (
 )
 
 log = logging.getLogger(__name__)
+REVIEW_TIMEOUT = 8.0  # seconds; the apiserver gives a webhook 10 by default
 
 
 @dataclass(frozen=True)
@@ -127,20 +129,39 @@ def spec_changed(doc: Mapping[str, Any], old: Mapping[str, Any] | None) -> bool:
     return old is None or old.get("spec") != doc.get("spec")
 
 
+async def judge(doc: Mapping[str, Any], around: Neighbourhood) -> Decision:
+    """`decide` in a worker thread: the worst-case search grows with maxSeqLen x the slots'
+    multipliers / pageSize, which the schema's bounds still let reach seconds, and the event
+    loop must keep serving other reviews, timers and watches meanwhile."""
+    return await asyncio.to_thread(decide, doc, around)
+
+
 async def review(
-    cluster: Cluster, doc: Mapping[str, Any], old: Mapping[str, Any] | None
+    cluster: Cluster,
+    doc: Mapping[str, Any],
+    old: Mapping[str, Any] | None,
+    timeout: float = REVIEW_TIMEOUT,
 ) -> str | None:
     """The webhook's answer: None to admit, else the message for kubectl. An update that leaves
     the spec alone (labels, finalizers, the operator's own annotations) is admitted unjudged,
-    so a pool that slipped past can still be relabelled or deleted."""
+    so a pool that slipped past can still be relabelled or deleted. A spec that cannot be
+    judged within `timeout` (below the apiserver's 10 s webhook timeout) is refused, saying why."""
     if not spec_changed(doc, old):
         return None
+    meta = doc.get("metadata") or {}
+    namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name"))
     around = await neighbourhood(cluster, doc, earlier_only=False)
-    decision = decide(doc, around)
+    try:
+        decision = await asyncio.wait_for(judge(doc, around), timeout)
+    except TimeoutError:
+        return (
+            f"{KIND} {namespace}/{name}: could not be judged within {timeout:g} s: the "
+            "worst-case request search grows with limits.maxSeqLen x the kvSlots multipliers / "
+            "kv.pageSize. Raise kv.pageSize or lower limits.maxSeqLen."
+        )
     if decision.ok:
         return None
-    meta = doc.get("metadata") or {}
-    return message(str(meta.get("namespace") or "default"), str(meta.get("name")), decision)
+    return message(namespace, name, decision)
 
 
 def review_policy(doc: Mapping[str, Any]) -> str | None:

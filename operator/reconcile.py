@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvbank.modelpool import KIND
-from kvbank.operator.admission import Decision, decide, message, neighbourhood
+from kvbank.operator.admission import Decision, judge, message, neighbourhood
 from kvbank.operator.cluster import KVBANK, Cluster
 from kvbank.operator.crd.modelpool_rules import MAX_POOL_NAME_LENGTH
 from kvbank.operator.pruning import prune_config_maps
@@ -94,7 +94,7 @@ async def reconcile(
 ) -> Outcome:
     now = now or utc_now()
     owner = owner_of(doc)
-    decision = decide(doc, await neighbourhood(cluster, doc, earlier_only=True))
+    decision = await judge(doc, await neighbourhood(cluster, doc, earlier_only=True))
     name_problem = _name_problem(owner.name)
     if name_problem:
         reason = decision.reason if decision.violations else "NameTooLong"

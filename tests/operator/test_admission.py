@@ -176,6 +176,36 @@ class TestReview:
         assert _review(FakeCluster(), smaller, old=old) is None
 
 
+class TestSlowJudgement:
+    def test_a_spec_too_slow_to_judge_is_refused_in_time_and_the_loop_keeps_serving(
+        self, monkeypatch
+    ) -> None:
+        import time
+
+        from kvbank.operator import admission
+
+        monkeypatch.setattr(admission, "decide", lambda doc, around: time.sleep(1.0))
+        ticks = []
+
+        async def both():
+            async def ticker():
+                for _ in range(5):
+                    await asyncio.sleep(0.02)
+                    ticks.append(1)
+
+            tick = asyncio.create_task(ticker())
+            refusal = await review(FakeCluster(), pool_doc(), None, timeout=0.2)
+            await tick
+            return refusal
+
+        started = time.perf_counter()
+        refusal = asyncio.run(both())
+        assert refusal is not None and "could not be judged within 0.2 s" in refusal
+        assert "Raise kv.pageSize or lower limits.maxSeqLen" in refusal
+        assert len(ticks) == 5  # the event loop was not blocked while judging
+        assert time.perf_counter() - started < 2.0
+
+
 class TestReviewPolicy:
     def test_lists_every_problem(self) -> None:
         refusal = review_policy(policy_doc("p", {"maxTokens": 0, "pagesPerPool": 1}))
