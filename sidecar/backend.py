@@ -29,6 +29,7 @@ The registry of running requests (reserved, held) is what a restore needs; it al
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -87,6 +88,7 @@ class SidecarBackend:
         self._applied_seq = -1  # last decision handed to the engine
         self._last_seq = -1  # last decision seen
         self.last_pool: pb.PoolFigures | None = None
+        self._last_report_at = 0.0
 
     # ---- events (AdmissionBackend) -------------------------------------------------------------
 
@@ -150,8 +152,11 @@ class SidecarBackend:
     def flush(self) -> None:
         """Wait for the report in flight, then send what is pending and wait for that too. For
         an engine going idle or shutting down: a non-blocking backend sends only from `poll`,
-        and an engine with no work stops polling. An idle engine that never flushes loses its
-        session after the lease; its next report re-opens one, restoring what runs."""
+        and an engine with no work stops polling. Called on every idle iteration it also keeps
+        the session: with nothing pending it sends an empty report once a third of the lease
+        has passed, so a live idle engine keeps its session and a hung one loses it. An idle
+        engine that never flushes loses its session after the lease; its next report re-opens
+        one, restoring what runs, so that costs nothing but the re-open."""
         if self._inflight is not None:
             future, self._inflight = self._inflight, None
             try:
@@ -160,7 +165,8 @@ class SidecarBackend:
                 self._open()
             except SidecarError as exc:
                 raise _as_ledger_error(exc) from exc
-        if self._events:
+        quiet_s = time.monotonic() - self._last_report_at
+        if self._events or (self._session and quiet_s > self.lease_ms / 3000):
             self._absorb(self._send(self._build(0, admit=False)))
 
     def check_integrity(self, free: int, evictable: int) -> None:
@@ -197,6 +203,7 @@ class SidecarBackend:
             for rid, h in self._hits.items()
             if rid in self._waiting
         ]
+        self._last_report_at = time.monotonic()
         request = pb.ReportRequest(
             session=self._session,
             report_seq=self._report_seq,

@@ -174,7 +174,8 @@ async def serve(
         # Lease and follower checks at a tenth of the lease: a dead engine's reservations go
         # within 1.1 leases.
         while True:
-            await asyncio.sleep(min(config.lease_s, config.follower_timeout_s) / 10)
+            lease_s = state.session.lease_s if state.session else config.lease_s
+            await asyncio.sleep(min(lease_s, config.follower_timeout_s) / 10)
             state.expire()
             log.expire_followers()
 

@@ -3,6 +3,8 @@ cancel that crosses an admission."""
 
 from __future__ import annotations
 
+import time
+
 from kvbank.ledger import Admitted, Hit
 from kvbank.sidecar.backend import SidecarBackend
 from kvbank.sidecar.client import SidecarClient
@@ -42,3 +44,24 @@ def test_room_limits_each_poll_like_the_embedded_backend(client: SidecarClient) 
     assert [d.rid for d in backend.poll(2)] == ["a", "b"]
     assert [d.rid for d in backend.poll(5)] == ["c"]
     assert backend.outstanding() == 30
+
+
+def test_flush_on_idle_keeps_a_live_engines_session(client: SidecarClient) -> None:
+    backend = SidecarBackend(client, 101, blocking=False, lease_s=0.3)
+    backend.submit("a", 10)
+    deadline = time.monotonic() + 5
+    while not backend.poll(1):
+        assert time.monotonic() < deadline
+    session = client.status().session
+    for _ in range(10):  # an idle engine loop: 1 s, over three leases
+        backend.flush()
+        time.sleep(0.1)
+    assert client.status().session == session
+    assert backend.sessions_opened == 1
+    time.sleep(0.6)  # no flush: the lease runs out, the reservation goes with it
+    status = client.status()
+    assert (status.session, status.reserved) == (0, 0)
+    backend.release("a")
+    backend.flush()  # the next report finds its session gone and re-opens one
+    assert backend.sessions_opened == 2
+    assert client.status().running == 0
