@@ -37,6 +37,9 @@ class PeakFitPolicy(AdmissionPolicy):
         self.stalled_steps = 0
         self._chunks: dict[str, int] = {}  # running request -> prefill steps it may still take
         self._chains: dict[str, Chains] = {}  # hits peeked in this pass, leased at admission
+        # Set when pages changed hands between requests (a shared hit leased, or a co-holder
+        # left); the next end_step then counts every request's exclusive pages afresh.
+        self._sharing_changed = False
 
     def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
@@ -82,7 +85,9 @@ class PeakFitPolicy(AdmissionPolicy):
             self.ledger.set_shape(rid, replace(waiting.shape, prefill_chunks=chunks))
         chains = sched.kv.peek(req)
         self._chains[rid] = chains
-        return Hit(sum(len(c) for c in chains.values()), sched.kv.idle_pages(chains))
+        refcount = sched.kv.pool.refcount
+        sole = sum(1 for chain in chains.values() for page in chain if refcount[page] == 1)
+        return Hit(sum(len(c) for c in chains.values()), sched.kv.idle_pages(chains), sole)
 
     def _started(self, decision: Admitted) -> None:
         sched = self.sched
@@ -90,6 +95,8 @@ class PeakFitPolicy(AdmissionPolicy):
         waiting_chunks = self._prefill_bound(req)
         sched.start(req, self._chains.pop(decision.rid))
         self._chunks[req.rid] = waiting_chunks
+        if decision.hit.pages > decision.hit.idle_pages:
+            self._sharing_changed = True
 
     def admit(self) -> None:
         self._sync_supply()
@@ -110,10 +117,23 @@ class PeakFitPolicy(AdmissionPolicy):
     def on_release(self, req: Request) -> None:
         self._chunks.pop(req.rid, None)
         self.ledger.release(req.rid)
+        if any(r.hit_pages for r in self.sched.running.values()):
+            self._sharing_changed = True
+
+    def _exclusive(self, req: Request) -> int:
+        """Pages only this request holds. Only pages in the prefix index can be shared (a
+        leased hit, or a prompt page another request leased since), so only those are looked
+        at: O(indexed pages)."""
+        refcount = self.sched.kv.pool.refcount
+        shared = sum(
+            1 for table in req.pages.values() for page in table[: req.indexed] if refcount[page] > 1
+        )
+        return req.held - shared
 
     def end_step(self) -> None:
         """Report every running request's progress, then close the step in the ledger."""
         sched, ledger = self.sched, self.ledger
+        recount, self._sharing_changed = self._sharing_changed, False
         for req in sched.running.values():
             row = sched.rows.get(req.rid)
             chunks = self._chunks.get(req.rid)
@@ -133,7 +153,8 @@ class PeakFitPolicy(AdmissionPolicy):
             written = {
                 lay.name: lay.tokens_at(req.num_computed, len(req.prompt)) for lay in req.layout
             }
-            ledger.advance(req.rid, len(req.output), written, chunks or 0)
+            exclusive = self._exclusive(req) if recount else None
+            ledger.advance(req.rid, len(req.output), written, chunks or 0, exclusive)
         self._sync_supply()
         stalled = ledger.end_step()
         if stalled:

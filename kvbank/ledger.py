@@ -36,6 +36,9 @@ class Hit:
 
     pages: int = 0
     idle_pages: int = 0
+    # Of the held part, pages exactly one running request holds (a policy ledger stops
+    # counting them as that request's to return). None: not known, so all of the held part.
+    sole_pages: int | None = None
 
 
 NO_HIT = Hit()
@@ -47,6 +50,12 @@ class Reservation:
     reserved: int  # worst-case pages over the request's life
     held: int  # pages it holds now: its leased hit plus what it allocated
     seq: int  # the admission decision's sequence number
+
+
+def _hold(hit: Hit) -> Hold:
+    held = hit.pages - hit.idle_pages
+    sole = held if hit.sole_pages is None else min(held, hit.sole_pages)
+    return Hold(hit.pages, hit.idle_pages, sole)
 
 
 @dataclass(frozen=True)
@@ -276,7 +285,7 @@ class Ledger:
         timeline = self._timeline
         if timeline is None or not timeline.peak_active:
             return False
-        return timeline.fits(self._shape(waiting), Hold(hit.pages, hit.idle_pages), self.supply)
+        return timeline.fits(self._shape(waiting), _hold(hit), self.supply)
 
     def _shape(self, waiting: _Waiting) -> PeakShape:
         assert self.policy is not None
@@ -304,7 +313,7 @@ class Ledger:
         self._outstanding += pages - hit.pages
         self.evictable -= hit.idle_pages  # the lease takes idle cached pages off the supply
         if self._timeline is not None:
-            self._timeline.add(rid, waiting.shape, pages, Hold(hit.pages, hit.idle_pages))
+            self._timeline.add(rid, waiting.shape, pages, _hold(hit))
         return self._decide(Admitted(rid, self.next_seq, pages, hit))
 
     def admit_ready(
@@ -357,7 +366,7 @@ class Ledger:
                 self._check_hit(hit, waiting.pages)
             except InvalidPages:
                 continue  # a stale peek; the request waits for its turn
-            hold = Hold(hit.pages, hit.idle_pages)
+            hold = _hold(hit)
             if timeline.fits_behind(head_shape, start, self._shape(waiting), hold, self.supply):
                 admitted.append(self._admit(rid, hit))
                 if started is not None:
@@ -538,6 +547,11 @@ class Ledger:
             raise InvalidPages(
                 f"a hit must satisfy 0 <= idle {hit.idle_pages} <= pages "
                 f"{hit.pages} <= the request's {pages} pages"
+            )
+        if hit.sole_pages is not None and not 0 <= hit.sole_pages <= hit.pages - hit.idle_pages:
+            raise InvalidPages(
+                f"a hit's sole-held pages ({hit.sole_pages}) must be among its "
+                f"{hit.pages - hit.idle_pages} held pages"
             )
         if hit.idle_pages > self.evictable:
             raise InvalidPages(

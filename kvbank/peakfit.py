@@ -172,7 +172,8 @@ class Profile:
         self.end = np.array([t.end for t in tracks], dtype=np.int64)
         order = np.argsort(self.end, kind="stable")
         self.ends_sorted = self.end[order]
-        self.returned_by = np.concatenate([[0], np.cumsum(self.exclusive[order])])
+        self.exclusive_by_end = self.exclusive[order]
+        self.returned_by = np.concatenate([[0], np.cumsum(self.exclusive_by_end)])
         finite = self.end[self.end < NEVER]
         self.candidates = np.unique(
             np.concatenate([[0], np.maximum(self.end - 1, 0), finite]).astype(np.int64)
@@ -202,9 +203,13 @@ class Profile:
             out[~known] = self._evaluate(ks[~known])
         return out  # type: ignore[no-any-return]
 
-    def returned(self, ks: Steps) -> Steps:
-        """Exclusive pages the running requests have returned by steps `ks`."""
-        return self.returned_by[np.searchsorted(self.ends_sorted, ks, side="right")]  # type: ignore[no-any-return]
+    def returned(self, ks: Steps, pinned: int = 0) -> Steps:
+        """Exclusive pages the running requests have returned by steps `ks`; with `pinned`, as
+        if each of them had that many fewer (a newcomer leases pages one of them held alone)."""
+        by = self.returned_by
+        if pinned:
+            by = np.concatenate([[0], np.cumsum(np.maximum(self.exclusive_by_end - pinned, 0))])
+        return by[np.searchsorted(self.ends_sorted, ks, side="right")]  # type: ignore[no-any-return]
 
     def peak(self) -> tuple[int, int]:
         """(highest extra demand, the step it is reached)."""

@@ -56,10 +56,12 @@ class PeakPolicy:
 
 @dataclass(frozen=True)
 class Hold:
-    """A hit as the timeline needs it: pages leased, of which `idle` only the index held."""
+    """A hit as the timeline needs it: pages leased, of which `idle` only the index held and
+    `sole` exactly one running request held (it no longer returns them when it finishes)."""
 
     pages: int
     idle: int
+    sole: int = 0
 
 
 class Timeline:
@@ -89,11 +91,13 @@ class Timeline:
     # ---- membership ----------------------------------------------------------------------------
 
     def add(self, rid: str, shape: PeakShape | None, reserved: int, hit: Hold) -> None:
-        """An admitted request. The shared part of its hit was exclusive to some running
-        holders, which no longer return it when they finish; the ledger is not told which, so
-        it takes it from the earliest finishers first: the fewest pages returned at every step,
-        so never more than the truth."""
-        self._pin(hit.pages - hit.idle)
+        """An admitted request. The sole-held part of its hit was exclusive to some running
+        holder, which no longer returns it when it finishes. The ledger is not told which
+        holder, and requests finish in any order (earlier than their bound), so every running
+        request stops counting that many of its pages as returning: never more than the truth,
+        whoever finishes first. The pool's next exact count (advance's `exclusive`) undoes
+        the excess."""
+        self._pin(hit.sole)
         if shape is None:
             self.tracks[rid] = flat_track(reserved, self.policy.page_size, hit.pages)
             self.tracks[rid].exclusive = hit.idle
@@ -116,12 +120,9 @@ class Timeline:
         self.pending_return = 0
 
     def _pin(self, shared: int) -> None:
-        for track in sorted(self.tracks.values(), key=lambda t: t.end):
-            if shared <= 0:
-                break
-            moved = min(shared, track.exclusive)
-            track.exclusive -= moved
-            shared -= moved
+        if shared:
+            for track in self.tracks.values():
+                track.exclusive = max(0, track.exclusive - shared)
 
     # ---- progress ------------------------------------------------------------------------------
 
@@ -265,13 +266,13 @@ class Timeline:
             ks = np.unique(np.concatenate([ks, steps_for(beside[0], 0, profile.candidates)]))
             ks = ks[ks >= start]
         total = profile.demand(ks) + self._newcomer(shape, ks, start, hit)
-        shared = hit.pages - hit.idle
+        shared = hit.sole
         if beside is not None:
             other, other_hit = beside
             total += self._newcomer(other, ks, 0, other_hit)
-            shared += other_hit.pages - other_hit.idle
+            shared += other_hit.sole
         if shared:
-            total += np.minimum(shared, profile.returned(ks))
+            total += profile.returned(ks) - profile.returned(ks, pinned=shared)
         return int(total.max())
 
     def _newcomer(self, shape: PeakShape, ks: np.ndarray, start: int, hit: Hold) -> np.ndarray:

@@ -106,8 +106,13 @@ class Driver:
         live = self.waiting[rid]
         if live.group is None:
             return Hit()
-        pages = min(self.chains[live.group], self.prefix_pages(live))
-        return Hit(pages, max(0, pages - self.lease_depth(live.group)))
+        group = live.group
+        pages = min(self.chains[group], self.prefix_pages(live))
+        leases = [r.leased for r in self.live.values() if r.group == group]
+        # page p is held by every running request of the group that leased past it
+        sole = sum(1 for p in range(pages) if sum(1 for depth in leases if depth > p) == 1)
+        idle = max(0, pages - self.lease_depth(group))
+        return Hit(pages, idle, sole if self.report_exclusive else None)
 
     def allocate(self, live: Live, pages: int) -> None:
         for _ in range(pages):

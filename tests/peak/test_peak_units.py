@@ -91,14 +91,17 @@ def test_a_prefill_may_end_early_so_it_grows_from_the_next_step_but_finishes_lat
 
 
 def test_a_shared_hit_stops_the_earliest_finisher_returning_those_pages() -> None:
-    # Two running requests own 3 pages each; a newcomer leases 2 pages that one of them holds.
-    # The ledger is not told which, so the earliest finisher gives up 2 of its returns.
+    # Two running requests own 3 pages each; a newcomer leases 2 pages that one of them alone
+    # holds. The ledger is not told which, and either may finish first, so each gives up 2 of
+    # its returns. Pages two requests already share were no one's to return: nothing changes.
     timeline = Timeline(PeakPolicy(4))
     decoding(timeline, "early", peak_shape(text_model(4), RequestShape(4, 8)), 3, 6)
     decoding(timeline, "late", peak_shape(text_model(4), RequestShape(4, 8)), 3, 0)
     newcomer = peak_shape(text_model(4), RequestShape(8, 8))
-    timeline.add("new", newcomer, newcomer.pages, Hold(2, 0))
-    assert (timeline.tracks["early"].exclusive, timeline.tracks["late"].exclusive) == (1, 3)
+    timeline.add("new", newcomer, newcomer.pages, Hold(2, 0, sole=2))
+    assert (timeline.tracks["early"].exclusive, timeline.tracks["late"].exclusive) == (1, 1)
+    timeline.add("third", newcomer, newcomer.pages, Hold(2, 0, sole=0))
+    assert (timeline.tracks["early"].exclusive, timeline.tracks["late"].exclusive) == (1, 1)
 
 
 # ---- the ledger ---------------------------------------------------------------------------------
