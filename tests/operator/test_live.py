@@ -106,10 +106,10 @@ class TestPoll:
     def test_sums_what_answered_and_reports_the_rest(self) -> None:
         ranks = [RankedPod(f"p{i}", i, 0, True, f"10.0.0.{i}") for i in range(4)]
         source = FakeSource({"10.0.0.1:50051": "hang", "10.0.0.2:50051": RuntimeError("reset")})
-        poll = asyncio.run(poll_sidecars(source, ranks, 50051, concurrency=2, timeout=0.2))
+        poll = asyncio.run(poll_sidecars(source, ranks, 50051, concurrency=2, timeout=0.5))
         assert poll.reporting == 2
         assert poll.figures["pages_total"] == 40000 and poll.figures["queue_depth"] == 6
-        assert poll.failures == ("p1: no answer within 0.2s", "p2: RuntimeError: reset")
+        assert poll.failures == ("p1: no answer within 0.5s", "p2: RuntimeError: reset")
         assert source.most_active == 2
 
     def test_concurrency_is_bounded(self) -> None:
@@ -133,7 +133,7 @@ class TestRefresh:
 
     def _refresh(self, cluster: FakeCluster, doc: dict[str, Any], source: FakeSource):
         return asyncio.run(
-            refresh(cluster, source, doc, port=50051, concurrency=4, timeout=0.2, now="t1")
+            refresh(cluster, source, doc, port=50051, concurrency=4, timeout=0.5, now="t1")
         )
 
     def test_all_groups_ready_and_reporting(self) -> None:
@@ -167,7 +167,7 @@ class TestRefresh:
         status = cluster.one("ModelPool", "llama")["status"]
         degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
         assert degraded["status"] == "True" and degraded["reason"] == "SidecarsUnreachable"
-        assert degraded["message"] == "llama-2: no answer within 0.2s"
+        assert degraded["message"] == "llama-2: no answer within 0.5s"
         assert status["live"]["sidecarsReporting"] == 1
 
     def test_a_missing_rank_makes_the_group_not_ready(self) -> None:
