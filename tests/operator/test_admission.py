@@ -203,7 +203,7 @@ class TestSlowJudgement:
         assert refusal is not None and "could not be judged within 0.2 s" in refusal
         assert "Raise kv.pageSize or lower limits.maxSeqLen" in refusal
         assert len(ticks) == 5  # the event loop was not blocked while judging
-        assert time.perf_counter() - started < 2.0
+        assert time.perf_counter() - started < 5.0  # the 1 s judgement, not more
 
 
 class TestReviewPolicy:
