@@ -58,6 +58,7 @@ class Session:
     report_seq: int = 0
     applied_seq: int = -1
     last_reply: pb.ReportReply | None = None
+    last_request: bytes = b""  # to tell a retry from a different report under the same number
     unapplied_idle: dict[int, int] = field(default_factory=dict)  # admission seq -> idle pages
 
 
@@ -139,6 +140,11 @@ class AdmissionState:
                 f"{s.id if s else 'none'}); open a new session and re-register what runs"
             )
         if req.report_seq == s.report_seq and s.last_reply is not None:
+            if req.SerializeToString(deterministic=True) != s.last_request:
+                raise OutOfOrder(
+                    f"report {req.report_seq} was already applied with other content; number "
+                    f"a new report {s.report_seq + 1}"
+                )
             s.last_report = self._clock()
             return s.last_reply  # a retry: the first answer, nothing applied twice
         if req.report_seq != s.report_seq + 1:
@@ -228,6 +234,7 @@ class AdmissionState:
             self.metrics.waits.inc()
         fill_pool(reply.pool, ledger, totals=False)
         s.last_reply = reply
+        s.last_request = req.SerializeToString(deterministic=True)
         return reply
 
     def _record(self, d: Admitted | Refused, s: Session, now: float) -> pb.Decision:

@@ -106,6 +106,11 @@ BAD_REPORTS: dict[str, tuple[Callable[[int], pb.ReportRequest], str, str]] = {
         "FAILED_PRECONDITION",
         "report 5 arrived after report 2",
     ),
+    "the last report number with other content": (
+        lambda s: report(s, submit("x", 1), seq=2),
+        "FAILED_PRECONDITION",
+        "report 2 was already applied with other content",
+    ),
     "an old report number": (
         lambda s: report(s, submit("x", 1), seq=1),
         "FAILED_PRECONDITION",
