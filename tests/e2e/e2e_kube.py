@@ -26,13 +26,16 @@ CHART = ROOT / "charts" / "kvbank"
 KVBANK = Path(sys.executable).parent / "kvbank"
 # A cold machine builds the control plane, kubectl and helm from the Go module proxy.
 ENSURE_TIMEOUT = 3600.0
+# pytest-timeout counts fixture setup in the first test that uses it: room for a cold build.
+FIRST_USE_TIMEOUT = int(ENSURE_TIMEOUT) + 600
 COMMAND_TIMEOUT = 60.0
 T = TypeVar("T")
 
 
 def ensure_tools() -> Path:
-    """The folder holding kube-controlplane, kubectl and helm (built once, then reused);
-    KVBANK_E2E_BIN names a folder of prebuilt ones instead."""
+    """The folder holding kube-controlplane, kubectl and helm (built once, then reused).
+    KVBANK_E2E_BIN names a folder of prebuilt helm and kubectl instead, so the chart tests need
+    not wait for a control-plane build; `tools.sh start` still ensures its own binary."""
     if os.environ.get("KVBANK_E2E_BIN"):
         return Path(os.environ["KVBANK_E2E_BIN"])
     started = time.monotonic()
@@ -52,13 +55,14 @@ def ensure_tools() -> Path:
     return Path(lines[-1])
 
 
-def example(name: str, namespace: str | None = None, **metadata: str) -> dict[str, Any]:
+def example(file: str, namespace: str | None = None, name: str | None = None) -> dict[str, Any]:
     """An examples/ manifest read as kubectl reads it (YAML 1.2 floats: `8.03e9` is a number),
-    moved to `namespace`."""
-    [(_, doc)] = load_documents(str(ROOT / "examples" / name))
+    moved to `namespace` and renamed `name`."""
+    [(_, doc)] = load_documents(str(ROOT / "examples" / file))
     if namespace:
         doc["metadata"]["namespace"] = namespace
-    doc["metadata"].update(metadata)
+    if name:
+        doc["metadata"]["name"] = name
     return dict(doc)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e_kube import CHART, ROOT, Tools, ensure_tools
+from e2e_kube import CHART, FIRST_USE_TIMEOUT, ROOT, Tools, ensure_tools
 from e2e_kube import example as load_example
 
 from kvbank.capacity import holdability
@@ -24,6 +24,7 @@ from kvbank.operator.render.bundle import render_pool
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
 
 KUBE_VERSION = "1.36.0"
+pytestmark = pytest.mark.timeout(FIRST_USE_TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import pytest
 import yaml
 from e2e_kube import (
     CHART,
+    FIRST_USE_TIMEOUT,
     TOOLS,
     Operator,
     Tools,
@@ -37,7 +38,7 @@ from e2e_kube import (
 from kvbank.capacity import holdability
 from kvbank.modelpool import parse_modelpool
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(FIRST_USE_TIMEOUT)]
 
 SYSTEM = "kvbank-system"
 RELEASE = "kvbank"
