@@ -40,6 +40,7 @@ from kvbank.engine.tp_sync import (
 log = logging.getLogger("kvbank.tp")
 
 DEFAULT_TIMEOUT_S = 10.0
+STARTUP_TIMEOUT_S = 600.0  # starting a rank and loading its shard of a large checkpoint
 GRACE_S = 15.0  # how long the launcher waits for ranks to exit on their own after a failure
 
 
@@ -124,15 +125,24 @@ def rank_main(rank: int, world: int, master: str, options: ServeOptions, host: s
     addr, master_port = master.rsplit(":", 1)
     device = options.device or ("cuda" if _cuda() else "cpu")
     backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(
-        backend, init_method=f"tcp://{addr}:{master_port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=timeout_s),
-    )  # fmt: skip
-    channel = Channel(rank, world)
+    # Two clocks: ranks may take long and unequal times to start and load weights (the store's
+    # STARTUP_TIMEOUT_S), but once serving, any collective that waits past `timeout_s` means a
+    # peer is gone or diverged and ends the rank.
+    store = dist.TCPStore(addr, int(master_port), world, rank == 0,
+                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))  # fmt: skip
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    channel = Channel(rank, world, lambda: _all_loaded(store, rank, world))
     parallel = Parallel(rank, world)
     if rank == 0:
         return _leader(options, parallel, channel, host, port)
     return _follower(options, parallel, channel)
+
+
+def _all_loaded(store: Any, rank: int, world: int) -> None:
+    """Wait, on the store's long clock, until every rank has loaded its weights."""
+    store.set(f"loaded/{rank}", "1")
+    store.wait([f"loaded/{r}" for r in range(world)])
 
 
 def _cuda() -> bool:
@@ -154,6 +164,7 @@ def _leader(
                  else embedded(options.pages, debug=options.debug))  # fmt: skip
         recording = RecordingBackend(inner)
     stack = build_stack(options, parallel, recording)
+    channel.startup_barrier()
     engine = stack.engine
     journal: list[Any] = []
     seq = [0]
@@ -222,6 +233,7 @@ def _follower(options: ServeOptions, parallel: Parallel, channel: Channel) -> in
     backend = FollowerBackend(options.pages, options.debug) if options.policy == "banker" else None
     follower_options = dataclasses.replace(options, sidecar=None)
     stack = build_stack(follower_options, parallel, backend)
+    channel.startup_barrier()
     engine = stack.engine
     runner = FollowerRunner(stack.runner, channel)
     engine.runner = runner

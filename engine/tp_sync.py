@@ -66,10 +66,13 @@ def batch_digest(batch: StepBatch) -> str:
 class Channel:
     """The control messages of one TP group over the default process group (gloo on CPU)."""
 
-    def __init__(self, rank: int, world: int) -> None:
+    def __init__(
+        self, rank: int, world: int, startup_barrier: Callable[[], None] = lambda: None
+    ) -> None:
         self.rank = rank
         self.world = world
         self.exchanges = 0
+        self.startup_barrier = startup_barrier  # every rank loaded; collectives may start
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj if self.rank == 0 else None]

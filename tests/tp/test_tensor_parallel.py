@@ -136,7 +136,7 @@ DIVERGE = textwrap.dedent(
     from kvbank.engine.tp_sync import Channel, TPDiverged
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", init_method="tcp://" + sys.argv[2], rank=rank,
-                            world_size=2, timeout=timedelta(seconds=5))
+                            world_size=2, timeout=timedelta(seconds=60))
     channel = Channel(rank, 2)
     channel.agree("same", 0)
     try:
