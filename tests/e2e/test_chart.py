@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,8 +27,9 @@ pytestmark = pytest.mark.timeout(FIRST_USE_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
-def helm() -> Tools:
-    return Tools(ensure_tools(), Path("/nonexistent/kubeconfig"))
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Tools:
+    # No cluster: the kubeconfig is never read; its folder is helm's HOME for its caches.
+    return Tools(ensure_tools(), tmp_path_factory.mktemp("helm") / "kubeconfig")
 
 
 def render(helm: Tools, *sets: str, expect_ok: bool = True, extra: tuple[str, ...] = ()) -> Any:
