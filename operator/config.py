@@ -137,6 +137,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     pods.add_argument("--gpu-resource", default=_env("KVBANK_GPU_RESOURCE", "nvidia.com/gpu"))
     pods.add_argument(
+        "--model-root",
+        default=_env("KVBANK_MODEL_ROOT", "/models"),
+        help="folder holding each model's weights as MODEL_ROOT/spec.model.name",
+    )
+    pods.add_argument(
         "--termination-grace-seconds",
         type=int,
         default=_int_env("KVBANK_TERMINATION_GRACE_SECONDS", 600),
@@ -195,6 +200,7 @@ class OperatorConfig:
                 image=args.image,
                 image_pull_policy=args.image_pull_policy,
                 gpu_resource=args.gpu_resource,
+                model_root=args.model_root,
                 termination_grace_seconds=args.termination_grace_seconds,
             ),
             liveness=args.liveness or None,

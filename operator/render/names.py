@@ -56,6 +56,8 @@ class RenderSettings:
     sidecar_port: int = 50051
     metrics_port: int = 9464
     gpu_resource: str = "nvidia.com/gpu"
+    # Where the image (or a volume the chart mounts) holds the weights: MODEL_ROOT/model.name.
+    model_root: str = "/models"
     # Long enough for admitted requests to finish on a pod being replaced (see docs/operator.md).
     termination_grace_seconds: int = 600
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbank.capacity import pool_pages
 from kvbank.modelpool import ModelPool
 from kvbank.operator.render.names import (
     ANNOTATION_CONFIG_HASH,
@@ -74,6 +75,37 @@ def prelude(workload: Workload) -> list[str]:
     return ["/bin/sh", "-c", script, "kvbank-rank"]
 
 
+# The spec's admission policy, as `kvbank serve --policy` names it.
+ENGINE_POLICY = {"conservative": "banker", "peak": "peak"}
+
+
+def engine_args(pool: ModelPool, settings: RenderSettings) -> list[str]:
+    """`kvbank serve` with the pool's own figures, so the engine admits by the same numbers the
+    webhook judged (the pages resolved, memoryFraction included)."""
+    return [
+        "kvbank",
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(settings.http_port),
+        "--sidecar",
+        f"127.0.0.1:{settings.sidecar_port}",
+        "--model",
+        f"{settings.model_root}/{pool.model_name}",
+        "--pages",
+        str(pool_pages(pool)),
+        "--page-size",
+        str(pool.kv.page_size),
+        "--max-seq-len",
+        str(pool.limits.max_seq_len),
+        "--max-tokens",
+        str(pool.limits.max_tokens),
+        "--policy",
+        ENGINE_POLICY[pool.admission.policy],
+    ]
+
+
 def _container(
     name: str,
     args: list[str],
@@ -103,16 +135,7 @@ def pod_template(
     pool_file = f"{CONFIG_DIR}/{POOL_FILE}"
     engine = _container(
         "engine",
-        [
-            "kvbank",
-            "serve",
-            "--port",
-            str(settings.http_port),
-            "--sidecar",
-            f"127.0.0.1:{settings.sidecar_port}",
-            "--pool",
-            pool_file,
-        ],
+        engine_args(pool, settings),
         env,
         [{"name": "http", "containerPort": settings.http_port, "protocol": "TCP"}],
         {"httpGet": {"path": "/health", "port": "http"}},
@@ -129,6 +152,8 @@ def pod_template(
             f"0.0.0.0:{settings.sidecar_port}",
             "--metrics-port",
             str(settings.metrics_port),
+            "--metrics-host",
+            "0.0.0.0",
             "--pool",
             pool_file,
         ],

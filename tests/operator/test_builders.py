@@ -7,7 +7,7 @@ import json
 import yaml
 from operator_specs import pool_doc
 
-from kvbank.capacity import holdability
+from kvbank.capacity import holdability, pool_pages
 from kvbank.modelpool import parse_modelpool
 from kvbank.operator.pruning import stale_config_maps
 from kvbank.operator.render.bundle import render_pool
@@ -179,13 +179,35 @@ class TestPodTemplate:
         assert env["KVBANK_HEADLESS"] == "llama-ranks"
         assert engine["resources"] == {"limits": {"nvidia.com/gpu": 1}}
         assert "resources" not in sidecar
-        assert engine["args"][:2] == ["kvbank", "serve"]
-        assert "--sidecar" in engine["args"]
-        assert sidecar["args"][:4] == ["kvbank", "sidecar", "--listen", "0.0.0.0:50051"]
+        assert engine["args"] == [
+            "kvbank", "serve", "--host", "0.0.0.0", "--port", "8000",
+            "--sidecar", "127.0.0.1:50051", "--model", "/models/llama-3.1-8b-instruct",
+            "--pages", "20000", "--page-size", "16", "--max-seq-len", "8192",
+            "--max-tokens", "2048", "--policy", "banker",
+        ]  # fmt: skip
+        assert sidecar["args"] == [
+            "kvbank", "sidecar", "--listen", "0.0.0.0:50051", "--metrics-port", "9464",
+            "--metrics-host", "0.0.0.0", "--pool", "/etc/kvbank/modelpool.yaml",
+        ]  # fmt: skip
         assert template["spec"]["volumes"] == [
             {"name": "config", "configMap": {"name": "llama-engine-abc123"}}
         ]
         assert template["spec"]["terminationGracePeriodSeconds"] == 600
+
+    def test_the_commands_parse_with_the_real_subcommands(self) -> None:
+        """The flags rendered are flags `kvbank serve` and `kvbank sidecar` accept."""
+        from kvbank import cli
+
+        pool = _pool(admission={"policy": "peak"}, kv={"pageSize": 16, "memoryFraction": 0.5})
+        engine, sidecar = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "h")["spec"][
+            "containers"
+        ]
+        for container in (engine, sidecar):
+            argv = container["args"][1:]
+            args = cli.build_parser(argv).parse_args(argv)
+            assert args.command == argv[0]
+        serve = cli.build_parser(engine["args"][1:]).parse_args(engine["args"][1:])
+        assert serve.pages == pool_pages(pool) and serve.policy == "peak"
 
     def test_leader_worker_set_ranks_come_from_its_labels(self) -> None:
         env = rank_env(_pool(tensorParallel=2), SETTINGS, Workload.LEADER_WORKER_SET)
