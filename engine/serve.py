@@ -139,10 +139,19 @@ def build_server(
         stack.config.vocab_size,
         stack.capacity.max_seq_len,
         stack.capacity.max_tokens,
+        extra_stop_ids(stack),
     )
     app = create_app(served, loop, metrics)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)
     return uvicorn.Server(config), loop
+
+
+def extra_stop_ids(stack: Stack) -> tuple[int, ...]:
+    """config.json's end-of-text ids other than the one the engine stops at itself."""
+    engine_eos = stack.tokenizer.eos_token_id
+    if engine_eos is None and stack.config.eos_token_ids:
+        engine_eos = stack.config.eos_token_ids[0]
+    return tuple(t for t in stack.config.eos_token_ids if t != engine_eos)
 
 
 def serve_stack(

@@ -39,6 +39,9 @@ class Served:
     vocab_size: int
     max_seq_len: int
     max_tokens: int  # the server's limit on a request's max_tokens
+    # End-of-turn tokens besides the engine's one stop token (Llama 3 lists several in
+    # config.json's eos_token_id): every request stops at them.
+    extra_stop_ids: tuple[int, ...] = ()
 
 
 def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
@@ -136,7 +139,7 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> FastA
         except (EngineStopped, TimeoutError) as exc:
             return error(503, f"the engine is not running: {exc}", "server_error")
         metrics.prompt_tokens.inc(len(ids))
-        text = TextStream(tokenizer, gen.stop, gen.stop_token_ids)
+        text = TextStream(tokenizer, gen.stop, [*gen.stop_token_ids, *served.extra_stop_ids])
         run = Run(rid, outputs, text, loop, metrics, submitted, request)
         usage = {"prompt_tokens": len(ids)}
         if gen.stream:

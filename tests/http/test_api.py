@@ -179,3 +179,16 @@ def test_a_seeded_sampled_request_is_reproducible(server: LiveServer) -> None:
     ]
     assert texts[0] == texts[1]
     assert texts[0] != texts[2]
+
+
+def test_every_end_of_turn_id_of_the_config_stops_a_request() -> None:
+    """Llama 3 lists three end ids; the engine stops at the tokenizer's, the API at the rest."""
+    from types import SimpleNamespace
+
+    from kvbank.engine.serve import extra_stop_ids
+
+    stack = SimpleNamespace(
+        tokenizer=SimpleNamespace(eos_token_id=128009),
+        config=SimpleNamespace(eos_token_ids=(128001, 128008, 128009)),
+    )
+    assert extra_stop_ids(stack) == (128001, 128008)  # type: ignore[arg-type]
