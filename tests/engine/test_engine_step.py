@@ -156,3 +156,30 @@ def test_taking_past_the_reservation_raises() -> None:
     engine.step()
     with pytest.raises(InvalidPages, match="reserved 3"):
         engine.policy.on_take(req, 2)
+
+
+class OneStepLateBackend(EmbeddedBackend):
+    """Decides like the embedded ledger but hands each decision over one poll later, as a
+    sidecar answering over the network would."""
+
+    def __init__(self, total_pages: int) -> None:
+        super().__init__(embedded(total_pages, debug=True).ledger)
+        self._late: list[Decision] = []
+
+    def poll(self, room: int) -> list[Decision]:
+        ready, self._late = self._late, super().poll(room)
+        return ready
+
+
+def test_decisions_that_arrive_a_step_late_are_applied_safely() -> None:
+    backend = OneStepLateBackend(24)
+    engine, _ = make_engine(24, backend=backend, max_batch_tokens=16)
+    shared = list(range(12))
+    for i in range(6):
+        engine.add_request(f"s{i}", [*shared, 40 + i], max_tokens=6)  # 3 cached pages each
+        engine.add_request(f"u{i}", list(range(100 + 20 * i, 110 + 20 * i)), max_tokens=5)
+    finished, _ = drain(engine)  # debug: the ledger agrees with the pool after every step
+    assert len(finished) == 12
+    assert all(o.finish_reason is FinishReason.LENGTH for o in finished.values())
+    assert engine.sched.stats.preemptions == 0 and engine.sched.stats.hit_tokens > 0
+    assert backend.outstanding() == 0 and engine.kv.pool.held == 0
