@@ -162,36 +162,61 @@ class Profile:
         n = len(tracks)
         self.count = n
         rows = [len(t.tokens) for t in tracks]
+        self.single_label = all(r == 1 for r in rows)
         self.row_starts = np.cumsum([0, *rows[:-1]], dtype=np.int64) if n else np.zeros(0, int)
-        self.tokens = np.array([x for t in tracks for x in t.tokens], dtype=np.int64)
-        self.per_output = np.array([x for t in tracks for x in t.per_output], dtype=np.int64)
-        self.worst = np.array([x for t in tracks for x in t.worst], dtype=np.int64)
-        self.chunks = np.repeat(np.array([t.chunks for t in tracks], dtype=np.int64), rows)
+        # Column vectors, one row per (request, label), built once per profile.
+        self.tokens = np.array([x for t in tracks for x in t.tokens], dtype=np.int64)[:, None]
+        self.per_output = np.array([x for t in tracks for x in t.per_output], dtype=np.int64)[
+            :, None
+        ]
+        self.worst = np.array([x for t in tracks for x in t.worst], dtype=np.int64)[:, None]
+        prefilling = np.minimum(np.array([t.chunks for t in tracks], dtype=np.int64), 1)
+        self.offset = np.repeat(1 - prefilling, rows)[:, None]  # j = k + offset
         self.held = np.array([t.held for t in tracks], dtype=np.int64)
         self.exclusive = np.array([t.exclusive for t in tracks], dtype=np.int64)
         self.end = np.array([t.end for t in tracks], dtype=np.int64)
+        self._held_c, self._end_c = self.held[:, None], self.end[:, None]
+        self._neg_exclusive_c = -self.exclusive[:, None]
+        # A power-of-two page size divides by a shift (integer division is the slow step).
+        self._shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
         order = np.argsort(self.end, kind="stable")
         self.ends_sorted = self.end[order]
         self.exclusive_by_end = self.exclusive[order]
         self.returned_by = np.concatenate([[0], np.cumsum(self.exclusive_by_end)])
         finite = self.end[self.end < NEVER]
+        self.finishes = np.unique(finite)
+        # The peak is just before a finish, or after the last one (where nothing changes).
+        after_last = self.finishes[-1:] if len(self.finishes) else np.zeros(0, np.int64)
         self.candidates = np.unique(
-            np.concatenate([[0], np.maximum(self.end - 1, 0), finite]).astype(np.int64)
+            np.concatenate([[0], np.maximum(self.end - 1, 0), after_last]).astype(np.int64)
         )
         self.demand_at_candidates = self._evaluate(self.candidates)
-        self.finishes = np.unique(finite)
+
+    def evaluate(self, ks: Steps) -> Steps:
+        """Extra demand at any steps `ks`: O(requests x len(ks))."""
+        return self._evaluate(ks)
 
     def _evaluate(self, ks: Steps) -> Steps:
         if self.count == 0:
             return np.zeros(len(ks), dtype=np.int64)
-        steps = np.maximum(ks[None, :] - np.minimum(self.chunks, 1)[:, None] + 1, 0)
-        written = self.pace.advance * steps + self.pace.lookahead * np.minimum(steps, 1)
-        tokens = np.minimum(
-            self.worst[:, None], self.tokens[:, None] + self.per_output[:, None] * written
-        )
-        pages = np.add.reduceat(-(-tokens // self.page_size), self.row_starts, axis=0)
-        growth = np.maximum(pages - self.held[:, None], 0)
-        term = np.where(ks[None, :] < self.end[:, None], growth, -self.exclusive[:, None])
+        # steps, tokens, pages: [request-label rows, len(ks)]
+        steps = ks[None, :] + self.offset
+        np.maximum(steps, 0, out=steps)
+        written = steps * self.pace.advance if self.pace.advance != 1 else steps
+        if self.pace.lookahead:
+            written = written + self.pace.lookahead * np.minimum(steps, 1)
+        tokens = self.tokens + self.per_output * written
+        np.minimum(tokens, self.worst, out=tokens)
+        if self._shift >= 0:
+            tokens += self.page_size - 1
+            pages = np.right_shift(tokens, self._shift, out=tokens)
+        else:
+            pages = -(-tokens // self.page_size)
+        if not self.single_label:
+            pages = np.add.reduceat(pages, self.row_starts, axis=0)
+        pages -= self._held_c
+        np.maximum(pages, 0, out=pages)
+        term = np.where(ks[None, :] < self._end_c, pages, self._neg_exclusive_c)
         return term.sum(axis=0)  # type: ignore[no-any-return]
 
     def demand(self, ks: Steps) -> Steps:
@@ -230,27 +255,31 @@ def newcomer(
     """Extra demand of a request started at step `start` with a leased hit, at steps `ks`:
     nothing before it starts, its pages beyond the hit while it runs, minus its idle hit (the
     only part of the hit it alone holds) once it has finished."""
-    worst = np.array(shape.worst, dtype=np.int64)[:, None]
+    end = start + shape.prefill_chunks + shape.output_budget
     if peak:
-        base = np.array(shape.base, dtype=np.int64)[:, None]
-        per_output = np.array(shape.per_output, dtype=np.int64)[:, None]
-        steps = np.maximum(ks[None, :] - start - min(shape.prefill_chunks, 1) + 1, 0)
-        written = pace.advance * steps + pace.lookahead * np.minimum(steps, 1)
-        tokens = np.minimum(worst, base + per_output * written)
+        pages = np.zeros(len(ks), dtype=np.int64)
+        steps = np.maximum(ks - (start + min(shape.prefill_chunks, 1) - 1), 0)
+        written = pace.advance * steps
+        if pace.lookahead:
+            written += pace.lookahead * np.minimum(steps, 1)
+        for base, per_output, worst in zip(shape.base, shape.per_output, shape.worst, strict=True):
+            tokens = np.minimum(base + per_output * written, worst)
+            pages += (tokens + (page_size - 1)) // page_size
+        pages -= hit_pages
     else:
-        tokens = np.broadcast_to(worst, (len(shape.worst), len(ks)))
-    pages = (-(-tokens // page_size)).sum(axis=0) - hit_pages
-    end = start + shape.prefill_chunks + shape.output_budget
-    out = np.where(ks < end, pages, -idle_pages)
-    return np.where(ks < start, 0, out)  # type: ignore[no-any-return]
+        flat = sum(-(-worst // page_size) for worst in shape.worst) - hit_pages
+        pages = np.full(len(ks), flat, dtype=np.int64)
+    pages[ks >= end] = -idle_pages
+    pages[ks < start] = 0
+    return pages
 
 
-def steps_for(shape: PeakShape, start: int, candidates: Steps) -> Steps:
-    """The steps at which a request started at `start` may reach its peak beside the others:
-    the candidates from `start` on, its start and the step before its own finish."""
+def steps_for(shape: PeakShape, start: int) -> Steps:
+    """Steps at which a request started at `start` may set the peak beside the running ones
+    (whose own such steps are the profile's candidates): its start, the step before its
+    finish, and its finish."""
     end = start + shape.prefill_chunks + shape.output_budget
-    extra = np.array([start, max(start, end - 1), end], dtype=np.int64)
-    return np.unique(np.concatenate([candidates[candidates >= start], extra]))
+    return np.array([start, max(start, end - 1), end], dtype=np.int64)
 
 
 def flat_shape(pages: int, page_size: int) -> PeakShape:

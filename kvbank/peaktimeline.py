@@ -261,11 +261,19 @@ class Timeline:
         """Highest extra demand with the newcomer started at `start` (and, if given, another
         request started now beside the running ones)."""
         profile = self.profile()
-        ks = steps_for(shape, start, profile.candidates)
+        candidates, demand = profile.candidates, profile.demand_at_candidates
+        if start:
+            later = candidates >= start
+            candidates, demand = candidates[later], demand[later]
+        # The newcomers' own steps (start, the step before a finish, after it) are evaluated
+        # afresh; duplicates of candidates are harmless.
+        extra = steps_for(shape, start)
         if beside is not None:
-            ks = np.unique(np.concatenate([ks, steps_for(beside[0], 0, profile.candidates)]))
-            ks = ks[ks >= start]
-        total = profile.demand(ks) + self._newcomer(shape, ks, start, hit)
+            extra = np.concatenate([extra, steps_for(beside[0], 0)])
+            extra = extra[extra >= start]
+        ks = np.concatenate([candidates, extra])
+        total = np.concatenate([demand, profile.evaluate(extra)])
+        total += self._newcomer(shape, ks, start, hit)
         shared = hit.sole
         if beside is not None:
             other, other_hit = beside
