@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvbank.capacity import CapacityModel, PageCount, RequestShape, count_pages, pages_for
+from kvbank.engine.pages import SINK_PAGE
 from kvbank.engine.runner import SamplingParams
 
 
@@ -112,6 +113,15 @@ class Request:
         if start >= prompt_len:  # decode: no copy of the prompt
             return self.output[start - prompt_len : stop - prompt_len]
         return self.prompt[start:] + self.output[: stop - prompt_len]
+
+    def page_table(self, label: str) -> list[int]:
+        """The pages a runner reads and writes for `label`. A label this request does not
+        write maps to the sink page: its rows (a text request in a guidance batch, say) are
+        written there and never read back, and take no page of the pool."""
+        table = self.pages.get(label)
+        if table is None and not any(lay.name == label for lay in self.layout):
+            return [SINK_PAGE]
+        return table or []
 
     def pages_at(self, positions: int) -> int:
         """Pages the request holds once `positions` positions are written (all labels)."""

@@ -8,6 +8,7 @@ from engine_builders import drain, make_engine, tiny_model
 from kvbank.capacity import RequestShape, count_pages, refusal
 from kvbank.engine.admission import EmbeddedBackend, embedded
 from kvbank.engine.engine import RequestRejected
+from kvbank.engine.pages import SINK_PAGE
 from kvbank.engine.request import FinishReason
 from kvbank.ledger import Decision, InvalidPages
 from kvbank.modelpool import KvSlot
@@ -79,6 +80,8 @@ def test_each_label_gets_what_count_pages_counts_and_an_unwritten_label_gets_non
     engine.step()
     assert {k: len(v) for k, v in image.pages.items()} == {"main": 4, "cfg": 2, "cross": 3}
     assert {k: len(v) for k, v in text.pages.items()} == {"main": 2}
+    assert text.page_table("cfg") == [SINK_PAGE] and text.page_table("cross") == [SINK_PAGE]
+    assert text.page_table("main") == text.pages["main"]
     worst = count_pages(model, RequestShape(6, 3, {"main": 8}))
     assert worst.per_label == {"main": 5, "cfg": 3, "cross": 3}
     drain(engine)
