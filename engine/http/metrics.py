@@ -49,6 +49,12 @@ class ServeMetrics:
             "pages admitted requests may still take (the ledger's outstanding)",
             registry=registry,
         )
+        self.prefix_hit_tokens = Counter(
+            "kvbank_prefix_hit_tokens",
+            "prompt positions admissions took from the prefix cache instead of computing",
+            registry=registry,
+        )
+        self._hit_tokens_seen = 0
         self.total_pages.set(total_pages)
 
     def observe_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
@@ -56,6 +62,10 @@ class ServeMetrics:
         if outputs:
             self.steps.inc()
             self.generated_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
+        hit_tokens = engine.sched.stats.hit_tokens
+        if hit_tokens > self._hit_tokens_seen:
+            self.prefix_hit_tokens.inc(hit_tokens - self._hit_tokens_seen)
+            self._hit_tokens_seen = hit_tokens
         kv = engine.kv
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)

@@ -63,7 +63,12 @@ def _answers(url: str) -> list[str]:
         return str(response.json()["choices"][0]["text"])
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched together, as a server would
-        return list(pool.map(ask, PROMPTS))
+        answers = list(pool.map(ask, PROMPTS))
+    # One after another, sharing a 3-page prefix: the later ones hit the prefix cache, so the
+    # follower must replay rank 0's pinned hits exactly.
+    shared = "The ledger admits a request only if every admitted request can finish. " * 3
+    answers += [ask(shared + tail) for tail in ("First.", "Second one.", "First.")]
+    return answers
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> int:
@@ -87,7 +92,10 @@ def test_tp2_greedy_output_equals_tp1(builtin_model_dir: Path) -> None:
         one = _answers(f"http://127.0.0.1:{port1}")
         two = _answers(f"http://127.0.0.1:{port2}")
         assert one == two
-        assert len(set(one)) == len(PROMPTS)
+        assert len(set(one[: len(PROMPTS)])) == len(PROMPTS)
+        hits = [line for line in httpx.get(f"http://127.0.0.1:{port2}/metrics").text.splitlines()
+                if line.startswith("kvbank_prefix_hit_tokens_total ")]  # fmt: skip
+        assert hits and float(hits[0].split()[1]) > 0
     finally:
         assert _stop(pair) == 0  # rank 0 stops cleanly and tells its follower
         _stop(single)
