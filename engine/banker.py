@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import contextlib
 
-from kvbank.engine.admission import AdmissionBackend, EmbeddedBackend
+from kvbank.engine.admission import AdmissionBackend
 from kvbank.engine.policy import AdmissionPolicy, register
 from kvbank.engine.request import FinishReason, Request
-from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, Ledger, UnknownRequest
+from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, UnknownRequest
 
 
 class BankerPolicy(AdmissionPolicy):
@@ -149,5 +149,3 @@ def _banker(backend: AdmissionBackend | None) -> AdmissionPolicy:
 
 
 register("banker", _banker)
-
-__all__ = ["BankerPolicy", "EmbeddedBackend", "Ledger"]
