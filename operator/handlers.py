@@ -106,9 +106,11 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     if rt.tls is not None:  # kopf refuses to start with webhook handlers and no server
         register_webhooks(registry, rt)
 
-    @kopf.on.resume(*POOLS, registry=registry)
-    @kopf.on.create(*POOLS, registry=registry)
-    @kopf.on.update(*POOLS, registry=registry)
+    # Explicit ids: kopf keys its progress annotations by them (kvbank.dev/reconcile), and a
+    # name derived from a closure ("register.<locals>...") would change with any refactor.
+    @kopf.on.resume(*POOLS, id="reconcile", registry=registry)
+    @kopf.on.create(*POOLS, id="reconcile", registry=registry)
+    @kopf.on.update(*POOLS, id="reconcile", registry=registry)
     async def reconcile_pool(body: kopf.Body, logger: Any, **_: Any) -> None:
         outcome = await _guarded(reconcile.reconcile(rt.cluster, rt.config.render, body))
         if outcome.accepted:
@@ -116,7 +118,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         else:
             logger.warning("refused: %s", outcome.message)
 
-    @kopf.timer(*POOLS, interval=rt.config.status_interval, registry=registry)
+    @kopf.timer(*POOLS, id="status", interval=rt.config.status_interval, registry=registry)
     async def pool_status(body: kopf.Body, **_: Any) -> None:
         await _guarded(
             live.refresh(

@@ -76,6 +76,8 @@ class TestRegistration:
             if h.fn.__name__ == "reconcile_pool"
         }
         assert causes == {("create", None), ("update", None), (None, True)}
+        ids = {str(h.id) for h in registry._changing.get_all_handlers()}
+        assert ids == {"reconcile"}  # kopf's progress annotation: kvbank.dev/reconcile
         assert any(h.fn.__name__ == "pool_status" for h in registry._spawning.get_all_handlers())
 
 
