@@ -102,6 +102,8 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if rt.tls is not None:
+            rt.tls.close()
 
     if rt.tls is not None:  # kopf refuses to start with webhook handlers and no server
         register_webhooks(registry, rt)

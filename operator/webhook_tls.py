@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import shutil
 import ssl
 import tempfile
 from dataclasses import dataclass
@@ -119,18 +120,32 @@ async def patch_ca_bundle(cluster: Cluster, name: str, ca_bundle: bytes) -> bool
 class ServerTLS:
     """The SSL context the webhook server was started with, reloaded in place."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: Path | None = None) -> None:
         self.context = ssl.create_default_context(purpose=ssl.Purpose.CLIENT_AUTH)
-        self._dir = Path(tempfile.mkdtemp(prefix="kvbank-webhook-"))
+        # kopf's server takes files; unless given a folder, they live in a private (0700) one
+        # made on first use and removed on close.
+        self._dir = directory
+        self._owned = directory is None
         self._loaded: tuple[bytes, bytes] | None = None
+
+    def _folder(self) -> Path:
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="kvbank-webhook-"))
+        return self._dir
+
+    def close(self) -> None:
+        """Remove the key from disk (only from a folder this object made)."""
+        if self._owned and self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     @property
     def cert_file(self) -> Path:
-        return self._dir / "tls.crt"
+        return self._folder() / "tls.crt"
 
     @property
     def key_file(self) -> Path:
-        return self._dir / "tls.key"
+        return self._folder() / "tls.key"
 
     def load(self, cert: bytes, key: bytes) -> bool:
         if self._loaded == (cert, key):

@@ -173,12 +173,22 @@ def _handshake(server: ServerTLS, ca_bundle: bytes) -> str:
 
 
 class TestServerTLS:
+    def test_close_removes_the_key_it_wrote(self) -> None:
+        server = ServerTLS()
+        bundle = issue(None, NAMES, TODAY)
+        assert bundle is not None
+        server.load(bundle.cert, bundle.key)
+        assert server.key_file.stat().st_mode & 0o077 == 0
+        folder = server.key_file.parent
+        server.close()
+        assert not folder.exists()
+
     """Against the real clock: the client checks validity with it."""
 
-    def test_serves_a_chain_the_bundle_verifies_and_reloads_in_place(self) -> None:
+    def test_serves_a_chain_the_bundle_verifies_and_reloads_in_place(self, tmp_path: Path) -> None:
         cluster = FakeCluster()
         cluster.put(_vwc(""))
-        server = ServerTLS()
+        server = ServerTLS(tmp_path)
         issued = TODAY - timedelta(days=300)  # 65 days left: still valid, due for renewal
         assert asyncio.run(refresh_tls(cluster, SETTINGS, server, issued))
         hooks = cluster.one("ValidatingWebhookConfiguration", "kvbank")["webhooks"]
@@ -197,7 +207,8 @@ class TestServerTLS:
         (tmp_path / "tls.key").write_bytes(bundle.key)
         settings = TLSSettings("cert-manager", "", "", NAMES, None, cert_dir=tmp_path)
         cluster = FakeCluster()
-        server = ServerTLS()
+        server = ServerTLS(tmp_path / "served")
+        (tmp_path / "served").mkdir()
         assert asyncio.run(refresh_tls(cluster, settings, server, TODAY))
         assert cluster.calls == []  # cert-manager owns the Secret and the bundle
         assert _handshake(server, bundle.ca_bundle) == "kvbank-webhook"

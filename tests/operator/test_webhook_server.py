@@ -72,6 +72,7 @@ async def _serve_and_ask(port: int) -> list[dict[str, Any]]:
     flags += ["--webhook-configuration", "kvbank", "--webhook-extra-san", "127.0.0.1"]
     config = operator_config.OperatorConfig.from_args(parser.parse_args(flags))
     runtime = Runtime(config=config, cluster=cluster, source=None, tls=ServerTLS())  # type: ignore[arg-type]
+    # cleanup (below) closes it, removing the key
     registry = kopf.OperatorRegistry()
     register(registry, runtime)
     settings = kopf.OperatorSettings()
