@@ -46,7 +46,12 @@ class PeakFitPolicy(AdmissionPolicy):
         model = sched.model
         # A decode row writes one token and allocates speculative_tokens positions past it.
         policy = PeakPolicy(
-            model.page_size, model.speculative_tokens, self.peak, self.backfill, max_advance=1
+            model.page_size,
+            model.speculative_tokens,
+            self.peak,
+            self.backfill,
+            backfill_depth=32,
+            max_advance=1,
         )
         self.ledger = Ledger(sched.kv.pool.total_pages, policy=policy)
         self.prefill_rate = max(1, sched.max_batch_tokens - sched.max_running)
