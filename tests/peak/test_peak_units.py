@@ -243,3 +243,28 @@ def test_a_request_without_a_shape_counts_at_its_worst_case() -> None:
     ledger.submit("next", 4)
     assert [a.rid for a in ledger.admit_ready(lambda rid: Hit())] == ["opaque"]
     assert ledger.head == "next"  # 5 + 4 > 8 at every step: the opaque one never finishes
+
+
+def test_a_newcomer_leasing_pages_one_request_holds_alone_cannot_count_them_returning() -> None:
+    # pageSize 4, 4 usable pages, one of them out of reach (a cached page eviction cannot take
+    # yet). A leased a 2-page cached prefix (idle), took a third page and
+    # finishes next step, when its 3 pages would come back. B (prompt 8, 8 output: 4 pages)
+    # leases the same 2 pages: they stay with B, so only 1 page returns, and B needs 2 more
+    # by step 5: 2 - 1 > 0 supply. Were those pages already shared by others (sole 0), A's
+    # 3 pages would all return and B would fit.
+    def ledger_with_a() -> Ledger:
+        model = text_model(4)
+        ledger = Ledger(5, debug=True, policy=PeakPolicy(4))
+        ledger.set_supply(1, 2)
+        a = peak_shape(model, RequestShape(8, 4))
+        ledger.submit("A", a.pages, shape=a)
+        assert [d.rid for d in ledger.admit_ready(lambda rid: Hit(2, 2))] == ["A"]
+        ledger.take("A", 1)
+        ledger.advance("A", 3)
+        b = peak_shape(model, RequestShape(8, 8))
+        ledger.submit("B", b.pages, shape=b)
+        assert ledger.supply == 0
+        return ledger
+
+    assert ledger_with_a().admit_ready(lambda rid: Hit(2, 0, sole_pages=2)) == []
+    assert [d.rid for d in ledger_with_a().admit_ready(lambda rid: Hit(2, 0, 0))] == ["B"]
