@@ -275,11 +275,12 @@ def newcomer(
 
 
 def steps_for(shape: PeakShape, start: int) -> Steps:
-    """Steps at which a request started at `start` may set the peak beside the running ones
-    (whose own such steps are the profile's candidates): its start, the step before its
-    finish, and its finish."""
+    """The step at which a request started at `start` may set the peak beside the running ones
+    (whose own such steps are the profile's candidates): the step before its finish. Its start
+    need not be tried: between two events both its demand and the others' only rise, so each
+    stretch peaks at its end, and after the last event nothing changes."""
     end = start + shape.prefill_chunks + shape.output_budget
-    return np.array([start, max(start, end - 1), end], dtype=np.int64)
+    return np.array([max(start, end - 1)], dtype=np.int64)
 
 
 def flat_shape(pages: int, page_size: int) -> PeakShape:
