@@ -294,15 +294,31 @@ def test_the_operator_killed_mid_reconcile_converges_with_nothing_duplicated(
     wait_for("the restarted webhook", lambda: webhook_answers(cluster.admin), 60, every=1)
 
 
-def test_helm_upgrade_keeps_the_certificate_and_changes_the_failure_policy(
+def test_helm_upgrade_keeps_the_certificate_and_adds_what_the_values_ask(
     cluster: Cluster,
 ) -> None:
     before = cluster.admin.get("secret", "kvbank-webhook-tls", SYSTEM)
+    ns = cluster.namespace("upgraded")
     out = cluster.admin.helm(
         "upgrade", RELEASE, str(CHART), "-n", SYSTEM, "--reuse-values",
         "--set", "webhook.failurePolicy=Ignore",
+        # Rendered objects the apiserver (and, for the policy, the webhook) must accept.
+        "--set", "networkPolicy.enabled=true",
+        "--set", f"networkPolicy.namespaces={{{ns}}}",
+        "--set", f"networkPolicy.pools[0].namespace={ns}",
+        "--set", "networkPolicy.pools[0].name=llama-8b",
+        "--set", "defaultCapacityPolicy.enabled=true",
+        "--set", "defaultCapacityPolicy.spec.limits.maxSeqLen=131072",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    policies = cluster.admin.ok("get", "networkpolicies", "-A", "-o", "name").split()
+    assert sorted(policies) == [
+        "networkpolicy.networking.k8s.io/kvbank-operator",
+        "networkpolicy.networking.k8s.io/kvbank-ranks",
+        "networkpolicy.networking.k8s.io/kvbank-sidecars-llama-8b",
+    ]
+    default = cluster.admin.get("capacitypolicy", "kvbank-default")
+    assert default is not None and default["spec"]["limits"] == {"maxSeqLen": 131072}
     hooks = cluster.admin.get("validatingwebhookconfiguration", "kvbank-operator")
     assert hooks is not None
     assert {h["failurePolicy"] for h in hooks["webhooks"]} == {"Ignore"}
