@@ -1,12 +1,14 @@
-"""Peak-fit admission in the engine: `peak`, `peak+backfill` and `banker+backfill`.
+"""Peak-fit admission in the engine: `peak`, `peak+backfill` and `banker+backfill` (the
+conservative reading with EASY backfill).
 
 The ledger (kvbank.ledger with a kvbank.peaktimeline.PeakPolicy) lives in-process and decides
 synchronously, so a head's hit is peeked and leased in the same pass: nothing is pinned, and the
 ledger's own account of shared pages stays exact (a pin would hold pages the ledger cannot see).
 
 The bound the ledger relies on is the scheduler's to keep (see kvbank.engine.scheduler): every
-running request gets a decode row every step, and prefill rows are served oldest first with at
-least `max_batch_tokens - max_running` tokens a step. So a request admitted behind `T` pending
+running request gets a decode row every step, and prefill rows are served oldest first; this
+policy keeps the running set below the token budget, so prefill gets at least
+`max_batch_tokens - running cap` tokens a step. So a request admitted behind `T` pending
 prefill tokens (its own prompt included) finishes its prefill within ceil(T / that) + 1 steps;
 that is the bound it is admitted with. After each step every running request's progress goes to
 the ledger; one that made none (or a prefill past its bound) is reported as stalled, counted in
@@ -54,7 +56,11 @@ class PeakFitPolicy(AdmissionPolicy):
             max_advance=1,
         )
         self.ledger = Ledger(sched.kv.pool.total_pages, policy=policy)
-        self.prefill_rate = max(1, sched.max_batch_tokens - sched.max_running)
+        # Decode rows take the budget first; capping the running set below the budget leaves
+        # every step at least `prefill_rate` tokens for prefill, which bounds a prefill.
+        budget = sched.max_batch_tokens
+        self.running_cap = max(1, min(sched.max_running, budget - 1))
+        self.prefill_rate = max(1, budget - self.running_cap)
 
     # ---- arrivals and admission ----------------------------------------------------------------
 
@@ -81,7 +87,7 @@ class PeakFitPolicy(AdmissionPolicy):
     def _peek(self, rid: str) -> Hit | None:
         sched = self.sched
         req = sched.waiting_by_rid.get(rid)
-        if req is None or not sched.can_start():
+        if req is None or not sched.can_start() or len(sched.running) >= self.running_cap:
             return None
         waiting = self.ledger._waiting[rid]
         assert waiting.shape is not None
@@ -195,3 +201,4 @@ def _factory(name: str, peak: bool, backfill: bool):  # type: ignore[no-untyped-
 
 register("peak", _factory("peak", True, False))
 register("peak+backfill", _factory("peak+backfill", True, True))
+register("banker+backfill", _factory("banker+backfill", False, True))
