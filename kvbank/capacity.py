@@ -133,36 +133,48 @@ def pages_for_labels(tokens_per_label: Mapping[str, int], page_size: int) -> int
 
 
 def worst_case(model: CapacityModel) -> tuple[RequestShape, PageCount]:
-    """The request of this model that needs the most pages.
+    """The request of this model that needs the most pages, computed exactly.
 
-    Along prompt + output = max_seq_len every label's tokens are linear in the prompt length, so
-    its page count is a step function; the maximum of their sum lies at an end of the range or
-    where a label whose count rises with the prompt just stepped up. Those points are few (one per
-    page per label), so this is exact, not a sampled guess.
+    Along prompt + output = max_seq_len every label's tokens are linear in the prompt length p
+    (`rise x p + base`), so the total page count is a sum of step functions. It lies within one
+    page per label of the linear sum of tokens / page_size, whose maximum is at an end of the
+    range; so only prompts where that linear sum comes within a page per label of the best end
+    can do better, and among those only the prompts where a rising label steps up. That leaves a
+    handful of candidates even at page size 1 and a million positions (one to a few per label),
+    except for specs whose rises cancel out exactly, where it is one per page per rising label.
     """
     longest_output = min(model.max_tokens, model.max_seq_len - 1)
     lo, hi = model.max_seq_len - longest_output, model.max_seq_len - 1  # prompt lengths
-    candidates = {lo, hi}
-    spec = model.speculative_tokens
-    for slot in model.kv_slots.values():
-        rise = slot.prompt - slot.output  # tokens gained per prompt token along the line
-        if rise <= 0:
-            continue
-        # label tokens at prompt p: rise * p + base
-        base = slot.fixed + slot.output * (model.max_seq_len + spec)
-        first = (rise * lo + base) // model.page_size
-        last = (rise * hi + base) // model.page_size
-        for k in range(first, last + 1):
-            p = -(-(k * model.page_size + 1 - base) // rise)
-            if lo <= p <= hi:
-                candidates.add(p)
-    best: tuple[RequestShape, PageCount] | None = None
-    for prompt in sorted(candidates):
+    page, spec = model.page_size, model.speculative_tokens
+
+    def at(prompt: int) -> tuple[RequestShape, PageCount]:
         shape = RequestShape(prompt, model.max_seq_len - prompt)
-        count = count_pages(model, shape)
-        if best is None or count.total > best[1].total:
-            best = (shape, count)
-    assert best is not None
+        return shape, count_pages(model, shape)
+
+    best = max(at(lo), at(hi), key=lambda found: found[1].total)
+    lines = [
+        (slot.prompt - slot.output, slot.fixed + slot.output * (model.max_seq_len + spec))
+        for slot in model.kv_slots.values()
+    ]
+    # Prompts whose summed tokens exceed (best + 1 - labels) pages could still beat the best end.
+    slope = sum(rise for rise, _ in lines)
+    offset = sum(base for _, base in lines)
+    threshold = (best[1].total + 1 - len(lines)) * page - offset  # need slope x p > threshold
+    if slope > 0:
+        lo = max(lo, threshold // slope + 1)
+    elif slope < 0:
+        hi = min(hi, -(-threshold // slope) - 1)
+    elif threshold >= 0:
+        return best
+    for rise, base in lines:
+        if rise <= 0 or lo > hi:
+            continue
+        for step in range((rise * lo + base) // page, (rise * hi + base) // page + 1):
+            prompt = -(-(step * page + 1 - base) // rise)  # first prompt past the step
+            if lo <= prompt <= hi:
+                found = at(prompt)
+                if found[1].total > best[1].total:
+                    best = found
     return best
 
 
@@ -253,7 +265,8 @@ def describe_worst(model: CapacityModel, shape: RequestShape, count: PageCount) 
             f"{count.total} pages: maxSeqLen {model.max_seq_len}{spec_part} at pageSize "
             f"{model.page_size}"
         )
-    labels = ", ".join(f"{label} {pages}" for label, pages in count.per_label.items())
+    # sorted: the apiserver hands the webhook kvSlots in key order, and both must print alike
+    labels = ", ".join(f"{label} {pages}" for label, pages in sorted(count.per_label.items()))
     return (
         f"{count.total} pages: a {shape.prompt_tokens}-token prompt with "
         f"{count.output_tokens} output tokens{spec_part} at pageSize {model.page_size}; "

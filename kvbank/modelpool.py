@@ -30,6 +30,8 @@ MAX_REPLICAS = 4096
 MAX_SPECULATIVE = 64
 
 ADMISSION_POLICIES = ("conservative", "peak")
+MAX_POOL_NAME_LENGTH = 40  # leaves room for "-ranks", pod ordinals and revision hashes in 63
+MAX_MODEL_NAME_LENGTH = 253
 
 
 @dataclass(frozen=True)
@@ -323,6 +325,12 @@ def parse_modelpool(doc: Any) -> ModelPool:
         r.fail("kind", f"must be {KIND}, got {top.get('kind')!r}")
     meta = r.mapping(top.get("metadata"), "metadata") or {}
     name = r.string(meta, "name", "metadata") or ""
+    if len(name) > MAX_POOL_NAME_LENGTH:
+        r.fail(
+            "metadata.name",
+            f"has {len(name)} characters; at most {MAX_POOL_NAME_LENGTH} leave room for the "
+            f"names of its pods and services",
+        )
     namespace = meta.get("namespace") or "default"
     spec = r.mapping(top.get("spec"), "spec")
     if spec is None:
@@ -336,6 +344,11 @@ def parse_modelpool(doc: Any) -> ModelPool:
     model = r.mapping(spec.get("model"), "spec.model") or {}
     r.unknown(model, "spec.model", {"name", "architecture"})
     model_name = r.string(model, "name", "spec.model") or ""
+    if len(model_name) > MAX_MODEL_NAME_LENGTH:
+        r.fail(
+            "spec.model.name",
+            f"has {len(model_name)} characters; at most {MAX_MODEL_NAME_LENGTH} are allowed",
+        )
     arch = _architecture(r, model) if model else None
 
     replicas = r.integer(spec, "replicas", "spec", lo=0, hi=MAX_REPLICAS, default=1)

@@ -11,14 +11,13 @@ creates nothing twice; deleting the ModelPool lets the garbage collector remove 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from kvbank.modelpool import KIND
 from kvbank.operator.admission import Decision, judge, message, neighbourhood
 from kvbank.operator.cluster import KVBANK, Cluster
-from kvbank.operator.crd.modelpool_rules import MAX_POOL_NAME_LENGTH
 from kvbank.operator.pruning import prune_config_maps
 from kvbank.operator.render.bundle import render_pool
 from kvbank.operator.render.names import (
@@ -64,15 +63,6 @@ async def choose_workload(cluster: Cluster, doc: Mapping[str, Any]) -> Workload:
     return Workload.STATEFUL_SET
 
 
-def _name_problem(name: str) -> str | None:
-    if len(name) <= MAX_POOL_NAME_LENGTH:
-        return None
-    return (
-        f"metadata.name has {len(name)} characters; at most {MAX_POOL_NAME_LENGTH} leave room "
-        "for the suffixes of its pods and Services. Use a shorter name."
-    )
-
-
 async def _refuse(
     cluster: Cluster, owner: Owner, decision: Decision, doc: Mapping[str, Any], now: str
 ) -> Outcome:
@@ -95,10 +85,6 @@ async def reconcile(
     now = now or utc_now()
     owner = owner_of(doc)
     decision = await judge(doc, await neighbourhood(cluster, doc, earlier_only=True))
-    name_problem = _name_problem(owner.name)
-    if name_problem:
-        reason = decision.reason if decision.violations else "NameTooLong"
-        decision = replace(decision, violations=(*decision.violations, name_problem), reason=reason)
     if not decision.ok or decision.pool is None or decision.held is None:
         return await _refuse(cluster, owner, decision, doc, now)
 

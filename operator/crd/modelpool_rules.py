@@ -16,10 +16,10 @@ minConcurrency x worst <= 2^24 x 2^29 = 2^53.
 from __future__ import annotations
 
 from kvbank.capacity import SINK_PAGES
-from kvbank.modelpool import PRESETS
+from kvbank.modelpool import MAX_POOL_NAME_LENGTH, PRESETS
 from kvbank.operator.crd.openapi import rule
 
-MAX_POOL_NAME_LENGTH = 40  # leaves room for "-ranks", pod ordinals and revision hashes in 63
+__all__ = ["MAX_POOL_NAME_LENGTH"]
 
 ARCH = "self.model.architecture"
 ARCH_FIELDS = ("layers", "attentionHeads", "kvHeads", "headDim", "parameters", "dtype")

@@ -153,3 +153,11 @@ class TestRefusal:
 def test_count_pages_of_nothing(pages: int) -> None:
     count = count_pages(make_model(), RequestShape(0, 1), cached_pages=max(pages, 0))
     assert count.total == 1  # one output token and one speculative token
+
+
+def test_worst_case_at_page_size_one_and_a_million_positions_is_exact() -> None:
+    # prompt-heavy: the longest prompt wins; 2 x 1048575 + 1 + 1 tokens at one token a page
+    model = make_model({"main": KvSlot(2, 1)}, 1, 1 << 20, 1 << 19, 1)
+    shape, count = worst_case(model)
+    assert count.total == 2 * ((1 << 20) - 1) + 2
+    assert shape.prompt_tokens == (1 << 20) - 1

@@ -191,8 +191,9 @@ class TestRefused:
         cluster = _setup(stored(pool_doc(name)))
         outcome = _run(cluster, name)
         assert not outcome.accepted
-        assert "metadata.name has 41 characters; at most 40" in outcome.message
-        assert _condition(cluster, "Accepted", name)["reason"] == "NameTooLong"
+        # the schema's own rule (kvbank.modelpool), so kvbank check refuses it too
+        assert "metadata.name: has 41 characters; at most 40" in outcome.message
+        assert _condition(cluster, "Accepted", name)["reason"] == "InvalidSpec"
 
 
 class TestRestart:
