@@ -1,8 +1,8 @@
 // kube-controlplane runs a real Kubernetes control plane for the end-to-end
 // tests in one process: an embedded etcd and kube-apiserver, both on
-// 127.0.0.1. No kubelet, scheduler or controller-manager runs, so workload
-// objects are stored and validated but never get pods, and namespace deletion
-// never finishes (the namespace controller is what empties a namespace).
+// 127.0.0.1, plus the namespace, garbage-collector and service-account
+// controllers (controllers.go). No kubelet, scheduler or other controller
+// runs, so workload objects are stored and validated but never get pods.
 //
 // Usage:
 //
@@ -10,7 +10,7 @@
 //
 // Once the apiserver is ready it writes an admin kubeconfig and prints one
 // line, "READY <kubeconfig path>", to stdout. SIGTERM or SIGINT stops the
-// apiserver gracefully and then etcd.
+// controllers and the apiserver gracefully, then etcd.
 package main
 
 import (
@@ -29,8 +29,10 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"strconv"
+	"syscall"
 	"time"
 
 	"go.etcd.io/etcd/server/v3/embed"
@@ -87,7 +89,7 @@ func run(dataDir, kubeconfigPath string, securePort int, readyTimeout time.Durat
 		}
 	}
 	apiserverCommand.SetArgs(append([]string{
-		"--etcd-servers=" + etcd.Clients[0].Addr().String(),
+		"--etcd-servers=" + etcd.Config().ListenClientUrls[0].String(),
 		"--bind-address=127.0.0.1",
 		"--advertise-address=127.0.0.1",
 		"--secure-port=" + strconv.Itoa(securePort),
@@ -102,15 +104,55 @@ func run(dataDir, kubeconfigPath string, securePort int, readyTimeout time.Durat
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
 		// Only sets the range Service IPs are allocated from; nothing routes it.
 		"--service-cluster-ip-range=10.96.0.0/12",
+		// The endpoints of the "kubernetes" service would be 127.0.0.1, which
+		// Endpoints reject, so reconciling them only logs an error every 10 s;
+		// with no pods, nothing would use them anyway.
+		"--endpoint-reconciler-type=none",
 	}, extraAPIServerArgs...))
+
+	// Cancelled by the same signals that stop the apiserver (which has its own
+	// handler), so the controllers stop with it instead of retrying against it.
+	controllersCtx, stopControllers := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stopControllers()
 
 	apiserverDone := make(chan error, 1)
 	go func() { apiserverDone <- apiserverCommand.Execute() }()
 
 	adminConfig := adminKubeconfig(securePort, pki)
-	if err := waitReady(adminConfig, readyTimeout, apiserverDone); err != nil {
+	adminRESTConfig, err := clientcmd.NewDefaultClientConfig(*adminConfig, nil).ClientConfig()
+	if err != nil {
 		return err
 	}
+	client, err := kubernetes.NewForConfig(adminRESTConfig)
+	if err != nil {
+		return err
+	}
+	deadline, cancelDeadline := context.WithTimeout(context.Background(), readyTimeout)
+	defer cancelDeadline()
+	// The apiserver creates the "default" namespace shortly after /readyz
+	// first answers; tests use it at once.
+	err = waitFor(deadline, apiserverDone, "kube-apiserver", func(ctx context.Context) error {
+		if _, err := client.RESTClient().Get().AbsPath("/readyz").DoRaw(ctx); err != nil {
+			return err
+		}
+		_, err := client.CoreV1().Namespaces().Get(ctx, "default", metav1.GetOptions{})
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	if err := startControllers(controllersCtx, adminRESTConfig); err != nil {
+		return fmt.Errorf("starting controllers: %w", err)
+	}
+	// A pod in "default" needs it (ServiceAccount admission).
+	err = waitFor(deadline, apiserverDone, "default service account", func(ctx context.Context) error {
+		_, err := client.CoreV1().ServiceAccounts("default").Get(ctx, "default", metav1.GetOptions{})
+		return err
+	})
+	if err != nil {
+		return err
+	}
+
 	// Written only now, so a kubeconfig on disk means the apiserver answers;
 	// the rename keeps readers from seeing a half-written file.
 	if err := clientcmd.WriteToFile(*adminConfig, kubeconfigPath+".tmp"); err != nil {
@@ -171,38 +213,24 @@ func startEtcd(dir string) (*embed.Etcd, error) {
 	}
 }
 
-// waitReady polls /readyz, then waits for the "default" namespace, which the
-// apiserver creates shortly after it reports ready and which tests use at once.
-func waitReady(config *clientcmdapi.Config, timeout time.Duration, apiserverDone <-chan error) error {
-	restConfig, err := clientcmd.NewDefaultClientConfig(*config, nil).ClientConfig()
-	if err != nil {
-		return err
-	}
-	client, err := kubernetes.NewForConfig(restConfig)
-	if err != nil {
-		return err
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
-	ready := func() bool {
-		attempt, cancelAttempt := context.WithTimeout(ctx, 5*time.Second)
-		defer cancelAttempt()
-		if _, err := client.RESTClient().Get().AbsPath("/readyz").DoRaw(attempt); err != nil {
-			return false
+// waitFor polls check until it succeeds, the deadline passes or the apiserver
+// exits.
+func waitFor(deadline context.Context, apiserverDone <-chan error, what string, check func(context.Context) error) error {
+	for {
+		attempt, cancelAttempt := context.WithTimeout(deadline, 5*time.Second)
+		err := check(attempt)
+		cancelAttempt()
+		if err == nil {
+			return nil
 		}
-		_, err := client.CoreV1().Namespaces().Get(attempt, "default", metav1.GetOptions{})
-		return err == nil
-	}
-	for !ready() {
 		select {
 		case err := <-apiserverDone:
-			return fmt.Errorf("kube-apiserver exited before it was ready: %v", err)
-		case <-ctx.Done():
-			return fmt.Errorf("kube-apiserver not ready within %s", timeout)
+			return fmt.Errorf("kube-apiserver exited before %s was ready: %v", what, err)
+		case <-deadline.Done():
+			return fmt.Errorf("%s not ready in time; last error: %v", what, err)
 		case <-time.After(250 * time.Millisecond):
 		}
 	}
-	return nil
 }
 
 func adminKubeconfig(securePort int, pki *pkiFiles) *clientcmdapi.Config {
