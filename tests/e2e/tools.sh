@@ -202,12 +202,18 @@ stop() {
     rm -f "$dir/controlplane.pid"
 }
 
-case "${1:-}" in
-ensure) ensure ;;
-start) start "${2:?usage: tools.sh start DIR}" ;;
-stop) stop "${2:?usage: tools.sh stop DIR}" ;;
-*)
-    echo "usage: tools.sh ensure | start DIR | stop DIR" >&2
-    exit 2
-    ;;
-esac
+# Everything runs from main, called on the last line with an exit: bash reads a script as it
+# goes, so an edit to this file while an instance runs must not change what that instance does.
+main() {
+    case "${1:-}" in
+    ensure) ensure ;;
+    start) start "${2:?usage: tools.sh start DIR}" ;;
+    stop) stop "${2:?usage: tools.sh stop DIR}" ;;
+    *)
+        echo "usage: tools.sh ensure | start DIR | stop DIR" >&2
+        exit 2
+        ;;
+    esac
+}
+
+main "$@"; exit $?
