@@ -5,6 +5,8 @@ every request finishes, and no step breaks the every-request-advances assumption
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,7 +42,7 @@ def engine_for(
 
 
 @pytest.mark.parametrize("policy", ["peak", "peak+backfill", "banker+backfill"])
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=int(os.environ.get("PEAK_EXAMPLES", "40")), deadline=None)
 @given(
     pages=st.integers(6, 40),
     slots=st.sampled_from(SLOTS),
