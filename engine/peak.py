@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import kvbank.engine.banker
+import kvbank.engine.baselines  # noqa: F401  (registered first: `all` keeps banker first)
 from kvbank.engine.kv import Chains
 from kvbank.engine.policy import AdmissionPolicy, register
 from kvbank.engine.request import Request
