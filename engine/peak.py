@@ -91,11 +91,11 @@ class PeakFitPolicy(AdmissionPolicy):
         req = sched.waiting_by_rid.get(rid)
         if req is None or not sched.can_start() or len(sched.running) >= self.running_cap:
             return None
-        waiting = self.ledger._waiting[rid]
-        assert waiting.shape is not None
+        shape = self.ledger.shape(rid)
+        assert shape is not None  # on_arrival submits every request with its shape
         chunks = self._prefill_bound(req)
-        if waiting.shape.prefill_chunks != chunks:
-            self.ledger.set_shape(rid, replace(waiting.shape, prefill_chunks=chunks))
+        if shape.prefill_chunks != chunks:
+            self.ledger.set_shape(rid, replace(shape, prefill_chunks=chunks))
         chains = sched.kv.peek(req)
         self._chains[rid] = chains
         refcount = sched.kv.pool.refcount

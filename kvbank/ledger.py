@@ -252,6 +252,13 @@ class Ledger:
         self._waiting[rid] = _Waiting(pages, shape)
         return None
 
+    def shape(self, rid: str) -> PeakShape | None:
+        """The shape a waiting request was submitted with (None: none was given)."""
+        waiting = self._waiting.get(rid)
+        if waiting is None:
+            raise UnknownRequest(f"request {rid!r} is not waiting")
+        return waiting.shape
+
     def set_shape(self, rid: str, shape: PeakShape) -> None:
         """Replace a waiting request's shape (its prefill bound depends on the queue ahead of
         it when it is admitted). The worst-case pages must stay the same."""
