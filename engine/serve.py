@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         default="banker",
-        help="admission policy: banker, optimistic, preempt, no-evict, ratio",
+        help="admission policy: banker (the default; the one --sidecar serves), peak, "
+        "peak+backfill, banker+backfill, or a baseline: optimistic, preempt, no-evict, ratio",
     )
     parser.add_argument(
         "--max-waiting",
@@ -95,6 +96,19 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.pages < 2:
         raise ValueError(f"--pages must be at least 2 (one is the sink page), got {args.pages}")
+    from kvbank.engine.policy import policy_names
+
+    if args.policy not in policy_names():
+        raise ValueError(
+            f"--policy {args.policy!r} is not an admission policy; choose one of "
+            f"{', '.join(policy_names())}"
+        )
+    if args.sidecar and args.policy != "banker":
+        raise ValueError(
+            f"--sidecar keeps the ledger in the sidecar, which admits by the banker policy; "
+            f"--policy {args.policy} keeps its own ledger in-process. Use --policy banker with "
+            f"--sidecar, or drop --sidecar."
+        )
     return ServeOptions(
         model=args.model,
         pages=args.pages,

@@ -75,13 +75,24 @@ def prelude(workload: Workload) -> list[str]:
     return ["/bin/sh", "-c", script, "kvbank-rank"]
 
 
-# The spec's admission policy, as `kvbank serve --policy` names it.
-ENGINE_POLICY = {"conservative": "banker", "peak": "peak"}
+# The spec's admission policy and backfill, as `kvbank serve --policy` names them. Only the
+# banker runs its ledger in the sidecar; the peak-fit and backfill ledgers need each request's
+# per-step progress, which the sidecar protocol does not carry yet, so those engines keep their
+# ledger in-process (the sidecar container still runs, for probes and the status call).
+ENGINE_POLICY = {
+    ("conservative", False): "banker",
+    ("conservative", True): "banker+backfill",
+    ("peak", False): "peak",
+    ("peak", True): "peak+backfill",
+}
+SIDECAR_POLICIES = frozenset({"banker"})
 
 
 def engine_args(pool: ModelPool, settings: RenderSettings) -> list[str]:
     """`kvbank serve` with the pool's own figures, so the engine admits by the same numbers the
     webhook judged (the pages resolved, memoryFraction included)."""
+    policy = ENGINE_POLICY[(pool.admission.policy, pool.admission.backfill)]
+    sidecar = ["--sidecar", f"127.0.0.1:{settings.sidecar_port}"]
     return [
         "kvbank",
         "serve",
@@ -89,8 +100,7 @@ def engine_args(pool: ModelPool, settings: RenderSettings) -> list[str]:
         "0.0.0.0",
         "--port",
         str(settings.http_port),
-        "--sidecar",
-        f"127.0.0.1:{settings.sidecar_port}",
+        *(sidecar if policy in SIDECAR_POLICIES else []),
         "--model",
         f"{settings.model_root}/{pool.model_name}",
         "--pages",
@@ -102,7 +112,7 @@ def engine_args(pool: ModelPool, settings: RenderSettings) -> list[str]:
         "--max-tokens",
         str(pool.limits.max_tokens),
         "--policy",
-        ENGINE_POLICY[pool.admission.policy],
+        policy,
     ]
 
 

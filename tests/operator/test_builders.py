@@ -209,6 +209,24 @@ class TestPodTemplate:
         serve = cli.build_parser(engine["args"][1:]).parse_args(engine["args"][1:])
         assert serve.pages == pool_pages(pool) and serve.policy == "peak"
 
+    def test_the_spec_policy_and_backfill_choose_the_engine_policy(self) -> None:
+        """Only the banker keeps its ledger in the sidecar; the peak-fit and backfill ledgers
+        run in the engine, which `kvbank serve` refuses to combine with --sidecar."""
+        expected = {
+            ("conservative", False): "banker",
+            ("conservative", True): "banker+backfill",
+            ("peak", False): "peak",
+            ("peak", True): "peak+backfill",
+        }
+        for (policy, backfill), engine_policy in expected.items():
+            pool = _pool(admission={"policy": policy, "backfill": backfill})
+            engine = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "h")["spec"]["containers"][
+                0
+            ]
+            args = engine["args"]
+            assert args[args.index("--policy") + 1] == engine_policy
+            assert ("--sidecar" in args) == (engine_policy == "banker")
+
     def test_leader_worker_set_ranks_come_from_its_labels(self) -> None:
         env = rank_env(_pool(tensorParallel=2), SETTINGS, Workload.LEADER_WORKER_SET)
         by_name = {e["name"]: e for e in env}
