@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--debug", action="store_true", help="deep integrity checks after every step (slower)"
     )
     parser.add_argument(
+        "--backfill",
+        action="store_true",
+        help="EASY backfill on top of the banker and peak policies named (banker -> "
+        "banker+backfill, peak -> peak+backfill)",
+    )
+    parser.add_argument(
         "--sidecar",
         metavar="ADDR",
         help="keep the banker policy's ledger in the sidecar at ADDR instead of in-process",
@@ -66,6 +72,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     names = policy_names()
     policies = names if args.policy == "all" else [p.strip() for p in args.policy.split(",")]
+    if getattr(args, "backfill", False):
+        with_backfill = {"banker": "banker+backfill", "peak": "peak+backfill"}
+        if not any(p in with_backfill for p in policies):
+            print(
+                "kvbank bench: --backfill applies to the banker and peak policies; name one of "
+                "them in --policy",
+                file=sys.stderr,
+            )
+            return 2
+        policies = list(dict.fromkeys(with_backfill.get(p, p) for p in policies))
     unknown = [p for p in policies if p not in names]
     if unknown or not policies:
         print(

@@ -114,3 +114,16 @@ def test_an_unknown_policy_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     path = str(SCENARIOS / "shared-prefix.yaml")
     assert main(["bench", "--scenario", path, "--policy", "fifo"]) == 2
     assert "unknown --policy 'fifo'" in capsys.readouterr().err
+
+
+def test_backfill_on_top_of_banker_and_peak(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, GOOD)
+    argv = ["bench", "--scenario", str(path), "--json", "--backfill"]
+    assert main([*argv, "--policy", "banker,peak,preempt"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in rows] == ["banker+backfill", "peak+backfill", "preempt"]
+    assert all(r["hung"] == 0 and r["preemptions"] == 0 for r in rows[:2])
+    assert main([*argv, "--policy", "ratio"]) == 2
+    assert "--backfill applies to the banker and peak policies" in capsys.readouterr().err
