@@ -6,10 +6,13 @@ what was wrong and what to write instead, so a user fixes a manifest in one pass
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvbank.fields import FieldError, FieldReader, SpecError
+
+__all__ = ["FieldError", "FieldReader", "SpecError"]  # re-exported: readers of specs use them
 
 API_GROUP = "kvbank.dev"
 API_VERSION = "v1alpha1"
@@ -111,125 +114,7 @@ class ModelPool:
     admission: Admission = field(default_factory=Admission)
 
 
-@dataclass(frozen=True)
-class FieldError:
-    path: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
-
-
-class SpecError(ValueError):
-    """A manifest that cannot be read as a ModelPool; `errors` lists every problem."""
-
-    def __init__(self, errors: list[FieldError]):
-        self.errors = errors
-        super().__init__("; ".join(str(e) for e in errors))
-
-
-class _Reader:
-    """Reads typed fields out of nested mappings, recording a FieldError instead of raising."""
-
-    def __init__(self) -> None:
-        self.errors: list[FieldError] = []
-
-    def fail(self, path: str, message: str) -> None:
-        self.errors.append(FieldError(path, message))
-
-    def mapping(self, obj: Any, path: str, required: bool = True) -> Mapping[str, Any] | None:
-        if obj is None:
-            if required:
-                self.fail(path, "is missing; add this section")
-            return None
-        if not isinstance(obj, Mapping):
-            self.fail(path, f"must be a mapping, got {type(obj).__name__}")
-            return None
-        return obj
-
-    def unknown(self, obj: Mapping[str, Any], path: str, known: set[str]) -> None:
-        for key in obj:
-            if key not in known:
-                self.fail(
-                    f"{path}.{key}", f"is not a known field; known: {', '.join(sorted(known))}"
-                )
-
-    def integer(
-        self,
-        obj: Mapping[str, Any],
-        key: str,
-        path: str,
-        *,
-        lo: int,
-        hi: int,
-        default: int | None = None,
-    ) -> int | None:
-        value = obj.get(key)
-        if value is None:
-            if default is None:
-                self.fail(f"{path}.{key}", f"is missing; set an integer from {lo} to {hi}")
-            return default
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            else:
-                self.fail(f"{path}.{key}", f"must be an integer from {lo} to {hi}, got {value!r}")
-                return None
-        if not lo <= value <= hi:
-            self.fail(f"{path}.{key}", f"must be from {lo} to {hi}, got {value}")
-            return None
-        return int(value)
-
-    def number(
-        self,
-        obj: Mapping[str, Any],
-        key: str,
-        path: str,
-        *,
-        lo: float,
-        hi: float,
-        default: float | None = None,
-        lo_open: bool = False,
-    ) -> float | None:
-        value = obj.get(key)
-        if value is None:
-            if default is None:
-                self.fail(f"{path}.{key}", f"is missing; set a number from {lo:g} to {hi:g}")
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-            self.fail(f"{path}.{key}", f"must be a number from {lo:g} to {hi:g}, got {value!r}")
-            return None
-        if value < lo or value > hi or (lo_open and value == lo):
-            bound = f"above {lo:g} and up" if lo_open else f"from {lo:g}"
-            self.fail(f"{path}.{key}", f"must be {bound} to {hi:g}, got {value:g}")
-            return None
-        return float(value)
-
-    def string(
-        self,
-        obj: Mapping[str, Any],
-        key: str,
-        path: str,
-        *,
-        required: bool = True,
-        choices: tuple[str, ...] | None = None,
-        default: str | None = None,
-    ) -> str | None:
-        value = obj.get(key)
-        if value is None:
-            if required:
-                self.fail(f"{path}.{key}", "is missing")
-            return default
-        if not isinstance(value, str) or not value:
-            self.fail(f"{path}.{key}", f"must be a non-empty string, got {value!r}")
-            return None
-        if choices is not None and value not in choices:
-            self.fail(f"{path}.{key}", f"must be one of {', '.join(choices)}, got {value!r}")
-            return None
-        return value
-
-
-def _architecture(r: _Reader, model: Mapping[str, Any]) -> Architecture | None:
+def _architecture(r: FieldReader, model: Mapping[str, Any]) -> Architecture | None:
     path = "spec.model.architecture"
     arch = model.get("architecture")
     if arch is None:
@@ -280,7 +165,7 @@ def _architecture(r: _Reader, model: Mapping[str, Any]) -> Architecture | None:
     return Architecture(layers, heads, kv_heads, head_dim, parameters, dtype)
 
 
-def _kv_slots(r: _Reader, obj: Any) -> dict[str, KvSlot]:
+def _kv_slots(r: FieldReader, obj: Any) -> dict[str, KvSlot]:
     path = "spec.kvSlots"
     slots = r.mapping(obj, path)
     if slots is None:
@@ -314,7 +199,7 @@ def _kv_slots(r: _Reader, obj: Any) -> dict[str, KvSlot]:
 
 def parse_modelpool(doc: Any) -> ModelPool:
     """Read a ModelPool manifest (a dict as from YAML). Raises SpecError listing every problem."""
-    r = _Reader()
+    r = FieldReader()
     top = r.mapping(doc, "manifest")
     if top is None:
         raise SpecError(r.errors)

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvbank.fields import FieldReader, SpecError
 from kvbank.modelpool import (
     API_GROUP,
     API_VERSION,
@@ -19,8 +20,6 @@ from kvbank.modelpool import (
     MAX_PAGES,
     MAX_SEQ_LEN,
     ModelPool,
-    SpecError,
-    _Reader,
 )
 
 POLICY_KIND = "CapacityPolicy"
@@ -98,7 +97,7 @@ def gpus(pool: ModelPool) -> int:
     return pool.replicas * pool.tensor_parallel
 
 
-def _selector(r: _Reader, obj: Any) -> NamespaceSelector | None:
+def _selector(r: FieldReader, obj: Any) -> NamespaceSelector | None:
     path = "spec.namespaceSelector"
     if obj is None:
         return None
@@ -140,7 +139,7 @@ def _selector(r: _Reader, obj: Any) -> NamespaceSelector | None:
 
 def parse_capacity_policy(doc: Any) -> CapacityPolicy:
     """Read a CapacityPolicy manifest. Raises SpecError listing every problem."""
-    r = _Reader()
+    r = FieldReader()
     top = r.mapping(doc, "manifest")
     if top is None:
         raise SpecError(r.errors)
