@@ -7,12 +7,13 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from kvbank.engine.engine import RequestRejected
 from kvbank.engine.http.loop import EngineLoop, EngineStopped, QueueFull, Submission
@@ -128,6 +129,9 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> FastA
         submitted = time.monotonic()
         try:
             await loop.submit(sub)
+        except asyncio.CancelledError:  # the command may be queued already: take it back
+            loop.abort(rid)
+            raise
         except RequestRejected as exc:
             metrics.requests.labels("rejected").inc()
             param = "max_tokens" if "max_tokens" in str(exc) else "prompt"
@@ -143,8 +147,7 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> FastA
         run = Run(rid, outputs, text, loop, metrics, submitted, request)
         usage = {"prompt_tokens": len(ids)}
         if gen.stream:
-            return StreamingResponse(_sse(run, served.name, chat, gen, usage),
-                                     media_type="text/event-stream")  # fmt: skip
+            return RunStream(run, _sse(run, served.name, chat, gen, usage))
         pieces, reason = [], None
         async for delta, finish in run.deltas():
             pieces.append(delta)
@@ -181,6 +184,7 @@ class Run:
         self.metrics, self.submitted, self.request = metrics, submitted, request
         self.completion_tokens = 0
         self.finished = False
+        self.closed = False
         self.disconnected = False
 
     async def deltas(self) -> AsyncIterator[tuple[str, str | None]]:
@@ -207,9 +211,15 @@ class Run:
                     yield self.text.flush(), _REASONS.get(out.finish_reason, "stop")
                     return
         finally:
-            if not self.finished:  # the client left (or the task was cancelled): free its pages
-                self.loop.abort(self.rid)
-                self.metrics.requests.labels("aborted").inc()
+            self.close()
+
+    def close(self) -> None:
+        """Abort the request unless it ended; safe to call again, from any path that lets go."""
+        if self.finished or self.closed:
+            return
+        self.closed = True  # the client left (or the task was cancelled): free its pages
+        self.loop.abort(self.rid)
+        self.metrics.requests.labels("aborted").inc()
 
     async def _next(self) -> Any:
         while True:
@@ -225,6 +235,28 @@ class Run:
         if not engine_done:
             self.loop.abort(self.rid)
         self.metrics.requests.labels("ok").inc()
+
+
+class RunStream(StreamingResponse):
+    """A server-sent-event stream that aborts its request however the response ends.
+
+    The generator's own finally is not enough: Starlette may never resume it. Under ASGI HTTP
+    spec 2.4 a send to a client that left raises, and Starlette (1.10) abandons the generator
+    where it stands (before its first step, or at the chat role chunk, outside `Run.deltas`),
+    so the request would wait for admission, run to its end and only then free its pages. A
+    `BackgroundTask` does not cover it either: Starlette skips it when the stream raises.
+    """
+
+    def __init__(self, run: Run, events: AsyncGenerator[str, None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.run, self.events = run, events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
+            await self.events.aclose()
 
 
 def _final(rid: str, model: str, chat: bool, text: str, reason: str | None, run: Run,
@@ -251,7 +283,7 @@ def _usage(usage: dict[str, int], run: Run) -> dict[str, int]:
 
 
 async def _sse(run: Run, model: str, chat: bool, gen: Generation,
-               usage: dict[str, int]) -> AsyncIterator[str]:  # fmt: skip
+               usage: dict[str, int]) -> AsyncGenerator[str, None]:  # fmt: skip
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
+from starlette.types import ASGIApp
 
+from kvbank.engine.http.loop import EngineLoop
 from kvbank.engine.model.stack import ServeOptions, build_stack
 
 
@@ -35,6 +39,7 @@ def free_port() -> int:
 class LiveServer:
     url: str
     client: httpx.Client
+    loop: EngineLoop
 
     def figures(self) -> dict[str, float]:
         """Unlabelled gauges and counters from /metrics, by name."""
@@ -45,14 +50,14 @@ class LiveServer:
                 figures[name] = float(value)
         return figures
 
-    def wait_for(self, **expected: float) -> dict[str, float]:
-        deadline = time.monotonic() + 20
+    def wait_for(self, within: float = 20, **expected: float) -> dict[str, float]:
+        deadline = time.monotonic() + within
         while True:
             figures = self.figures()
             if all(figures.get(k) == v for k, v in expected.items()):
                 return figures
             if time.monotonic() > deadline:
-                raise AssertionError(f"metrics never reached {expected}: {figures}")
+                raise AssertionError(f"metrics never reached {expected} in {within} s: {figures}")
             time.sleep(0.05)
 
 
@@ -65,24 +70,37 @@ SMALL_POOL = ServeOptions(
 
 @pytest.fixture(scope="module")
 def server(builtin_model_dir: Path) -> Iterator[LiveServer]:
+    with live_server(builtin_model_dir) as live:
+        yield live
+
+
+@contextlib.contextmanager
+def live_server(
+    model_dir: Path, wrap: Callable[[ASGIApp], ASGIApp] | None = None
+) -> Iterator[LiveServer]:
+    """The small pool served on loopback; `wrap` puts an ASGI layer between uvicorn and the app."""
     from kvbank.engine.serve import build_server
 
-    stack = build_stack(SMALL_POOL, model_dir=builtin_model_dir)
+    stack = build_stack(SMALL_POOL, model_dir=model_dir)
     # Generation runs to max_tokens: a random model's end-of-text would make timing-based
     # tests (a long stream to cut, a request that must stay running) depend on luck.
     stack.runner.eos_token_id = -1
     port = free_port()
     http, loop = build_server(stack, "127.0.0.1", port)
+    if wrap is not None:
+        http.config.app = wrap(cast(ASGIApp, http.config.app))  # build_server gives the app
     loop.start()
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    with httpx.Client(base_url=url, timeout=60) as client:
-        deadline = time.monotonic() + 30
-        while not http.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        yield LiveServer(url, client)
-    http.should_exit = True
-    thread.join(10)
-    loop.stop()
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            deadline = time.monotonic() + 30
+            while not http.started:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.05)
+            yield LiveServer(url, client, loop)
+    finally:
+        http.should_exit = True
+        thread.join(10)
+        loop.stop()

@@ -51,7 +51,7 @@ def _live(options: ServeOptions, model_dir: Path) -> tuple[LiveServer, object, o
     while not http.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
-    return LiveServer(url, httpx.Client(base_url=url, timeout=60)), http, loop
+    return LiveServer(url, httpx.Client(base_url=url, timeout=60), loop), http, loop
 
 
 def test_answers_through_the_sidecar_equal_the_embedded_ledger(
