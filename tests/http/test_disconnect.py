@@ -163,3 +163,24 @@ def test_a_client_gone_before_its_first_chunk_is_aborted_while_it_waits(
         **{ABORTED: before.get(ABORTED, 0.0) + 2},
     )
     assert figures["kvbank_pool_free_pages"] + figures["kvbank_pool_evictable_pages"] == 63
+
+
+@pytest.mark.timeout(20)
+def test_a_stream_cut_mid_way_is_aborted_when_send_raises(server_24: LiveServer) -> None:
+    """Under spec 2.4 Starlette learns of the leave only from a failed send and drops the
+    generator inside a yield; the request is still aborted within seconds (the response closes
+    it; before that only the generator's collection did, whenever that came)."""
+    before = server_24.wait_for(kvbank_running_requests=0, kvbank_waiting_requests=0)
+    with (
+        httpx.Client(base_url=server_24.url, timeout=30) as client,
+        client.stream("POST", "/v1/completions", json=POOL_HOLDER) as stream,
+    ):
+        assert next(stream.iter_lines()).startswith("data: ")
+    figures = server_24.wait_for(
+        within=3,
+        kvbank_running_requests=0,
+        kvbank_pool_held_pages=0,
+        kvbank_outstanding_pages=0,
+        **{ABORTED: before.get(ABORTED, 0.0) + 1},
+    )
+    assert figures.get(FINISHED, 0.0) == before.get(FINISHED, 0.0)
