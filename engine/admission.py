@@ -12,10 +12,18 @@ Events carry only numbers the engine computed itself: a request's page need come
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Protocol
 
 from kvbank.ledger import NO_HIT, Admitted, Decision, Hit, InvariantBreach, Ledger, Refused
+from kvbank.peakfit import PeakShape
+from kvbank.peaktimeline import PeakPolicy
+
+# A peak-fit admission pass asks the engine for each candidate's hit in turn (None: that
+# request cannot start now), and tells it of each admission before the next question.
+Peek = Callable[[str], Hit | None]
+Started = Callable[[Admitted], None]
 
 
 class AdmissionBackend(Protocol):
@@ -62,6 +70,53 @@ class AdmissionBackend(Protocol):
         ...
 
 
+class PeakBackend(AdmissionBackend, Protocol):
+    """What the peak-fit policies (kvbank.engine.peak) need beyond the banker's events: the
+    ledger's mode, a step-by-step admission pass, and each running request's progress."""
+
+    def submit(
+        self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None
+    ) -> None:
+        """As AdmissionBackend.submit, with `shape` the request's growth per label
+        (kvbank.peakfit.peak_shape, from the engine's own count) for a peak-fit ledger."""
+        ...
+
+    def configure(self, policy: str, peak: PeakPolicy) -> None:
+        """Run the ledger as `policy` (peak, peak+backfill, banker+backfill) with `peak`'s
+        pace; before any request is submitted."""
+        ...
+
+    def set_prefill_chunks(self, rid: str, chunks: int) -> None:
+        """A waiting request's worst-case prefill chunks if admitted now (they depend on the
+        prefill queued ahead of it)."""
+        ...
+
+    def admit_pass(self, peek: Peek, started: Started) -> None:
+        """Admit heads (and backfill) as `Ledger.admit_ready` does, asking `peek` for each
+        candidate's hit and calling `started` for each admission before the next question."""
+        ...
+
+    def advance(
+        self,
+        rid: str,
+        produced: int,
+        tokens_per_label: Mapping[str, int],
+        chunks_left: int,
+        exclusive: int | None,
+    ) -> None:
+        """A running request's progress after a step (`Ledger.advance`)."""
+        ...
+
+    def end_step(self) -> list[str]:
+        """Close the step; the running requests that made no progress in it, when known now."""
+        ...
+
+    def stalled_steps(self) -> int:
+        """Steps in which a running request could not advance (the ledger fell back to the
+        conservative reading), as far as the backend knows."""
+        ...
+
+
 class EmbeddedBackend:
     """The ledger in-process. Decides during `poll`, admitting at most `room` heads, each with
     the hit last reported for it (no hit when none was reported)."""
@@ -73,10 +128,50 @@ class EmbeddedBackend:
         # A busy step takes pages for many requests: go straight to the ledger, one frame less.
         self.take = ledger.take  # type: ignore[method-assign]
 
-    def submit(self, rid: str, pages: int, refusal: str | None = None) -> None:
-        refused = self.ledger.submit(rid, pages, refusal)
+    def submit(
+        self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None
+    ) -> None:
+        refused = self.ledger.submit(rid, pages, refusal, shape=shape)
         if refused is not None:
             self._refused.append(refused)
+
+    def configure(self, policy: str, peak: PeakPolicy) -> None:
+        ledger = self.ledger
+        if ledger.policy == peak:
+            return
+        if ledger.waiting_count() or ledger.running():
+            raise InvariantBreach(
+                f"the ledger already holds requests; it cannot switch to the {policy} policy"
+            )
+        self.ledger = Ledger(ledger.total_pages, debug=ledger.debug, policy=peak)
+        self.take = self.ledger.take  # type: ignore[method-assign]
+
+    def set_prefill_chunks(self, rid: str, chunks: int) -> None:
+        ledger = self.ledger
+        shape = ledger.shape(rid)
+        if shape is not None and shape.prefill_chunks != chunks:
+            ledger.set_shape(rid, replace(shape, prefill_chunks=chunks))
+
+    def admit_pass(self, peek: Peek, started: Started) -> None:
+        if self._refused:  # the engine refuses a request the pool can never hold before this
+            raise InvariantBreach(f"the ledger refused requests: {self._refused}")
+        self.ledger.admit_ready(peek, started)
+
+    def advance(
+        self,
+        rid: str,
+        produced: int,
+        tokens_per_label: Mapping[str, int],
+        chunks_left: int,
+        exclusive: int | None,
+    ) -> None:
+        self.ledger.advance(rid, produced, tokens_per_label, chunks_left, exclusive)
+
+    def end_step(self) -> list[str]:
+        return self.ledger.end_step()
+
+    def stalled_steps(self) -> int:
+        return self.ledger.stalled_steps
 
     def cancel(self, rid: str) -> None:
         self._hits.pop(rid, None)
@@ -123,8 +218,18 @@ class EmbeddedBackend:
             )
 
 
-def embedded(total_pages: int, debug: bool = False) -> EmbeddedBackend:
-    return EmbeddedBackend(Ledger(total_pages, debug=debug))
+def embedded(
+    total_pages: int, debug: bool = False, policy: PeakPolicy | None = None
+) -> EmbeddedBackend:
+    return EmbeddedBackend(Ledger(total_pages, debug=debug, policy=policy))
 
 
-__all__ = ["AdmissionBackend", "Admitted", "Decision", "EmbeddedBackend", "Hit", "Refused"]
+__all__ = [
+    "AdmissionBackend",
+    "Admitted",
+    "Decision",
+    "EmbeddedBackend",
+    "Hit",
+    "PeakBackend",
+    "Refused",
+]

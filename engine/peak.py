@@ -1,9 +1,12 @@
 """Peak-fit admission in the engine: `peak`, `peak+backfill` and `banker+backfill` (the
 conservative reading with EASY backfill).
 
-The ledger (kvbank.ledger with a kvbank.peaktimeline.PeakPolicy) lives in-process and decides
-synchronously, so a head's hit is peeked and leased in the same pass: nothing is pinned, and the
-ledger's own account of shared pages stays exact (a pin would hold pages the ledger cannot see).
+The ledger (kvbank.ledger with a kvbank.peaktimeline.PeakPolicy) sits behind a `PeakBackend`:
+in-process (kvbank.engine.admission.EmbeddedBackend), or in the sidecar, which asks for each
+candidate's hit in turn and waits for the engine to start each admission before the next
+question (kvbank.sidecar.backend, blocking). Either way a head's hit is peeked and leased in the
+same pass: nothing is pinned, and the ledger's own account of shared pages stays exact (a pin
+would hold pages the ledger cannot see).
 
 The bound the ledger relies on is the scheduler's to keep (see kvbank.engine.scheduler): every
 running request gets a decode row every step, and prefill rows are served oldest first; this
@@ -19,26 +22,32 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import cast
 
 import kvbank.engine.banker
 import kvbank.engine.baselines  # noqa: F401  (registered first: `all` keeps banker first)
+from kvbank.engine.admission import AdmissionBackend, PeakBackend, embedded
 from kvbank.engine.kv import Chains
 from kvbank.engine.policy import AdmissionPolicy, register
 from kvbank.engine.request import Request
 from kvbank.engine.scheduler import Scheduler
-from kvbank.ledger import Admitted, Hit, InvariantBreach, Ledger
-from kvbank.peakfit import peak_shape
+from kvbank.ledger import Admitted, Hit, InvariantBreach
+from kvbank.peakfit import PeakShape, peak_shape
 from kvbank.peaktimeline import PeakPolicy
 
 log = logging.getLogger(__name__)
 
 
 class PeakFitPolicy(AdmissionPolicy):
-    def __init__(self, name: str, peak: bool, backfill: bool) -> None:
+    def __init__(
+        self, name: str, peak: bool, backfill: bool, backend: PeakBackend | None = None
+    ) -> None:
         self.name = name
         self.peak = peak
         self.backfill = backfill
+        self._given = backend  # None: an embedded ledger, built once the pool is known
         self.stalled_steps = 0
+        self._shapes: dict[str, PeakShape] = {}  # waiting request -> the shape last sent
         self._chunks: dict[str, int] = {}  # running request -> prefill steps it may still take
         self._chains: dict[str, Chains] = {}  # hits peeked in this pass, leased at admission
         # Set when pages changed hands between requests (a shared hit leased, or a co-holder
@@ -57,7 +66,11 @@ class PeakFitPolicy(AdmissionPolicy):
             backfill_depth=32,
             max_advance=1,
         )
-        self.ledger = Ledger(sched.kv.pool.total_pages, policy=policy)
+        if self._given is None:
+            self.backend: PeakBackend = embedded(sched.kv.pool.total_pages, policy=policy)
+        else:
+            self.backend = self._given
+            self.backend.configure(self.name, policy)
         # Decode rows take the budget first; capping the running set below the budget leaves
         # every step at least `prefill_rate` tokens for prefill, which bounds a prefill.
         budget = sched.max_batch_tokens
@@ -67,13 +80,14 @@ class PeakFitPolicy(AdmissionPolicy):
     # ---- arrivals and admission ----------------------------------------------------------------
 
     def on_arrival(self, req: Request) -> None:
+        # The growth per label is the engine's own count (kvbank.capacity), never a client's.
         shape = peak_shape(self.sched.model, req.shape)
-        refused = self.ledger.submit(req.rid, req.count.total, shape=shape)
-        if refused is not None:  # the engine refuses unholdable requests before this
-            raise InvariantBreach(f"request {req.rid!r} was refused by the ledger: {refused}")
+        self._shapes[req.rid] = shape
+        self.backend.submit(req.rid, req.count.total, shape=shape)
 
     def on_cancel(self, req: Request) -> None:
-        self.ledger.cancel(req.rid)
+        self._shapes.pop(req.rid, None)
+        self.backend.cancel(req.rid)
 
     def _prefill_bound(self, req: Request) -> int:
         """Steps the request's prefill may take if admitted now: every prefill token ahead of
@@ -91,11 +105,11 @@ class PeakFitPolicy(AdmissionPolicy):
         req = sched.waiting_by_rid.get(rid)
         if req is None or not sched.can_start() or len(sched.running) >= self.running_cap:
             return None
-        shape = self.ledger.shape(rid)
-        assert shape is not None  # on_arrival submits every request with its shape
+        shape = self._shapes[rid]  # on_arrival submits every request with its shape
         chunks = self._prefill_bound(req)
         if shape.prefill_chunks != chunks:
-            self.ledger.set_shape(rid, replace(shape, prefill_chunks=chunks))
+            self._shapes[rid] = replace(shape, prefill_chunks=chunks)
+            self.backend.set_prefill_chunks(rid, chunks)
         chains = sched.kv.peek(req)
         self._chains[rid] = chains
         refcount = sched.kv.pool.refcount
@@ -104,7 +118,15 @@ class PeakFitPolicy(AdmissionPolicy):
 
     def _started(self, decision: Admitted) -> None:
         sched = self.sched
-        req = sched.waiting_by_rid[decision.rid]
+        req = sched.waiting_by_rid.get(decision.rid)
+        if req is None:
+            raise InvariantBreach(f"request {decision.rid!r} was admitted but is not waiting")
+        if isinstance(decision, Admitted) and decision.reserved != req.count.total:
+            raise InvariantBreach(
+                f"request {req.rid!r} was admitted for {decision.reserved} pages but the "
+                f"engine counts {req.count.total}"
+            )
+        self._shapes.pop(req.rid, None)
         waiting_chunks = self._prefill_bound(req)
         sched.start(req, self._chains.pop(decision.rid))
         self._chunks[req.rid] = waiting_chunks
@@ -113,7 +135,7 @@ class PeakFitPolicy(AdmissionPolicy):
 
     def admit(self) -> None:
         self._sync_supply()
-        self.ledger.admit_ready(self._peek, self._started)
+        self.backend.admit_pass(self._peek, self._started)
         self._chains.clear()
 
     # ---- pages ---------------------------------------------------------------------------------
@@ -125,11 +147,11 @@ class PeakFitPolicy(AdmissionPolicy):
         )
 
     def on_take(self, req: Request, pages: int) -> None:
-        self.ledger.take(req.rid, pages)
+        self.backend.take(req.rid, pages)
 
     def on_release(self, req: Request) -> None:
         self._chunks.pop(req.rid, None)
-        self.ledger.release(req.rid)
+        self.backend.release(req.rid)
         if any(r.hit_pages for r in self.sched.running.values()):
             self._sharing_changed = True
 
@@ -145,7 +167,7 @@ class PeakFitPolicy(AdmissionPolicy):
 
     def end_step(self) -> None:
         """Report every running request's progress, then close the step in the ledger."""
-        sched, ledger = self.sched, self.ledger
+        sched, backend = self.sched, self.backend
         recount, self._sharing_changed = self._sharing_changed, False
         for req in sched.running.values():
             row = sched.rows.get(req.rid)
@@ -167,11 +189,10 @@ class PeakFitPolicy(AdmissionPolicy):
                 lay.name: lay.tokens_at(req.num_computed, len(req.prompt)) for lay in req.layout
             }
             exclusive = self._exclusive(req) if recount else None
-            ledger.advance(req.rid, len(req.output), written, chunks or 0, exclusive)
+            backend.advance(req.rid, len(req.output), written, chunks or 0, exclusive)
         self._sync_supply()
-        stalled = ledger.end_step()
+        stalled = backend.end_step()
         if stalled:
-            self.stalled_steps += 1
             log.warning(
                 "%s: %d running request(s) made no progress this step; admitting "
                 "conservatively until all advance",
@@ -179,24 +200,20 @@ class PeakFitPolicy(AdmissionPolicy):
                 len(stalled),
             )
 
+        self.stalled_steps = backend.stalled_steps()
+
     def _sync_supply(self) -> None:
-        kv, ledger = self.sched.kv, self.ledger
-        if (kv.free, kv.evictable) != (ledger.free, ledger.evictable):
-            ledger.set_supply(kv.free, kv.evictable)
+        kv = self.sched.kv
+        self.backend.set_supply(kv.free, kv.evictable)  # a no-op when the figures are unchanged
 
     def check_integrity(self) -> None:
-        kv, ledger = self.sched.kv, self.ledger
-        ledger.check_integrity()
-        if (kv.free, kv.evictable) != (ledger.free, ledger.evictable):
-            raise InvariantBreach(
-                f"the pool's supply (free {kv.free}, evictable {kv.evictable}) differs from "
-                f"the ledger's (free {ledger.free}, evictable {ledger.evictable})"
-            )
+        kv = self.sched.kv
+        self.backend.check_integrity(kv.free, kv.evictable)
 
 
 def _factory(name: str, peak: bool, backfill: bool):  # type: ignore[no-untyped-def]
-    def make(backend: object) -> AdmissionPolicy:
-        return PeakFitPolicy(name, peak, backfill)
+    def make(backend: AdmissionBackend | None) -> AdmissionPolicy:
+        return PeakFitPolicy(name, peak, backfill, cast("PeakBackend | None", backend))
 
     return make
 
