@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sidecar",
         metavar="ADDR",
-        help="keep the banker policy's ledger in the sidecar at ADDR instead of in-process",
+        help="keep the ledger in the sidecar at ADDR instead of in-process (banker, peak, "
+        "peak+backfill, banker+backfill; the sidecar must run the policy named)",
     )
 
 
@@ -104,9 +105,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _backend(sidecar: str | None, policy: str, scenario: Scenario) -> Any:
-    """The sidecar backend for the banker policy when --sidecar is given; it waits for each
+    """The sidecar backend when --sidecar is given, for every policy whose ledger the sidecar
+    runs (the sidecar must run that one: see `kvbank sidecar --policy`); it waits for each
     answer, which is free on the virtual clock and makes the run identical to the embedded."""
-    if sidecar is None or policy != "banker":
+    from kvbank.sidecar.peakpass import SIDECAR_MODES
+
+    if sidecar is None or policy not in SIDECAR_MODES:
         return None
     from kvbank.sidecar.backend import connect
 

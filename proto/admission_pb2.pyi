@@ -7,22 +7,46 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Hit(_message.Message):
-    __slots__ = ("pages", "idle_pages")
+    __slots__ = ("pages", "idle_pages", "sole_pages")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     IDLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SOLE_PAGES_FIELD_NUMBER: _ClassVar[int]
     pages: int
     idle_pages: int
-    def __init__(self, pages: _Optional[int] = ..., idle_pages: _Optional[int] = ...) -> None: ...
+    sole_pages: int
+    def __init__(self, pages: _Optional[int] = ..., idle_pages: _Optional[int] = ..., sole_pages: _Optional[int] = ...) -> None: ...
+
+class PeakShape(_message.Message):
+    __slots__ = ("labels", "base", "per_output", "worst", "output_budget", "prefill_chunks")
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    PER_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    WORST_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    base: _containers.RepeatedScalarFieldContainer[int]
+    per_output: _containers.RepeatedScalarFieldContainer[int]
+    worst: _containers.RepeatedScalarFieldContainer[int]
+    output_budget: int
+    prefill_chunks: int
+    def __init__(self, labels: _Optional[_Iterable[str]] = ..., base: _Optional[_Iterable[int]] = ..., per_output: _Optional[_Iterable[int]] = ..., worst: _Optional[_Iterable[int]] = ..., output_budget: _Optional[int] = ..., prefill_chunks: _Optional[int] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("rid", "pages", "refusal")
+    __slots__ = ("rid", "pages", "refusal", "shape")
     RID_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
     rid: str
     pages: int
     refusal: str
-    def __init__(self, rid: _Optional[str] = ..., pages: _Optional[int] = ..., refusal: _Optional[str] = ...) -> None: ...
+    shape: PeakShape
+    def __init__(self, rid: _Optional[str] = ..., pages: _Optional[int] = ..., refusal: _Optional[str] = ..., shape: _Optional[_Union[PeakShape, _Mapping]] = ...) -> None: ...
+
+class EndStep(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("rid",)
@@ -53,26 +77,34 @@ class Supply(_message.Message):
     def __init__(self, free: _Optional[int] = ..., evictable: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("submit", "cancel", "take", "release", "supply")
+    __slots__ = ("submit", "cancel", "take", "release", "supply", "advance", "end_step")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     TAKE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     SUPPLY_FIELD_NUMBER: _ClassVar[int]
+    ADVANCE_FIELD_NUMBER: _ClassVar[int]
+    END_STEP_FIELD_NUMBER: _ClassVar[int]
     submit: Submit
     cancel: Cancel
     take: Take
     release: Release
     supply: Supply
-    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., take: _Optional[_Union[Take, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ...) -> None: ...
+    advance: Progress
+    end_step: EndStep
+    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., take: _Optional[_Union[Take, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ..., advance: _Optional[_Union[Progress, _Mapping]] = ..., end_step: _Optional[_Union[EndStep, _Mapping]] = ...) -> None: ...
 
 class HeadHit(_message.Message):
-    __slots__ = ("rid", "hit")
+    __slots__ = ("rid", "hit", "stop", "prefill_chunks")
     RID_FIELD_NUMBER: _ClassVar[int]
     HIT_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     hit: Hit
-    def __init__(self, rid: _Optional[str] = ..., hit: _Optional[_Union[Hit, _Mapping]] = ...) -> None: ...
+    stop: bool
+    prefill_chunks: int
+    def __init__(self, rid: _Optional[str] = ..., hit: _Optional[_Union[Hit, _Mapping]] = ..., stop: _Optional[bool] = ..., prefill_chunks: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("rid", "tokens_per_label", "produced", "chunks_left", "exclusive")
@@ -106,20 +138,24 @@ class RunningRequest(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., reserved: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("engine_id", "total_pages", "next_seq", "running", "supply", "lease_ms")
+    __slots__ = ("engine_id", "total_pages", "next_seq", "running", "supply", "lease_ms", "policy", "pace")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     SUPPLY_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PACE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     total_pages: int
     next_seq: int
     running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
     supply: Supply
     lease_ms: int
-    def __init__(self, engine_id: _Optional[str] = ..., total_pages: _Optional[int] = ..., next_seq: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    policy: str
+    pace: LedgerPace
+    def __init__(self, engine_id: _Optional[str] = ..., total_pages: _Optional[int] = ..., next_seq: _Optional[int] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ..., lease_ms: _Optional[int] = ..., policy: _Optional[str] = ..., pace: _Optional[_Union[LedgerPace, _Mapping]] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("session", "next_seq")
@@ -130,7 +166,7 @@ class OpenSessionReply(_message.Message):
     def __init__(self, session: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("session", "report_seq", "applied_seq", "events", "hits", "admit", "progress", "room")
+    __slots__ = ("session", "report_seq", "applied_seq", "events", "hits", "admit", "progress", "room", "stepwise", "resume")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     REPORT_SEQ_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +175,8 @@ class ReportRequest(_message.Message):
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
+    STEPWISE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     session: int
     report_seq: int
     applied_seq: int
@@ -147,7 +185,21 @@ class ReportRequest(_message.Message):
     admit: bool
     progress: _containers.RepeatedCompositeFieldContainer[Progress]
     room: int
-    def __init__(self, session: _Optional[int] = ..., report_seq: _Optional[int] = ..., applied_seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., hits: _Optional[_Iterable[_Union[HeadHit, _Mapping]]] = ..., admit: _Optional[bool] = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., room: _Optional[int] = ...) -> None: ...
+    stepwise: bool
+    resume: bool
+    def __init__(self, session: _Optional[int] = ..., report_seq: _Optional[int] = ..., applied_seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., hits: _Optional[_Iterable[_Union[HeadHit, _Mapping]]] = ..., admit: _Optional[bool] = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., room: _Optional[int] = ..., stepwise: _Optional[bool] = ..., resume: _Optional[bool] = ...) -> None: ...
+
+class LedgerPace(_message.Message):
+    __slots__ = ("page_size", "speculative_tokens", "backfill_depth", "max_advance")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BACKFILL_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADVANCE_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    speculative_tokens: int
+    backfill_depth: int
+    max_advance: int
+    def __init__(self, page_size: _Optional[int] = ..., speculative_tokens: _Optional[int] = ..., backfill_depth: _Optional[int] = ..., max_advance: _Optional[int] = ...) -> None: ...
 
 class Admit(_message.Message):
     __slots__ = ("reserved", "hit")
@@ -206,14 +258,20 @@ class PoolFigures(_message.Message):
     def __init__(self, total_pages: _Optional[int] = ..., usable_pages: _Optional[int] = ..., free: _Optional[int] = ..., evictable: _Optional[int] = ..., reserved: _Optional[int] = ..., held: _Optional[int] = ..., outstanding: _Optional[int] = ...) -> None: ...
 
 class ReportReply(_message.Message):
-    __slots__ = ("decisions", "waiting", "pool")
+    __slots__ = ("decisions", "waiting", "pool", "peek", "stalled", "stalled_steps")
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    PEEK_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
+    STALLED_STEPS_FIELD_NUMBER: _ClassVar[int]
     decisions: _containers.RepeatedCompositeFieldContainer[Decision]
     waiting: int
     pool: PoolFigures
-    def __init__(self, decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., waiting: _Optional[int] = ..., pool: _Optional[_Union[PoolFigures, _Mapping]] = ...) -> None: ...
+    peek: str
+    stalled: _containers.RepeatedScalarFieldContainer[str]
+    stalled_steps: int
+    def __init__(self, decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., waiting: _Optional[int] = ..., pool: _Optional[_Union[PoolFigures, _Mapping]] = ..., peek: _Optional[str] = ..., stalled: _Optional[_Iterable[str]] = ..., stalled_steps: _Optional[int] = ...) -> None: ...
 
 class FollowRequest(_message.Message):
     __slots__ = ("follower_id", "from_seq")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 
 from kvbank.ledger import (
@@ -44,8 +44,11 @@ from kvbank.ledger import (
     Refused,
     UnknownRequest,
 )
+from kvbank.peakfit import PeakShape
+from kvbank.peaktimeline import PeakPolicy
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.client import SessionLost, SidecarClient, SidecarError, SidecarUnavailable
+from kvbank.sidecar.peakpass import hit_to_wire, pace_of, shape_to_wire
 
 _LEDGER_ERRORS: dict[str, type[Exception]] = {
     "INVALID_ARGUMENT": InvalidPages,
@@ -72,7 +75,13 @@ class SidecarBackend:
         self.sessions_opened = 0
         self._session = 0
         self._report_seq = 0
-        self._waiting: OrderedDict[str, tuple[int, str]] = OrderedDict()  # rid -> pages, refusal
+        # rid -> pages, refusal, shape (for a peak-fit ledger)
+        self._waiting: OrderedDict[str, tuple[int, str, pb.PeakShape | None]] = OrderedDict()
+        self.policy = "banker"
+        self._pace: pb.LedgerPace | None = None
+        self._chunks: dict[str, int] = {}  # prefill bounds to send with the next answer
+        self._stalled: list[str] = []
+        self._stalled_steps = 0
         self._running: dict[str, list[int]] = {}  # rid -> [reserved, held]
         self._outstanding = 0
         self._hits: dict[str, Hit] = {}
@@ -92,12 +101,16 @@ class SidecarBackend:
 
     # ---- events (AdmissionBackend) -------------------------------------------------------------
 
-    def submit(self, rid: str, pages: int, refusal: str | None = None) -> None:
-        self._waiting[rid] = (pages, refusal or "")
-        self._events.append(pb.Event(submit=pb.Submit(rid=rid, pages=pages, refusal=refusal)))
+    def submit(
+        self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None
+    ) -> None:
+        wire = shape_to_wire(shape) if shape is not None else None
+        self._waiting[rid] = (pages, refusal or "", wire)
+        self._events.append(pb.Event(submit=_submit(rid, pages, refusal or "", wire)))
 
     def cancel(self, rid: str) -> None:
         self._hits.pop(rid, None)
+        self._chunks.pop(rid, None)
         if self._waiting.pop(rid, None) is not None:
             self._events.append(pb.Event(cancel=pb.Cancel(rid=rid)))
 
@@ -137,6 +150,88 @@ class SidecarBackend:
     def outstanding(self) -> int:
         return self._outstanding
 
+    # ---- the peak-fit ledger (kvbank.engine.admission.PeakBackend) -----------------------------
+
+    def configure(self, policy: str, peak: PeakPolicy) -> None:
+        """The session this backend opens asks the sidecar for `policy`; a sidecar whose ledger
+        runs another answers FAILED_PRECONDITION."""
+        if self._session:
+            raise InvariantBreach(f"a session is open already; {policy} cannot apply to it")
+        self.policy, self._pace = policy, pace_of(peak)
+
+    def set_prefill_chunks(self, rid: str, chunks: int) -> None:
+        self._chunks[rid] = chunks
+        entry = self._waiting.get(rid)
+        if entry is not None and entry[2] is not None:
+            entry[2].prefill_chunks = chunks  # a resubmission after a reconnect sends it
+
+    def admit_pass(
+        self, peek: Callable[[str], Hit | None], started: Callable[[Admitted], None]
+    ) -> None:
+        """A stepwise pass (kvbank.sidecar.peakpass): the sidecar names each candidate, this
+        engine starts what was admitted and answers. Blocking only: the answer depends on the
+        engine's state at the question, which a later step no longer has."""
+        if not self.blocking:
+            raise InvariantBreach(
+                f"the {self.policy} policy admits through the sidecar with a blocking backend "
+                f"only; use --policy banker for a non-blocking engine"
+            )
+        request = self._build(0, admit=True)
+        request.stepwise = True
+        while True:
+            reply = self._send(request)
+            self._absorb(reply)
+            ready, self._ready = self._ready, []
+            for decision in sorted(ready, key=lambda d: d.seq):
+                self._applied_seq = max(self._applied_seq, decision.seq)
+                if not isinstance(decision, Admitted):
+                    raise InvariantBreach(f"the sidecar refused {decision.rid!r}: {decision}")
+                started(decision)
+            if not reply.peek:
+                return
+            hit = peek(reply.peek)
+            head = pb.HeadHit(rid=reply.peek, stop=hit is None)
+            if hit is not None:
+                head.hit.CopyFrom(hit_to_wire(hit))
+            chunks = self._chunks.pop(reply.peek, None)
+            if chunks is not None:
+                head.prefill_chunks = chunks
+            self._hits.clear()
+            request = self._build(0, admit=True)
+            request.stepwise = request.resume = True
+            request.hits.append(head)
+
+    def advance(
+        self,
+        rid: str,
+        produced: int,
+        tokens_per_label: Mapping[str, int],
+        chunks_left: int,
+        exclusive: int | None,
+    ) -> None:
+        progress = pb.Progress(
+            rid=rid,
+            tokens_per_label=tokens_per_label,
+            produced=produced,
+            chunks_left=chunks_left,
+        )
+        if exclusive is not None:
+            progress.exclusive = exclusive
+        self._events.append(pb.Event(advance=progress))
+
+    def end_step(self) -> list[str]:
+        """Blocking: sent at once, so the stalled requests are known now. Non-blocking: they
+        come with a later reply (`stalled_steps`)."""
+        self._events.append(pb.Event(end_step=pb.EndStep()))
+        if not self.blocking:
+            return []
+        self._stalled = []
+        self._absorb(self._send(self._build(0, admit=False)))
+        return self._stalled
+
+    def stalled_steps(self) -> int:
+        return self._stalled_steps
+
     # ---- decisions -----------------------------------------------------------------------------
 
     def poll(self, room: int) -> list[Decision]:
@@ -172,7 +267,9 @@ class SidecarBackend:
     def check_integrity(self, free: int, evictable: int) -> None:
         """Blocking mode flushes and compares the sidecar's figures with the pool's; both modes
         check the registry's outstanding against the supply."""
-        if free + evictable < self._outstanding:
+        # A peak-fit ledger promises less than the sum of worst cases: its own check (in the
+        # sidecar, with --debug) is the one that holds; the figures are compared below.
+        if self._pace is None and free + evictable < self._outstanding:
             raise InvariantBreach(
                 f"outstanding {self._outstanding} pages exceed supply {free + evictable} (free "
                 f"{free} + evictable {evictable})"
@@ -248,6 +345,8 @@ class SidecarBackend:
 
     def _absorb(self, reply: pb.ReportReply) -> None:
         self.last_pool = reply.pool
+        self._stalled += reply.stalled
+        self._stalled_steps = max(self._stalled_steps, reply.stalled_steps)
         cancelled = []
         for d in reply.decisions:
             self._last_seq = max(self._last_seq, d.seq)
@@ -258,7 +357,9 @@ class SidecarBackend:
                 cancelled.append(d.rid)  # cancelled while this report was in flight
             self._hits.pop(d.rid, None)
             if kind == "admit":
-                hit = Hit(d.admit.hit.pages, d.admit.hit.idle_pages)
+                wire = d.admit.hit
+                sole = wire.sole_pages if wire.HasField("sole_pages") else None
+                hit = Hit(wire.pages, wire.idle_pages, sole)
                 self._running[d.rid] = [d.admit.reserved, hit.pages]
                 if hit.idle_pages:
                     self._supply_in_ledger = False
@@ -282,7 +383,10 @@ class SidecarBackend:
                 for rid, (r, h) in self._running.items()
             ],
             lease_ms=self.lease_ms,
+            policy=self.policy,
         )
+        if self._pace is not None:
+            request.pace.CopyFrom(self._pace)
         if self._supply is not None:
             request.supply.free, request.supply.evictable = self._supply
         try:
@@ -294,9 +398,16 @@ class SidecarBackend:
         self._last_seq = reply.next_seq - 1
         self._inflight = None
         self._events = [
-            pb.Event(submit=pb.Submit(rid=rid, pages=pages, refusal=refusal))
-            for rid, (pages, refusal) in self._waiting.items()
+            pb.Event(submit=_submit(rid, pages, refusal, shape))
+            for rid, (pages, refusal, shape) in self._waiting.items()
         ]
+
+
+def _submit(rid: str, pages: int, refusal: str, shape: pb.PeakShape | None) -> pb.Submit:
+    submit = pb.Submit(rid=rid, pages=pages, refusal=refusal)
+    if shape is not None:
+        submit.shape.CopyFrom(shape)
+    return submit
 
 
 def _as_ledger_error(exc: SidecarError) -> Exception:

@@ -30,6 +30,7 @@ from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.auth import TokenInterceptor
 from kvbank.sidecar.decision_log import DecisionLog
+from kvbank.sidecar.peakpass import SIDECAR_MODES
 from kvbank.sidecar.service import AdmissionService
 from kvbank.sidecar.state import AdmissionState
 
@@ -43,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus listen address")
     parser.add_argument("--pool", metavar="FILE", help="ModelPool manifest this sidecar serves")
+    parser.add_argument(
+        "--policy",
+        choices=sorted(SIDECAR_MODES),
+        help="the ledger's admission policy (default: the --pool's spec.admission, else banker); "
+        "an engine that asks for another gets FAILED_PRECONDITION",
+    )
     parser.add_argument("--token-file", help="file holding the shared token callers must send")
     parser.add_argument("--tls-cert", help="PEM server certificate (with --tls-key)")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -77,9 +84,11 @@ class Config:
     max_message_bytes: int
     grace_s: float
     debug: bool
+    policy: str = "banker"
 
 
-def _read_pool(path: str) -> int:
+def _read_pool(path: str) -> tuple[int, str]:
+    """The pool's pages and the ledger policy its spec.admission names."""
     docs = list(load_documents(path))
     if len(docs) != 1:
         raise ConfigError(f"--pool {path}: expected one ModelPool document, found {len(docs)}")
@@ -88,7 +97,9 @@ def _read_pool(path: str) -> int:
         pool = parse_modelpool(doc)
     except SpecError as exc:
         raise ConfigError(f"{where}: " + "; ".join(str(e) for e in exc.errors)) from exc
-    return pool_pages(pool)
+    adm = pool.admission
+    policy = "peak" if adm.policy == "peak" else "banker"
+    return pool_pages(pool), policy + ("+backfill" if adm.backfill else "")
 
 
 def _is_loopback(listen: str) -> bool:
@@ -103,7 +114,7 @@ def _is_loopback(listen: str) -> bool:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     try:
-        pages = _read_pool(args.pool) if args.pool else None
+        pages, pool_policy = _read_pool(args.pool) if args.pool else (None, "banker")
         token = Path(args.token_file).read_text().strip() if args.token_file else None
         tls = None
         if bool(args.tls_cert) != bool(args.tls_key):
@@ -132,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         max_message_bytes=args.max_message_bytes,
         grace_s=args.grace_s,
         debug=args.debug,
+        policy=getattr(args, "policy", None) or pool_policy,
     )
 
 
@@ -141,7 +153,9 @@ async def serve(
     """Run until `stop` is set, then shut down within the grace period. `on_ready` gets the
     bound port once the server accepts calls."""
     log = DecisionLog(config.log_max, config.follower_timeout_s)
-    state = AdmissionState(config.pool_pages, log, config.debug, config.lease_s)
+    state = AdmissionState(
+        config.pool_pages, log, config.debug, config.lease_s, policy=config.policy
+    )
     interceptors = [TokenInterceptor(config.token)] if config.token else []
     limit = config.max_message_bytes
     server = grpc.aio.server(

@@ -4,7 +4,7 @@ status codes the contract promises.
     InvalidPages (negative, absurd, malformed)   -> INVALID_ARGUMENT
     UnknownRequest                               -> NOT_FOUND
     DuplicateRequest                             -> ALREADY_EXISTS
-    out-of-order sequence numbers, wrong pool    -> FAILED_PRECONDITION
+    out-of-order sequence numbers, wrong pool or policy -> FAILED_PRECONDITION
     a session this sidecar does not hold         -> ABORTED (open a new session)
     a report that breaks the safe-state check    -> INTERNAL (and counted)
 
@@ -27,7 +27,13 @@ from kvbank.ledger import DuplicateRequest, InvalidPages, InvariantBreach, Unkno
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.decision_log import LogGap
-from kvbank.sidecar.state import AdmissionState, OutOfOrder, PoolMismatch, SessionGone
+from kvbank.sidecar.state import (
+    AdmissionState,
+    OutOfOrder,
+    PolicyMismatch,
+    PoolMismatch,
+    SessionGone,
+)
 
 _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvariantBreach, grpc.StatusCode.INTERNAL),  # before InvalidPages: both are ledger errors
@@ -36,6 +42,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (DuplicateRequest, grpc.StatusCode.ALREADY_EXISTS),
     (OutOfOrder, grpc.StatusCode.FAILED_PRECONDITION),
     (PoolMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (PolicyMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (LogGap, grpc.StatusCode.FAILED_PRECONDITION),
     (SessionGone, grpc.StatusCode.ABORTED),
 )

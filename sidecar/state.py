@@ -34,6 +34,15 @@ from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger, Refused
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.decision_log import DecisionLog
 from kvbank.sidecar.metrics import SidecarMetrics
+from kvbank.sidecar.peakpass import (
+    SIDECAR_MODES,
+    OpenPass,
+    check_answer,
+    hit_from_wire,
+    hit_to_wire,
+    peak_policy,
+    shape_from_wire,
+)
 
 
 class SessionGone(Exception):
@@ -49,6 +58,10 @@ class PoolMismatch(Exception):
     """The engine's pool is not the pool this sidecar was started for."""
 
 
+class PolicyMismatch(Exception):
+    """The engine runs an admission policy other than the one this sidecar's ledger runs."""
+
+
 @dataclass
 class Session:
     id: int
@@ -60,6 +73,7 @@ class Session:
     last_reply: pb.ReportReply | None = None
     last_request: bytes = b""  # to tell a retry from a different report under the same number
     unapplied_idle: dict[int, int] = field(default_factory=dict)  # admission seq -> idle pages
+    open_pass: OpenPass | None = None  # a stepwise admission pass waiting for an answer
 
 
 class AdmissionState:
@@ -70,7 +84,13 @@ class AdmissionState:
         debug: bool = False,
         default_lease_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        policy: str = "banker",
     ) -> None:
+        if policy not in SIDECAR_MODES:
+            raise ValueError(
+                f"the sidecar runs the ledger of {', '.join(SIDECAR_MODES)}, not {policy!r}"
+            )
+        self.policy = policy
         self.pool_pages = pool_pages
         self.debug = debug
         self.default_lease_s = default_lease_s
@@ -94,7 +114,15 @@ class AdmissionState:
             raise InvalidPages(
                 f"next_seq {req.next_seq} and lease_ms {req.lease_ms} must not be negative"
             )
-        ledger = Ledger(req.total_pages, debug=self.debug, next_seq=req.next_seq)
+        asked = req.policy or "banker"
+        if asked != self.policy:
+            raise PolicyMismatch(
+                f"the engine admits by the {asked} policy but this sidecar's ledger runs "
+                f"{self.policy}; start the sidecar with --policy {asked} (or the pool's "
+                f"spec.admission), or run the engine with --policy {self.policy}"
+            )
+        peak = peak_policy(self.policy, req.pace if req.HasField("pace") else None)
+        ledger = Ledger(req.total_pages, debug=self.debug, next_seq=req.next_seq, policy=peak)
         if req.HasField("supply"):
             ledger.set_supply(req.supply.free, req.supply.evictable)
         restored = [ledger.restore(r.rid, r.reserved, r.held) for r in req.running]
@@ -152,7 +180,7 @@ class AdmissionState:
                 f"report {req.report_seq} arrived after report {s.report_seq}; reports must "
                 f"be numbered {s.report_seq + 1}, {s.report_seq + 2}, ..."
             )
-        last_decided = self.ledger.next_seq - 1
+        last_decided = self.log.next_seq - 1 if s.open_pass else self.ledger.next_seq - 1
         if not s.applied_seq <= req.applied_seq <= last_decided:
             raise OutOfOrder(
                 f"applied_seq {req.applied_seq} must lie between the last applied "
@@ -160,26 +188,24 @@ class AdmissionState:
             )
         if req.HasField("room") and req.room < 0:
             raise InvalidPages(f"room must not be negative, got {req.room}")
-        hits: dict[str, Hit] = {}
-        for head in req.hits:
-            h = head.hit
-            if not 0 <= h.idle_pages <= h.pages:
-                raise InvalidPages(
-                    f"hit of {head.rid!r} must satisfy 0 <= idle_pages {h.idle_pages} <= "
-                    f"pages {h.pages}"
-                )
-            hits[head.rid] = Hit(h.pages, h.idle_pages) if h.pages else NO_HIT
+        if s.open_pass is not None or req.resume:
+            return self._resume(req, s)
+        hits = {head.rid: hit_from_wire(head.rid, head.hit) for head in req.hits}
 
         unapplied = {q: i for q, i in s.unapplied_idle.items() if q > req.applied_seq}
         ledger = self.ledger.copy()
         decisions: list[Admitted | Refused] = []
         now = self._clock()
         arrived: list[str] = []
+        stalled: list[str] = []
         for event in req.events:
             kind = event.WhichOneof("kind")
             if kind == "submit":
                 ev = event.submit
-                refused = ledger.submit(ev.rid, ev.pages, ev.refusal or None)
+                shape = (
+                    shape_from_wire(ev.rid, ev.shape, ev.pages) if ev.HasField("shape") else None
+                )
+                refused = ledger.submit(ev.rid, ev.pages, ev.refusal or None, shape=shape)
                 if refused is not None:
                     decisions.append(refused)
                 else:
@@ -194,19 +220,28 @@ class AdmissionState:
             elif kind == "supply":
                 pending_idle = sum(unapplied.values())
                 evictable = max(0, event.supply.evictable - pending_idle)
-                ledger.set_supply(event.supply.free, evictable)
+                # Unchanged figures are not a report, as with the embedded ledger: a peak
+                # ledger counts released pages as returning until the next real report.
+                if (event.supply.free, evictable) != (ledger.free, ledger.evictable):
+                    ledger.set_supply(event.supply.free, evictable)
+            elif kind == "advance":
+                _advance(ledger, event.advance)
+            elif kind == "end_step":
+                stalled += ledger.end_step()
             else:
                 raise InvalidPages(
-                    "an event must carry one of submit, cancel, take, release, supply"
+                    "an event must carry one of submit, cancel, take, release, supply, "
+                    "advance, end_step"
                 )
         for step in req.progress:
-            ledger.advance(
-                step.rid,
-                step.produced,
-                dict(step.tokens_per_label) or None,
-                step.chunks_left,
-                step.exclusive if step.HasField("exclusive") else None,
-            )
+            _advance(ledger, step)
+        if req.admit and req.stepwise:
+            s.open_pass = OpenPass(ledger)
+            try:
+                return self._resume(req, s, committed=(ledger, decisions, arrived, stalled))
+            except BaseException:
+                s.open_pass = None
+                raise
         if req.admit:
             room = req.room if req.HasField("room") else None
             admitted = ledger.admit_ready(_peek(hits, room))
@@ -233,6 +268,67 @@ class AdmissionState:
         if waited:
             self.metrics.waits.inc()
         fill_pool(reply.pool, ledger, totals=False)
+        reply.stalled.extend(stalled)
+        reply.stalled_steps = ledger.stalled_steps
+        s.last_reply = reply
+        s.last_request = req.SerializeToString(deterministic=True)
+        return reply
+
+    def _resume(
+        self,
+        req: pb.ReportRequest,
+        s: Session,
+        committed: tuple[Ledger, list[Admitted | Refused], list[str], list[str]] | None = None,
+    ) -> pb.ReportReply:
+        """One round of a stepwise pass (see kvbank.sidecar.peakpass). `committed`: the round
+        that opens it, with the ledger after that report's events and what they decided."""
+        open_pass = s.open_pass
+        assert open_pass is not None or committed is None
+        if open_pass is None:
+            raise OutOfOrder("no admission pass is open; send an admit report to open one")
+        if committed is None:
+            if not (req.resume and req.admit and req.stepwise):
+                raise OutOfOrder(
+                    f"an admission pass waits for the hit of {open_pass.asked!r}; answer it "
+                    f"with a stepwise admit report with resume set before anything else"
+                )
+            answer = check_answer(req, open_pass.asked)
+            open_pass.answers.append(answer)
+            try:
+                ledger, admitted, asked = open_pass.replay()
+            except BaseException:
+                open_pass.answers.pop()
+                raise
+            decided: list[Admitted | Refused] = []
+            arrived: list[str] = []
+            stalled: list[str] = []
+        else:
+            ledger, decided, arrived, stalled = committed
+            ledger, admitted, asked = open_pass.replay()
+            # The events before the pass stand on their own: a later round replays from here.
+            self.ledger = open_pass.base = committed[0]
+        if self.debug and not asked:
+            ledger.check_integrity()
+        now = self._clock()
+        s.report_seq, s.applied_seq, s.last_report = req.report_seq, req.applied_seq, now
+        for rid in arrived:
+            self._arrived[rid] = now
+        reply = pb.ReportReply(peek=asked)
+        fresh = [*decided, *admitted[open_pass.told :]]
+        for d in sorted(fresh, key=lambda d: d.seq):
+            entry = self._record(d, s, now)
+            if isinstance(d, Admitted) and d.hit.idle_pages:
+                s.unapplied_idle[d.seq] = d.hit.idle_pages
+            reply.decisions.append(entry)
+        open_pass.told, open_pass.asked = len(admitted), asked
+        if not asked:  # the pass is over: its ledger is the ledger
+            self.ledger, s.open_pass = ledger, None
+            if ledger.head is not None and ledger.promised is None:
+                self.metrics.waits.inc()
+        reply.waiting = ledger.waiting_count()
+        fill_pool(reply.pool, ledger, totals=False)
+        reply.stalled.extend(stalled)
+        reply.stalled_steps = ledger.stalled_steps
         s.last_reply = reply
         s.last_request = req.SerializeToString(deterministic=True)
         return reply
@@ -241,8 +337,7 @@ class AdmissionState:
         entry = pb.Decision(seq=d.seq, rid=d.rid, session=s.id)
         if isinstance(d, Admitted):
             entry.admit.reserved = d.reserved
-            entry.admit.hit.pages = d.hit.pages
-            entry.admit.hit.idle_pages = d.hit.idle_pages
+            entry.admit.hit.CopyFrom(hit_to_wire(d.hit))
             self.metrics.admissions.inc()
             arrived = self._arrived.pop(d.rid, None)
             if arrived is not None:
@@ -274,6 +369,18 @@ class AdmissionState:
         for res in snap.running:
             reply.running.add(rid=res.rid, reserved=res.reserved, held=res.held, seq=res.seq)
         return reply
+
+
+def _advance(ledger: Ledger, step: pb.Progress) -> None:
+    if min(step.produced, step.chunks_left, *step.tokens_per_label.values()) < 0:
+        raise InvalidPages(
+            f"progress of {step.rid!r}: produced {step.produced}, chunks_left "
+            f"{step.chunks_left} and tokens {dict(step.tokens_per_label)} must be >= 0"
+        )
+    exclusive = step.exclusive if step.HasField("exclusive") else None
+    ledger.advance(
+        step.rid, step.produced, dict(step.tokens_per_label) or None, step.chunks_left, exclusive
+    )
 
 
 def _peek(hits: dict[str, Hit], room: int | None) -> Callable[[str], Hit | None]:

@@ -54,9 +54,10 @@ def run(
     backend: Any,
     on_step: Callable[[int], None] = lambda step: None,
     max_steps: int = 200_000,
+    policy: str = "banker",
 ) -> RunRecord:
     record = RunRecord()
-    config = EngineConfig(sc.model, sc.pages, policy="banker", debug=True)
+    config = EngineConfig(sc.model, sc.pages, policy=policy, debug=True)
     runner = VirtualRunner(sc.cost, seed=sc.workload.seed)
     engine = Engine(config, runner, Recording(backend, record))
     specs = generate(sc.workload)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from engine_run import SCENARIOS, run, scenario
@@ -12,7 +13,7 @@ from sidecar_harness import ROOT, spawn_sidecar, stop_process
 
 from kvbank.engine.admission import embedded
 from kvbank.sidecar.backend import SidecarBackend
-from kvbank.sidecar.client import SidecarClient
+from kvbank.sidecar.client import SidecarClient, SidecarError
 
 
 @pytest.mark.timeout(120)
@@ -42,12 +43,84 @@ def test_a_scenario_admits_and_completes_the_same_way_embedded_and_over_grpc(
     assert (status.running, status.waiting, status.outstanding) == (0, 0, 0)
 
 
-@pytest.mark.timeout(120)
-def test_kvbank_bench_with_a_sidecar_prints_the_embedded_figures() -> None:
+class StartOrder:
+    """Wraps a peak backend's pass to record admissions in the order the engine starts them."""
+
+    def __init__(self, backend: Any, record: list[str]) -> None:
+        self._backend = backend
+        self._record = record
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def admit_pass(self, peek: Any, started: Any) -> None:
+        def start(decision: Any) -> None:
+            self._record.append(decision.rid)
+            started(decision)
+
+        self._backend.admit_pass(peek, start)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("policy", "name", "requests", "concurrency"),
+    [
+        ("peak", "shared-prefix", 24, 16),
+        ("peak+backfill", "shared-prefix", 24, 16),
+        pytest.param(  # backfill starts chat-8 before image-7
+            "peak+backfill", "image-chat-stress", 12, 12, marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_peak_fit_admits_and_completes_the_same_way_embedded_and_over_grpc(
+    policy: str, name: str, requests: int, concurrency: int
+) -> None:
+    sc = scenario(name, requests, concurrency)
+    order: dict[str, list[str]] = {"local": [], "remote": []}
+    local = run(sc, StartOrder(embedded(sc.pages, debug=True), order["local"]), policy=policy)
+    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--debug", "--policy", policy)
+    try:
+        with SidecarClient(f"127.0.0.1:{port}") as client:
+            backend = SidecarBackend(client, sc.pages, blocking=True)
+            remote = run(sc, StartOrder(backend, order["remote"]), policy=policy)
+            assert backend.sessions_opened == 1
+            status = client.status()
+            served = client.status_reply()
+    finally:
+        stop_process(proc)
+    assert len(local.completions) == requests
+    assert sorted(order["local"]) == sorted(local.completions)  # every request admitted once
+    assert order["remote"] == order["local"]
+    assert remote.completions == local.completions
+    assert remote.steps == local.steps
+    assert (status.running, status.waiting, status.outstanding) == (0, 0, 0)
+    assert served.next_seq == requests  # every admission was the sidecar's decision
+    if name == "image-chat-stress":
+        assert order["remote"].index("chat-8") < order["remote"].index("image-7")
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_asking_for_another_policy_than_the_sidecar_runs_is_refused() -> None:
+    sc = scenario("shared-prefix", 4, 4)
+    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--policy", "peak")
+    try:
+        with SidecarClient(f"127.0.0.1:{port}") as client:
+            backend = SidecarBackend(client, sc.pages, blocking=True)
+            with pytest.raises(SidecarError) as err:
+                run(sc, backend, policy="peak+backfill")
+    finally:
+        stop_process(proc)
+    assert err.value.code == "FAILED_PRECONDITION"
+    assert "peak+backfill" in err.value.message and "--policy" in err.value.message
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("policy", ["banker", "peak"])
+def test_kvbank_bench_with_a_sidecar_prints_the_embedded_figures(policy: str) -> None:
     scenario_file = str(SCENARIOS / "shared-prefix.yaml")
     bench = [sys.executable, "-m", "kvbank.cli", "bench", "--scenario", scenario_file]
-    bench += ["--policy", "banker", "--json"]
-    proc, port, _ = spawn_sidecar("--metrics-port", "-1")
+    bench += ["--policy", policy, "--json"]
+    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--policy", policy)
     try:
         local = subprocess.run(bench, capture_output=True, text=True, timeout=60, cwd=ROOT)
         remote = subprocess.run(
