@@ -24,6 +24,10 @@ if TYPE_CHECKING:  # torch, uvicorn and the model load only when serve runs
 
 log = logging.getLogger("kvbank.serve")
 
+# The policies whose ledger `kvbank sidecar` runs (kvbank.sidecar.peakpass.SIDECAR_MODES; kept
+# here so an engine installed without the sidecar's gRPC stack can still check its options).
+SIDECAR_POLICIES = ("banker", "peak", "peak+backfill", "banker+backfill")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model folder (default: the built-in model)")
@@ -41,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         default="banker",
-        help="admission policy: banker (the default; the one --sidecar serves), peak, "
-        "peak+backfill, banker+backfill, or a baseline: optimistic, preempt, no-evict, ratio",
+        help="admission policy: banker (the default), peak, peak+backfill, banker+backfill "
+        "(these four also with --sidecar), or a baseline: optimistic, preempt, no-evict, ratio",
     )
     parser.add_argument(
         "--max-waiting",
@@ -103,11 +107,11 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             f"--policy {args.policy!r} is not an admission policy; choose one of "
             f"{', '.join(policy_names())}"
         )
-    if args.sidecar and args.policy != "banker":
+    if args.sidecar and args.policy not in SIDECAR_POLICIES:
         raise ValueError(
-            f"--sidecar keeps the ledger in the sidecar, which admits by the banker policy; "
-            f"--policy {args.policy} keeps its own ledger in-process. Use --policy banker with "
-            f"--sidecar, or drop --sidecar."
+            f"--sidecar keeps the ledger in the sidecar, which runs the ledger of "
+            f"{', '.join(SIDECAR_POLICIES)}; --policy {args.policy} keeps its own books "
+            f"in-process. Use one of those with --sidecar, or drop --sidecar."
         )
     return ServeOptions(
         model=args.model,

@@ -76,9 +76,13 @@ def resolve_model_dir(options: ServeOptions) -> tuple[str, Path]:
     return path.resolve().name, path
 
 
-def sidecar_backend(address: str, total_pages: int, token: str | None = None) -> AdmissionBackend:
-    """The non-blocking gRPC backend of `kvbank.sidecar.backend`: the step loop never waits on
-    the sidecar; its decisions are applied at a later step."""
+def sidecar_backend(
+    address: str, total_pages: int, token: str | None = None, blocking: bool = False
+) -> AdmissionBackend:
+    """The gRPC backend of `kvbank.sidecar.backend`. Non-blocking (banker): the step loop never
+    waits on the sidecar; its decisions are applied at a later step. Blocking (the peak-fit
+    policies): a pass asks for each candidate's hit as the engine stands then, so the step
+    waits for its few loopback round trips."""
     try:
         module = importlib.import_module("kvbank.sidecar.backend")
         connect = module.connect
@@ -88,7 +92,7 @@ def sidecar_backend(address: str, total_pages: int, token: str | None = None) ->
             f"reach a sidecar with ({exc}); run without --sidecar to admit with the embedded "
             f"ledger"
         ) from exc
-    backend: AdmissionBackend = connect(address, total_pages, blocking=False, token=token)
+    backend: AdmissionBackend = connect(address, total_pages, blocking=blocking, token=token)
     return backend
 
 
@@ -98,7 +102,8 @@ def options_sidecar_backend(options: ServeOptions) -> AdmissionBackend:
     token = None
     if options.sidecar_token_file:
         token = Path(options.sidecar_token_file).read_text().strip() or None
-    return sidecar_backend(options.sidecar, options.pages, token)
+    blocking = options.policy != "banker"
+    return sidecar_backend(options.sidecar, options.pages, token, blocking)
 
 
 def build_stack(
@@ -140,7 +145,7 @@ def build_stack(
     )
     attention = options.attention or default_attention(device)
     runner = TorchRunner(model, options.pages, options.page_size, eos, attention, options.seed)
-    if backend is None and options.sidecar and options.policy == "banker":
+    if backend is None and options.sidecar:  # kvbank serve accepts only the sidecar's policies
         backend = options_sidecar_backend(options)
     engine_config = EngineConfig(
         capacity,

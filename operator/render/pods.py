@@ -75,17 +75,17 @@ def prelude(workload: Workload) -> list[str]:
     return ["/bin/sh", "-c", script, "kvbank-rank"]
 
 
-# The spec's admission policy and backfill, as `kvbank serve --policy` names them. Only the
-# banker runs its ledger in the sidecar; the peak-fit and backfill ledgers need each request's
-# per-step progress, which the sidecar protocol does not carry yet, so those engines keep their
-# ledger in-process (the sidecar container still runs, for probes and the status call).
+# The spec's admission policy and backfill, as `kvbank serve --policy` names them. The sidecar
+# runs each of these ledgers (it reads the same spec.admission from --pool), so every engine
+# keeps its ledger there; a peak-fit engine waits on the sidecar's loopback round trips within a
+# step (see kvbank.sidecar.peakpass), the banker's does not.
 ENGINE_POLICY = {
     ("conservative", False): "banker",
     ("conservative", True): "banker+backfill",
     ("peak", False): "peak",
     ("peak", True): "peak+backfill",
 }
-SIDECAR_POLICIES = frozenset({"banker"})
+SIDECAR_POLICIES = frozenset({"banker", "banker+backfill", "peak", "peak+backfill"})
 
 
 def engine_args(pool: ModelPool, settings: RenderSettings) -> list[str]:

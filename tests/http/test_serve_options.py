@@ -12,10 +12,22 @@ def parse(*argv: str):
     return cli.build_parser(list(argv)).parse_args(list(argv))
 
 
-def test_a_sidecar_serves_only_the_banker_policy() -> None:
-    with pytest.raises(ValueError, match="Use --policy banker with --sidecar, or drop --sidecar"):
-        options_from_args(parse("--sidecar", "127.0.0.1:50051", "--policy", "peak"))
-    assert options_from_args(parse("--sidecar", "127.0.0.1:50051")).policy == "banker"
+@pytest.mark.parametrize("policy", ["banker", "peak", "peak+backfill", "banker+backfill"])
+def test_a_sidecar_serves_every_policy_whose_ledger_it_runs(policy: str) -> None:
+    options = options_from_args(parse("--sidecar", "127.0.0.1:50051", "--policy", policy))
+    assert (options.policy, options.sidecar) == (policy, "127.0.0.1:50051")
+
+
+def test_a_sidecar_refuses_a_policy_that_keeps_its_own_books() -> None:
+    with pytest.raises(ValueError, match="--policy preempt keeps its own books in-process"):
+        options_from_args(parse("--sidecar", "127.0.0.1:50051", "--policy", "preempt"))
+
+
+def test_the_serve_list_of_sidecar_policies_is_the_sidecar_s() -> None:
+    from kvbank.engine.serve import SIDECAR_POLICIES
+    from kvbank.sidecar.peakpass import SIDECAR_MODES
+
+    assert tuple(SIDECAR_MODES) == SIDECAR_POLICIES
 
 
 def test_an_unknown_policy_names_the_choices() -> None:

@@ -210,8 +210,11 @@ class TestPodTemplate:
         assert serve.pages == pool_pages(pool) and serve.policy == "peak"
 
     def test_the_spec_policy_and_backfill_choose_the_engine_policy(self) -> None:
-        """Only the banker keeps its ledger in the sidecar; the peak-fit and backfill ledgers
-        run in the engine, which `kvbank serve` refuses to combine with --sidecar."""
+        """Every policy keeps its ledger in the sidecar, which reads the same spec.admission
+        from --pool and so runs the same ledger."""
+        from kvbank import cli
+        from kvbank.engine.serve import options_from_args
+
         expected = {
             ("conservative", False): "banker",
             ("conservative", True): "banker+backfill",
@@ -225,7 +228,10 @@ class TestPodTemplate:
             ]
             args = engine["args"]
             assert args[args.index("--policy") + 1] == engine_policy
-            assert ("--sidecar" in args) == (engine_policy == "banker")
+            assert args[args.index("--sidecar") + 1] == "127.0.0.1:50051"
+            argv = args[1:]
+            serve = cli.build_parser(argv).parse_args(argv)
+            assert options_from_args(serve).policy == engine_policy  # serve accepts the pair
 
     def test_leader_worker_set_ranks_come_from_its_labels(self) -> None:
         env = rank_env(_pool(tensorParallel=2), SETTINGS, Workload.LEADER_WORKER_SET)
