@@ -95,8 +95,10 @@ class Limits:
 @dataclass(frozen=True)
 class Admission:
     min_concurrency: int = 0
-    policy: str = "conservative"
-    backfill: bool = False
+    # The best policy that keeps the guarantee (docs/benchmarks.md "Default policy"); capacity
+    # and `kvbank check` still judge the pool by the conservative, worst-case reading.
+    policy: str = "peak"
+    backfill: bool = True
 
 
 @dataclass(frozen=True)
@@ -281,9 +283,9 @@ def parse_modelpool(doc: Any) -> ModelPool:
         "spec.admission",
         required=False,
         choices=ADMISSION_POLICIES,
-        default="conservative",
+        default="peak",
     )
-    backfill = adm.get("backfill", False)
+    backfill = adm.get("backfill", True)
     if not isinstance(backfill, bool):
         r.fail("spec.admission.backfill", f"must be true or false, got {backfill!r}")
 

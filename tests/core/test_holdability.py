@@ -56,7 +56,16 @@ class TestParse:
         assert pool.architecture.kv_heads == 8
         assert pool.kv.pages == 20000 and pool.kv.speculative_tokens == 1
         assert pool.admission.min_concurrency == 8
-        assert pool.admission.policy == "conservative"
+        assert (pool.admission.policy, pool.admission.backfill) == ("peak", True)  # the default
+
+    def test_the_peak_default_is_judged_by_the_conservative_worst_case(self) -> None:
+        """`kvbank check` and the webhook read the worst case whatever the ledger's policy."""
+        peak = parse_modelpool(make_spec())
+        conservative = parse_modelpool(
+            make_spec(**{"admission.policy": "conservative", "admission.backfill": False})
+        )
+        assert holdability(peak) == holdability(conservative)
+        assert holdability(peak).worst_concurrency == 38
 
     def test_a_preset_fills_the_architecture(self) -> None:
         pool = parse_modelpool(make_spec(**{"model.architecture": {"preset": "llama-3.1-8b"}}))

@@ -3,12 +3,16 @@ pages and the stepwise pass; every bad field gets its status and leaves the ledg
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
-from sidecar_harness import ThreadSidecar, make_config
+import yaml
+from sidecar_harness import ROOT, ThreadSidecar, make_config
 
 from kvbank.proto import admission_pb2 as pb
+from kvbank.sidecar import server
 from kvbank.sidecar.client import SidecarClient, SidecarError
 
 PACE = pb.LedgerPace(page_size=16, speculative_tokens=0, backfill_depth=8, max_advance=1)
@@ -217,6 +221,31 @@ def test_a_bad_peak_field_fails_and_leaves_the_ledger_unchanged(
         )
     assert (caught.value.code, words in caught.value.message) == (code, True), caught.value
     assert client.status_reply() == before
+
+
+def test_the_pool_s_admission_chooses_the_ledger_unless_policy_is_given(tmp_path: Path) -> None:
+    example = yaml.safe_load((ROOT / "examples" / "modelpool-llama-8b.yaml").read_text())
+    pools = {}
+    admissions = {
+        "default": {},
+        "peak": {"policy": "peak", "backfill": False},
+        "conservative": {"policy": "conservative", "backfill": False},
+    }
+    for name, admission in admissions.items():
+        doc = {**example, "spec": {**example["spec"], "admission": admission}}
+        pools[name] = tmp_path / f"{name}.yaml"
+        pools[name].write_text(yaml.safe_dump(doc))
+
+    def policy(*argv: str) -> str:
+        parser = argparse.ArgumentParser()
+        server.add_arguments(parser)
+        return server.config_from_args(parser.parse_args(list(argv))).policy
+
+    assert policy("--pool", str(pools["default"])) == "peak+backfill"
+    assert policy("--pool", str(pools["peak"])) == "peak"
+    assert policy("--pool", str(pools["conservative"])) == "banker"
+    assert policy("--pool", str(pools["default"]), "--policy", "banker") == "banker"
+    assert policy() == "banker"
 
 
 def test_resume_without_an_open_pass_is_out_of_order(peak_client: SidecarClient) -> None:
