@@ -182,6 +182,9 @@ def run_policy(
         "kv_utilisation": round(util_area / clock, 4) if clock else 0.0,
         "preemptions": stats.preemptions,
         "stalled_rows": stats.stalled_rows,  # decode rows that sat a step out for want of a page
+        # Steps in which a running request could not advance, so a peak-fit ledger admitted
+        # conservatively (0 for the policies without one).
+        "stalled_steps": getattr(engine.policy, "stalled_steps", 0),
         "prefix_hit_rate": round(stats.hit_tokens / stats.prefill_tokens, 4)
         if stats.prefill_tokens
         else 0.0,

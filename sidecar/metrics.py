@@ -60,6 +60,12 @@ class SidecarMetrics:
         self.breaches = Counter(
             "kvbank_invariant_breaches", "reports that broke the safe-state invariant", registry=r
         )
+        self.stalled_steps = Counter(
+            "kvbank_peak_stalled_steps",
+            "engine steps in which a running request could not advance, so the peak-fit ledger "
+            "admitted conservatively until all advanced again",
+            registry=r,
+        )
         self.sessions_dropped = Counter(
             "kvbank_sessions_dropped",
             "engine sessions dropped (lease expired or replaced), with their reservations",

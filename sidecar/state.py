@@ -254,7 +254,7 @@ class AdmissionState:
             ledger.check_integrity()
 
         # Every event succeeded: commit.
-        self.ledger = ledger
+        self._commit(ledger)
         s.report_seq, s.applied_seq, s.last_report = req.report_seq, req.applied_seq, now
         for rid in arrived:
             self._arrived[rid] = now
@@ -306,7 +306,8 @@ class AdmissionState:
             ledger, decided, arrived, stalled = committed
             ledger, admitted, asked = open_pass.replay()
             # The events before the pass stand on their own: a later round replays from here.
-            self.ledger = open_pass.base = committed[0]
+            open_pass.base = committed[0]
+            self._commit(committed[0])
         if self.debug and not asked:
             ledger.check_integrity()
         now = self._clock()
@@ -322,7 +323,8 @@ class AdmissionState:
             reply.decisions.append(entry)
         open_pass.told, open_pass.asked = len(admitted), asked
         if not asked:  # the pass is over: its ledger is the ledger
-            self.ledger, s.open_pass = ledger, None
+            self._commit(ledger)
+            s.open_pass = None
             if ledger.head is not None and ledger.promised is None:
                 self.metrics.waits.inc()
         reply.waiting = ledger.waiting_count()
@@ -332,6 +334,13 @@ class AdmissionState:
         s.last_reply = reply
         s.last_request = req.SerializeToString(deterministic=True)
         return reply
+
+    def _commit(self, ledger: Ledger) -> None:
+        """`ledger` replaces the ledger; the steps it closed with a stalled request count."""
+        before = self.ledger.stalled_steps if self.ledger is not None else 0
+        if ledger.stalled_steps > before:
+            self.metrics.stalled_steps.inc(ledger.stalled_steps - before)
+        self.ledger = ledger
 
     def _record(self, d: Admitted | Refused, s: Session, now: float) -> pb.Decision:
         entry = pb.Decision(seq=d.seq, rid=d.rid, session=s.id)

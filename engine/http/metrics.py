@@ -54,7 +54,14 @@ class ServeMetrics:
             "prompt positions admissions took from the prefix cache instead of computing",
             registry=registry,
         )
+        self.stalled_steps = Counter(
+            "kvbank_peak_stalled_steps",
+            "steps in which a running request could not advance, so peak-fit admission fell "
+            "back to the conservative reading until all advanced again",
+            registry=registry,
+        )
         self._hit_tokens_seen = 0
+        self._stalled_seen = 0
         self.total_pages.set(total_pages)
 
     def observe_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
@@ -74,6 +81,10 @@ class ServeMetrics:
         self.held_pages.set(kv.pool.held)
         if engine.backend is not None:
             self.outstanding_pages.set(engine.backend.outstanding())
+        stalled = getattr(engine.policy, "stalled_steps", 0)  # only peak-fit ledgers count them
+        if stalled > self._stalled_seen:
+            self.stalled_steps.inc(stalled - self._stalled_seen)
+            self._stalled_seen = stalled
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,12 +4,13 @@ pages and the stepwise pass; every bad field gets its status and leaves the ledg
 from __future__ import annotations
 
 import argparse
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from sidecar_harness import ROOT, ThreadSidecar, make_config
+from sidecar_harness import ROOT, ThreadSidecar, make_config, spawn_sidecar, stop_process
 
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar import server
@@ -91,6 +92,31 @@ def test_a_stepwise_pass_asks_for_each_head_and_admits_with_the_answers(
         pb.ReportRequest(session=session, report_seq=4, applied_seq=0, events=events)
     )
     assert (list(reply.stalled), reply.stalled_steps) == ([], 0)
+
+
+def test_a_stalled_step_is_reported_and_counted_in_the_sidecar_metrics() -> None:
+    proc, port, metrics_port = spawn_sidecar("--metrics-port", "0", "--policy", "peak")
+    try:
+        with SidecarClient(f"127.0.0.1:{port}", retry_budget_s=2.0) as client:
+            session = open_peak(client)
+            client.report(stepwise(session, 1, -1, submit("a", 10, shape())))
+            client.report(answer(session, 2, -1, pb.HeadHit(rid="a", hit=pb.Hit())))
+            end = pb.Event(end_step=pb.EndStep())
+            steps = [
+                ([progress("a", 1, 33), end], [], 0),
+                ([end], ["a"], 1),  # a step closed with no progress from `a`
+                ([progress("a", 2, 34), end], [], 1),
+            ]
+            for seq, (events, stalled, count) in enumerate(steps, start=3):
+                reply = client.report(
+                    pb.ReportRequest(session=session, report_seq=seq, applied_seq=0, events=events)
+                )
+                assert (list(reply.stalled), reply.stalled_steps) == (stalled, count)
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        scrape = urllib.request.urlopen(url, timeout=5).read().decode()
+    finally:
+        stop_process(proc)
+    assert "\nkvbank_peak_stalled_steps_total 1.0\n" in scrape
 
 
 def test_an_engine_asking_for_another_policy_or_no_pace_is_refused(
