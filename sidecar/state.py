@@ -236,11 +236,12 @@ class AdmissionState:
         for step in req.progress:
             _advance(ledger, step)
         if req.admit and req.stepwise:
-            s.open_pass = OpenPass(ledger)
+            kept_idle = s.unapplied_idle
+            s.open_pass, s.unapplied_idle = OpenPass(ledger), unapplied
             try:
                 return self._resume(req, s, committed=(ledger, decisions, arrived, stalled))
             except BaseException:
-                s.open_pass = None
+                s.open_pass, s.unapplied_idle = None, kept_idle
                 raise
         if req.admit:
             room = req.room if req.HasField("room") else None
