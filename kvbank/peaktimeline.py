@@ -9,9 +9,10 @@ after any change (O(requests x candidates)), so a run of checks between steps pa
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -75,6 +76,14 @@ class Timeline:
         self.clock = 0  # steps closed so far
         self._promise: tuple[str, int] | None = None  # (head, the step it is promised by)
         self._profile: Profile | None = None
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Timeline:
+        """The copy a ledger applying a batch all-or-nothing works on (Ledger.copy): each
+        track copied, the immutable profile shared (a change on either side drops only that
+        side's). A generic deep copy also copied the profile's arrays, several times slower."""
+        twin = copy.copy(self)
+        twin.tracks = {rid: replace(t, tokens=list(t.tokens)) for rid, t in self.tracks.items()}
+        return twin
 
     @property
     def peak_active(self) -> bool:
