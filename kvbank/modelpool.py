@@ -95,10 +95,11 @@ class Limits:
 @dataclass(frozen=True)
 class Admission:
     min_concurrency: int = 0
-    # The best policy that keeps the guarantee (docs/benchmarks.md "Default policy"); capacity
-    # and `kvbank check` still judge the pool by the conservative, worst-case reading.
-    policy: str = "peak"
-    backfill: bool = True
+    # The conservative banker: the only ledger the sidecar runs without the engine's step waiting
+    # on it (docs/benchmarks.md "Default policy"). Peak-fit and backfill are opt-in; capacity and
+    # `kvbank check` judge the pool by the conservative worst case whatever the policy.
+    policy: str = "conservative"
+    backfill: bool = False
 
 
 @dataclass(frozen=True)
@@ -283,9 +284,9 @@ def parse_modelpool(doc: Any) -> ModelPool:
         "spec.admission",
         required=False,
         choices=ADMISSION_POLICIES,
-        default="peak",
+        default="conservative",
     )
-    backfill = adm.get("backfill", True)
+    backfill = adm.get("backfill", False)
     if not isinstance(backfill, bool):
         r.fail("spec.admission.backfill", f"must be true or false, got {backfill!r}")
 

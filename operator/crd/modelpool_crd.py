@@ -140,8 +140,8 @@ def _spec() -> Schema:
             "admission": obj(
                 {
                     "minConcurrency": integer(0, MAX_PAGES, "worst-case requests held at once"),
-                    "policy": {**enum(ADMISSION_POLICIES), "default": "peak"},
-                    "backfill": {"type": "boolean", "default": True},
+                    "policy": {**enum(ADMISSION_POLICIES), "default": "conservative"},
+                    "backfill": {"type": "boolean", "default": False},
                 }
             ),
         },

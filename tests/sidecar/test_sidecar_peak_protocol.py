@@ -255,6 +255,7 @@ def test_the_pool_s_admission_chooses_the_ledger_unless_policy_is_given(tmp_path
     admissions = {
         "default": {},
         "peak": {"policy": "peak", "backfill": False},
+        "peak+backfill": {"policy": "peak", "backfill": True},
         "conservative": {"policy": "conservative", "backfill": False},
     }
     for name, admission in admissions.items():
@@ -267,10 +268,11 @@ def test_the_pool_s_admission_chooses_the_ledger_unless_policy_is_given(tmp_path
         server.add_arguments(parser)
         return server.config_from_args(parser.parse_args(list(argv))).policy
 
-    assert policy("--pool", str(pools["default"])) == "peak+backfill"
+    assert policy("--pool", str(pools["default"])) == "banker"
     assert policy("--pool", str(pools["peak"])) == "peak"
+    assert policy("--pool", str(pools["peak+backfill"])) == "peak+backfill"
+    assert policy("--pool", str(pools["peak+backfill"]), "--policy", "banker") == "banker"
     assert policy("--pool", str(pools["conservative"])) == "banker"
-    assert policy("--pool", str(pools["default"]), "--policy", "banker") == "banker"
     assert policy() == "banker"
 
 

@@ -34,11 +34,7 @@ def kvbank(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_pool_metrics_status_and_graceful_sigterm() -> None:
-    # The example pool's spec.admission defaults to peak+backfill; this engine session is a
-    # banker's, so the sidecar is told to run that ledger.
-    proc, port, metrics_port = spawn_sidecar(
-        "--pool", str(MANIFEST), "--policy", "banker", "--metrics-port", "0"
-    )
+    proc, port, metrics_port = spawn_sidecar("--pool", str(MANIFEST), "--metrics-port", "0")
     address = f"127.0.0.1:{port}"
     try:
         with SidecarClient(address) as client:
