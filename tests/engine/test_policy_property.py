@@ -8,8 +8,8 @@ import pytest
 from engine_builders import make_engine, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from random_workload import drive
 
-from kvbank.engine.engine import RequestRejected
 from kvbank.engine.request import FinishReason
 from kvbank.modelpool import KvSlot
 
@@ -50,26 +50,9 @@ def test_no_breach_no_hang_and_the_banker_never_preempts(
         page_size=4, max_seq_len=48, max_tokens=16, speculative=speculative, slots=slots
     )
     engine, runner = make_engine(pages, policy, model=model, max_batch_tokens=budget)
-    admitted: set[str] = set()
-    finished: set[str] = set()
-    arrivals = sorted(enumerate(requests), key=lambda item: item[1][0])
-    for step in range(1500):
-        while arrivals and arrivals[0][1][0] <= step:
-            index, (_, prompt_len, max_tokens, stop, family, text_only) = arrivals.pop(0)
-            prompt = [100 * family + (i % 9) for i in range(prompt_len)]
-            labels = frozenset({"main"}) if text_only else None
-            try:
-                engine.add_request(f"r{index}", prompt, max_tokens, labels=labels)
-            except RequestRejected:
-                continue
-            runner.stop_after(f"r{index}", stop)
-            admitted.add(f"r{index}")
-        if not arrivals and not engine.has_work():
-            break
-        for out in engine.step():  # debug mode: deep integrity check after the step
-            if out.finished:
-                assert out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
-                finished.add(out.rid)
+    admitted, outputs = drive(engine, runner, requests, max_steps=1500)  # debug: deep checks
+    assert all(out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for out in outputs)
+    finished = {out.rid for out in outputs}
     assert finished == admitted
     assert engine.kv.pool.held == 0
     if policy in ("banker", "no-evict"):

@@ -10,9 +10,10 @@ import os
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from random_workload import drive
 
 from kvbank.capacity import CapacityModel
-from kvbank.engine.engine import Engine, EngineConfig, RequestRejected
+from kvbank.engine.engine import Engine, EngineConfig
 from kvbank.engine.peak import PeakFitPolicy
 from kvbank.engine.virtual import VirtualRunner
 from kvbank.modelpool import KvSlot
@@ -60,25 +61,8 @@ def test_no_breach_no_preemption_no_stall_and_everything_finishes(
 ) -> None:
     model = CapacityModel(slots, 4, 48, 16, speculative)
     engine, runner = engine_for(pages, policy, model, budget)
-    admitted: set[str] = set()
-    finished: set[str] = set()
-    arrivals = sorted(enumerate(requests), key=lambda item: item[1][0])
-    for step in range(3000):
-        while arrivals and arrivals[0][1][0] <= step:
-            index, (_, prompt_len, max_tokens, stop, family, text_only) = arrivals.pop(0)
-            prompt = [100 * family + (i % 9) for i in range(prompt_len)]
-            labels = frozenset({"main"}) if text_only else None
-            try:
-                engine.add_request(f"r{index}", prompt, max_tokens, labels=labels)
-            except RequestRejected:
-                continue
-            runner.stop_after(f"r{index}", stop)
-            admitted.add(f"r{index}")
-        if not arrivals and not engine.has_work():
-            break
-        for out in engine.step():
-            if out.finished:
-                finished.add(out.rid)
+    admitted, outputs = drive(engine, runner, requests, max_steps=3000)
+    finished = {out.rid for out in outputs}
     assert finished == admitted
     assert engine.kv.pool.held == 0
     assert engine.sched.stats.preemptions == 0
