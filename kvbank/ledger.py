@@ -25,31 +25,40 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from kvbank.capacity import SINK_PAGES
+from kvbank.ledger_types import (
+    NO_HIT,
+    Admitted,
+    Decision,
+    DuplicateRequest,
+    Hit,
+    InvalidPages,
+    InvariantBreach,
+    LedgerError,
+    LedgerSnapshot,
+    NotAdmissible,
+    Refused,
+    Reservation,
+    UnknownRequest,
+)
 from kvbank.peakfit import PeakShape, flat_shape
 from kvbank.peaktimeline import Hold, PeakPolicy, Timeline
 
-
-@dataclass(frozen=True)
-class Hit:
-    """A waiting request's cached prefix: `pages` it will lease at admission, of which
-    `idle_pages` only the index holds (the rest some running request already holds)."""
-
-    pages: int = 0
-    idle_pages: int = 0
-    # Of the held part, pages exactly one running request holds (a policy ledger stops
-    # counting them as that request's to return). None: not known, so all of the held part.
-    sole_pages: int | None = None
-
-
-NO_HIT = Hit()
-
-
-@dataclass
-class Reservation:
-    rid: str
-    reserved: int  # worst-case pages over the request's life
-    held: int  # pages it holds now: its leased hit plus what it allocated
-    seq: int  # the admission decision's sequence number
+__all__ = [
+    "NO_HIT",
+    "Admitted",
+    "Decision",
+    "DuplicateRequest",
+    "Hit",
+    "InvalidPages",
+    "InvariantBreach",
+    "Ledger",
+    "LedgerError",
+    "LedgerSnapshot",
+    "NotAdmissible",
+    "Refused",
+    "Reservation",
+    "UnknownRequest",
+]
 
 
 def _hold(hit: Hit) -> Hold:
@@ -58,66 +67,7 @@ def _hold(hit: Hit) -> Hold:
     return Hold(hit.pages, hit.idle_pages, sole)
 
 
-@dataclass(frozen=True)
-class Admitted:
-    rid: str
-    seq: int
-    reserved: int
-    hit: Hit
-
-
-@dataclass(frozen=True)
-class Refused:
-    rid: str
-    seq: int
-    message: str
-
-
-Decision = Admitted | Refused
 _D = TypeVar("_D", Admitted, Refused)
-
-
-class LedgerError(Exception):
-    """An operation the ledger refuses; the ledger is unchanged when one is raised."""
-
-
-class UnknownRequest(LedgerError, KeyError):
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
-
-
-class DuplicateRequest(LedgerError):
-    pass
-
-
-class InvalidPages(LedgerError, ValueError):
-    pass
-
-
-class NotAdmissible(LedgerError):
-    pass
-
-
-class InvariantBreach(LedgerError, AssertionError):
-    pass
-
-
-@dataclass(frozen=True)
-class LedgerSnapshot:
-    total_pages: int
-    usable_pages: int
-    free: int
-    evictable: int
-    outstanding: int
-    reserved: int
-    held: int
-    waiting: tuple[tuple[str, int], ...]  # (rid, worst pages) in FIFO order
-    running: tuple[Reservation, ...]
-    next_seq: int
-
-    @property
-    def supply(self) -> int:
-        return self.free + self.evictable
 
 
 @dataclass
