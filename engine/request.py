@@ -11,7 +11,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvbank.capacity import CapacityModel, PageCount, RequestShape, count_pages, pages_for
+from kvbank.capacity import (
+    CapacityModel,
+    PageCount,
+    RequestShape,
+    count_pages,
+    label_terms,
+    pages_for,
+)
 from kvbank.engine.pages import SINK_PAGE
 from kvbank.engine.runner import SamplingParams
 
@@ -54,14 +61,10 @@ def layout_for(model: CapacityModel, shape: RequestShape) -> tuple[LabelLayout, 
     keyed for the prefix cache only when its tokens are exactly the prompt tokens (prompt 1,
     fixed 0, no extra tokens for this request): anything else (an image's tokens, an encoder
     window) is not described by the prompt, so two equal prompts do not mean equal KV there."""
-    layouts = []
-    for name, slot in model.kv_slots.items():
-        if shape.labels is not None and name not in shape.labels:
-            continue
-        extra = shape.extra_tokens.get(name, 0)
-        keyed = slot.prompt == 1 and slot.fixed == 0 and extra == 0
-        layouts.append(LabelLayout(name, slot.prompt, slot.output, slot.fixed + extra, keyed))
-    return tuple(layouts)
+    return tuple(
+        LabelLayout(name, t.per_prompt, t.per_output, t.own, t.per_prompt == 1 and t.own == 0)
+        for name, t in label_terms(model, shape).items()
+    )
 
 
 @dataclass(eq=False)

@@ -79,6 +79,27 @@ def output_budget(model: CapacityModel, prompt_tokens: int, max_tokens: int | No
     return max(0, min(budget, model.max_seq_len - prompt_tokens))
 
 
+@dataclass(frozen=True)
+class LabelTerms:
+    """What one request writes into one label: tokens per prompt token, per output position,
+    and its own tokens (the label's fixed tokens plus the model's extra tokens for this
+    request), which are reserved whole."""
+
+    per_prompt: int
+    per_output: int
+    own: int
+
+
+def label_terms(model: CapacityModel, request: RequestShape) -> dict[str, LabelTerms]:
+    """The labels a request writes, in the model's order; the others go to the sink page. The
+    engine lays out its page tables from this, so it writes exactly what count_pages counts."""
+    return {
+        label: LabelTerms(slot.prompt, slot.output, slot.fixed + request.extra_tokens.get(label, 0))
+        for label, slot in model.kv_slots.items()
+        if request.labels is None or label in request.labels
+    }
+
+
 def count_pages(model: CapacityModel, request: RequestShape, cached_pages: int = 0) -> PageCount:
     """Pages one request may need, per label: its prompt, its output budget and one speculative
     step. A label's prompt count (prompt tokens x multiplier, fixed tokens, the model's extra
@@ -87,14 +108,11 @@ def count_pages(model: CapacityModel, request: RequestShape, cached_pages: int =
     decode_positions = output + model.speculative_tokens
     per_label: dict[str, int] = {}
     tokens: dict[str, int] = {}
-    for label, slot in model.kv_slots.items():
-        if request.labels is not None and label not in request.labels:
-            continue
+    for label, terms in label_terms(model, request).items():
         label_tokens = (
-            slot.prompt * request.prompt_tokens
-            + slot.fixed
-            + request.extra_tokens.get(label, 0)
-            + slot.output * decode_positions
+            terms.per_prompt * request.prompt_tokens
+            + terms.own
+            + terms.per_output * decode_positions
         )
         tokens[label] = label_tokens
         per_label[label] = pages_for(label_tokens, model.page_size)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvbank.capacity import CapacityModel, RequestShape, label_growth
+from kvbank.capacity import CapacityModel, RequestShape, label_growth, pages_for
 
 Steps = npt.NDArray[np.int64]
 NEVER = 1 << 40  # the finish step of a request whose progress the ledger is not told
@@ -267,7 +267,7 @@ def newcomer(
             pages += (tokens + (page_size - 1)) // page_size
         pages -= hit_pages
     else:
-        flat = sum(-(-worst // page_size) for worst in shape.worst) - hit_pages
+        flat = sum(pages_for(worst, page_size) for worst in shape.worst) - hit_pages
         pages = np.full(len(ks), flat, dtype=np.int64)
     pages[ks >= end] = -idle_pages
     pages[ks < start] = 0
