@@ -109,6 +109,17 @@ class TestParse:
         with pytest.raises(SpecError, match=message):
             parse_modelpool(make_spec(**changes))
 
+    def test_names_the_crd_would_refuse(self) -> None:
+        doc = make_spec(**{"model.name": "m" * 254})
+        doc["metadata"]["name"] = "n" * 41
+        with pytest.raises(SpecError) as err:
+            parse_modelpool(doc)
+        assert [e.path for e in err.value.errors] == ["metadata.name", "spec.model.name"]
+        assert "has 41 characters; at most 40" in str(err.value)
+        doc["metadata"]["name"] = "n" * 40
+        with pytest.raises(SpecError, match="has 254 characters; at most 253"):
+            parse_modelpool(doc)
+
     def test_wrong_kind_and_version(self) -> None:
         doc = make_spec()
         doc["kind"], doc["apiVersion"] = "Pod", "v1"
