@@ -40,8 +40,8 @@ from kvbank.ledger_types import (
     Reservation,
     UnknownRequest,
 )
-from kvbank.peakfit import PeakShape, flat_shape
-from kvbank.peaktimeline import Hold, PeakPolicy, Timeline
+from kvbank.peakfit import NEVER, PeakShape, flat_shape
+from kvbank.peaktimeline import Hold, PeakPolicy, Timeline, open_ended
 
 __all__ = [
     "NO_HIT",
@@ -99,6 +99,8 @@ class Ledger:
     # The last backfill promise: (head, steps from the pass that made it), None when none holds.
     promised: tuple[str, int] | None = None
     _timeline: Timeline | None = field(default=None, init=False, repr=False)
+    # Set while admit_ready decides for an engine that starts its admissions later (deferred).
+    _deferring: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.policy is not None:
@@ -246,7 +248,9 @@ class Ledger:
 
     def _shape(self, waiting: _Waiting) -> PeakShape:
         assert self.policy is not None
-        return waiting.shape or flat_shape(waiting.pages, self.policy.page_size)
+        if waiting.shape is None:
+            return flat_shape(waiting.pages, self.policy.page_size)
+        return open_ended(waiting.shape) if self._deferring else waiting.shape
 
     def admit_head(self, hit: Hit = NO_HIT) -> Admitted:
         """Admit the head, leasing its cached hit. Raises NotAdmissible when it does not fit."""
@@ -270,31 +274,40 @@ class Ledger:
         self._outstanding += pages - hit.pages
         self.evictable -= hit.idle_pages  # the lease takes idle cached pages off the supply
         if self._timeline is not None:
-            self._timeline.add(rid, waiting.shape, pages, _hold(hit))
+            self._timeline.add(rid, waiting.shape, pages, _hold(hit), deferred=self._deferring)
         return self._decide(Admitted(rid, self.next_seq, pages, hit))
 
     def admit_ready(
         self,
         peek: Callable[[str], Hit | None] = lambda rid: NO_HIT,
         started: Callable[[Admitted], None] | None = None,
+        deferred: bool = False,
     ) -> list[Admitted]:
         """Admit heads in FIFO order while they fit. `peek(rid)` recomputes the head's hit each
         time it is tried, without touching the prefix index's LRU; it returns None when the
         caller cannot tell that head's hit (a remote engine reported hits for the first few
         waiting requests only), which stops admission there. `started(decision)` runs after
-        each admission, before the next peek, so the caller can lease that request's hit first."""
-        admitted = []
-        while (rid := self.head) is not None:
-            hit = peek(rid)
-            if hit is None or not self.can_admit_head(hit):
-                break
-            admitted.append(self.admit_head(hit))
-            if started is not None:
-                started(admitted[-1])
-        self.promised = None
-        if rid is not None and self.policy is not None and self.policy.backfill:
-            admitted.extend(self._backfill(rid, peek, started))
-        return admitted
+        each admission, before the next peek, so the caller can lease that request's hit first.
+
+        `deferred`: the engine reads these decisions later (a sidecar's engine that does not
+        wait) and starts each at a step the ledger cannot know; with a policy, each is tested
+        and kept open-ended (kvbank.peaktimeline.open_ended) until the engine reports `start`."""
+        self._deferring = deferred
+        try:
+            admitted = []
+            while (rid := self.head) is not None:
+                hit = peek(rid)
+                if hit is None or not self.can_admit_head(hit):
+                    break
+                admitted.append(self.admit_head(hit))
+                if started is not None:
+                    started(admitted[-1])
+            self.promised = None
+            if rid is not None and self.policy is not None and self.policy.backfill:
+                admitted.extend(self._backfill(rid, peek, started))
+            return admitted
+        finally:
+            self._deferring = False
 
     def _backfill(
         self,
@@ -346,6 +359,49 @@ class Ledger:
         self.next_seq += 1
         self._after_change()
         return res
+
+    def start(self, rid: str, prefill_chunks: int) -> None:
+        """The engine started a request admitted with `deferred`; `prefill_chunks` is its
+        worst-case prefill steps from now. A request the ledger does not follow step by step
+        (no policy, no shape, restored) needs no start: the call only checks that it runs."""
+        self.reservation(rid)
+        self._check_pages(prefill_chunks, "prefill_chunks", bounded=False)
+        timeline = self._timeline
+        if timeline is None:
+            return
+        track = timeline.tracks[rid]
+        if not timeline.is_unstarted(rid) and track.budget != NEVER:
+            raise InvalidPages(
+                f"request {rid!r} was started already (or admitted for an engine that starts "
+                f"what it is told at once); report start only for deferred admissions"
+            )
+        timeline.start(rid, prefill_chunks)
+        self._after_change()
+
+    def set_exclusive(self, rid: str, exclusive: int) -> None:
+        """A running request's pages no one else holds, counted by the pool after a pin or a
+        lease shared some of them (a progress report carries the same count each step)."""
+        res = self.reservation(rid)
+        if isinstance(exclusive, bool) or not isinstance(exclusive, int):
+            raise InvalidPages(f"exclusive must be an integer, got {exclusive!r}")
+        if not 0 <= exclusive <= res.held:
+            raise InvalidPages(
+                f"request {rid!r} reports {exclusive} exclusive pages of the {res.held} it holds"
+            )
+        if self._timeline is not None:
+            self._timeline.set_exclusive(rid, exclusive)
+            self._after_change()
+
+    @property
+    def headroom(self) -> int:
+        """Pages the pool could lose now (to a pin) with every admitted request still able to
+        get every page it may need: supply minus the conservative outstanding, or, with a
+        peak-fit policy, minus the timeline's highest extra demand."""
+        timeline, policy = self._timeline, self.policy
+        if timeline is None or policy is None or not policy.peak:
+            return self.supply - self._outstanding
+        highest, _ = timeline.peak()
+        return self.supply + timeline.pending_return - highest
 
     # ---- running requests ----------------------------------------------------------------------
 

@@ -76,6 +76,9 @@ class Timeline:
         self.clock = 0  # steps closed so far
         self._promise: tuple[str, int] | None = None  # (head, the step it is promised by)
         self._profile: Profile | None = None
+        # Admitted but not yet started by the engine (a decision on its way to a remote engine):
+        # the shape it will run with. Until it starts its track has no finish (see `add`).
+        self.unstarted: dict[str, PeakShape] = {}
 
     def __deepcopy__(self, memo: dict[int, object]) -> Timeline:
         """The copy a ledger applying a batch all-or-nothing works on (Ledger.copy): each
@@ -83,6 +86,7 @@ class Timeline:
         side's). A generic deep copy also copied the profile's arrays, several times slower."""
         twin = copy.copy(self)
         twin.tracks = {rid: replace(t, tokens=list(t.tokens)) for rid, t in self.tracks.items()}
+        twin.unstarted = dict(self.unstarted)
         return twin
 
     @property
@@ -99,19 +103,51 @@ class Timeline:
 
     # ---- membership ----------------------------------------------------------------------------
 
-    def add(self, rid: str, shape: PeakShape | None, reserved: int, hit: Hold) -> None:
+    def add(
+        self, rid: str, shape: PeakShape | None, reserved: int, hit: Hold, deferred: bool = False
+    ) -> None:
         """An admitted request. The sole-held part of its hit was exclusive to some running
         holder, which no longer returns it when it finishes. The ledger is not told which
         holder, and requests finish in any order (earlier than their bound), so every running
         request stops counting that many of its pages as returning: never more than the truth,
         whoever finishes first. The pool's next exact count (advance's `exclusive`) undoes
-        the excess."""
+        the excess.
+
+        `deferred`: the engine starts it when the decision reaches it, some steps from now, so
+        until `start` its track is `open_ended` (it may start at any later step)."""
         self._pin(hit.sole)
         if shape is None:
             self.tracks[rid] = flat_track(reserved, self.policy.page_size, hit.pages)
             self.tracks[rid].exclusive = hit.idle
         else:
+            if deferred:
+                self.unstarted[rid] = shape
+                shape = open_ended(shape)
             self.tracks[rid] = track_for(shape, hit.pages, hit.idle, self.policy.peak)
+        self._changed()
+
+    def start(self, rid: str, prefill_chunks: int) -> None:
+        """The engine started a deferred admission, with `prefill_chunks` its worst-case
+        prefill steps from now (they depend on the prefill queued ahead of it then). Its
+        open-ended track becomes the usual one: a curve that starts now lies under the open
+        end's at every step, so nothing promised before can break. A request that was not
+        deferred (restored, or admitted without a shape) keeps its flat track."""
+        shape = self.unstarted.pop(rid, None)
+        if shape is None:
+            return
+        track = self.tracks[rid]
+        shape = replace(shape, prefill_chunks=prefill_chunks)
+        started = track_for(shape, track.held, track.exclusive, self.policy.peak)
+        self.tracks[rid] = started
+        self._changed()
+
+    def is_unstarted(self, rid: str) -> bool:
+        return rid in self.unstarted
+
+    def set_exclusive(self, rid: str, exclusive: int) -> None:
+        """The pool's exact count of a running request's pages no one else holds (a pin or a
+        lease made some of them shared), between progress reports."""
+        self.tracks[rid].exclusive = exclusive
         self._changed()
 
     def restore(self, rid: str, reserved: int, held: int) -> None:
@@ -121,6 +157,7 @@ class Timeline:
         self._changed()
 
     def remove(self, rid: str) -> None:
+        self.unstarted.pop(rid, None)
         track = self.tracks.pop(rid)
         self.pending_return += track.exclusive
         self._changed()
@@ -301,3 +338,11 @@ class Timeline:
     def peak(self) -> tuple[int, int]:
         """(highest extra demand of the running requests, the step it is reached)."""
         return self.profile().peak()
+
+
+def open_ended(shape: PeakShape) -> PeakShape:
+    """A request admitted now that may start at any later step: at every step it holds at most
+    what it would hold had it started at once (its curve only rises until its finish), but its
+    finish is unknown, so it returns nothing. The profile evaluates such a track at its
+    `NEVER - 1` candidate, where every bounded request has finished and it stands at worst."""
+    return replace(shape, output_budget=NEVER)

@@ -76,8 +76,24 @@ class Supply(_message.Message):
     evictable: int
     def __init__(self, free: _Optional[int] = ..., evictable: _Optional[int] = ...) -> None: ...
 
+class Start(_message.Message):
+    __slots__ = ("rid", "prefill_chunks")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    prefill_chunks: int
+    def __init__(self, rid: _Optional[str] = ..., prefill_chunks: _Optional[int] = ...) -> None: ...
+
+class Exclusive(_message.Message):
+    __slots__ = ("rid", "pages")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    pages: int
+    def __init__(self, rid: _Optional[str] = ..., pages: _Optional[int] = ...) -> None: ...
+
 class Event(_message.Message):
-    __slots__ = ("submit", "cancel", "take", "release", "supply", "advance", "end_step")
+    __slots__ = ("submit", "cancel", "take", "release", "supply", "advance", "end_step", "start", "exclusive")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     TAKE_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +101,8 @@ class Event(_message.Message):
     SUPPLY_FIELD_NUMBER: _ClassVar[int]
     ADVANCE_FIELD_NUMBER: _ClassVar[int]
     END_STEP_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     submit: Submit
     cancel: Cancel
     take: Take
@@ -92,7 +110,9 @@ class Event(_message.Message):
     supply: Supply
     advance: Progress
     end_step: EndStep
-    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., take: _Optional[_Union[Take, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ..., advance: _Optional[_Union[Progress, _Mapping]] = ..., end_step: _Optional[_Union[EndStep, _Mapping]] = ...) -> None: ...
+    start: Start
+    exclusive: Exclusive
+    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., take: _Optional[_Union[Take, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ..., advance: _Optional[_Union[Progress, _Mapping]] = ..., end_step: _Optional[_Union[EndStep, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., exclusive: _Optional[_Union[Exclusive, _Mapping]] = ...) -> None: ...
 
 class HeadHit(_message.Message):
     __slots__ = ("rid", "hit", "stop", "prefill_chunks")
@@ -240,7 +260,7 @@ class Decision(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., rid: _Optional[str] = ..., session: _Optional[int] = ..., admit: _Optional[_Union[Admit, _Mapping]] = ..., refuse: _Optional[_Union[Refuse, _Mapping]] = ..., restored: _Optional[_Union[Restored, _Mapping]] = ...) -> None: ...
 
 class PoolFigures(_message.Message):
-    __slots__ = ("total_pages", "usable_pages", "free", "evictable", "reserved", "held", "outstanding")
+    __slots__ = ("total_pages", "usable_pages", "free", "evictable", "reserved", "held", "outstanding", "headroom")
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     USABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +268,7 @@ class PoolFigures(_message.Message):
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    HEADROOM_FIELD_NUMBER: _ClassVar[int]
     total_pages: int
     usable_pages: int
     free: int
@@ -255,7 +276,8 @@ class PoolFigures(_message.Message):
     reserved: int
     held: int
     outstanding: int
-    def __init__(self, total_pages: _Optional[int] = ..., usable_pages: _Optional[int] = ..., free: _Optional[int] = ..., evictable: _Optional[int] = ..., reserved: _Optional[int] = ..., held: _Optional[int] = ..., outstanding: _Optional[int] = ...) -> None: ...
+    headroom: int
+    def __init__(self, total_pages: _Optional[int] = ..., usable_pages: _Optional[int] = ..., free: _Optional[int] = ..., evictable: _Optional[int] = ..., reserved: _Optional[int] = ..., held: _Optional[int] = ..., outstanding: _Optional[int] = ..., headroom: _Optional[int] = ...) -> None: ...
 
 class ReportReply(_message.Message):
     __slots__ = ("decisions", "waiting", "pool", "peek", "stalled", "stalled_steps")

@@ -13,6 +13,9 @@ Races between deciding (here) and applying (in the engine, one step later when i
   applied admission: the engine allocates nothing for a request before applying it.
 - A hit reported for a waiting head must still be there when the admission is applied: the
   engine pins the pages of the hits it reports until the next report.
+- A peak-fit admission starts when the engine reads it, a step or more after it was decided:
+  every admission of a report is deferred (`Ledger.admit_ready(deferred=True)`), open-ended
+  until the engine's `start` event, so no start is ever late for the ledger.
 - A cancel for a request already admitted (decided while the cancel was on its way) is the
   engine's to turn into a release: the engine sends one report at a time and reads every
   decision before it builds the next, so it knows what was admitted.
@@ -228,10 +231,14 @@ class AdmissionState:
                 _advance(ledger, event.advance)
             elif kind == "end_step":
                 stalled += ledger.end_step()
+            elif kind == "start":
+                ledger.start(event.start.rid, event.start.prefill_chunks)
+            elif kind == "exclusive":
+                ledger.set_exclusive(event.exclusive.rid, event.exclusive.pages)
             else:
                 raise InvalidPages(
                     "an event must carry one of submit, cancel, take, release, supply, "
-                    "advance, end_step"
+                    "advance, end_step, start, exclusive"
                 )
         for step in req.progress:
             _advance(ledger, step)
@@ -245,7 +252,10 @@ class AdmissionState:
                 raise
         if req.admit:
             room = req.room if req.HasField("room") else None
-            admitted = ledger.admit_ready(_peek(hits, room))
+            # The engine applies these when the reply reaches it: a peak-fit ledger keeps them
+            # open-ended until it reports their start.
+            peek, started = _peek(hits, room)
+            admitted = ledger.admit_ready(peek, started, deferred=True)
             out_of_room = room is not None and len(admitted) >= room
             waited = ledger.head is not None and not out_of_room  # the head lacks pages
             decisions.extend(admitted)
@@ -393,19 +403,23 @@ def _advance(ledger: Ledger, step: pb.Progress) -> None:
     )
 
 
-def _peek(hits: dict[str, Hit], room: int | None) -> Callable[[str], Hit | None]:
-    """The reported hit of each head tried (none reported: no hit), and None (stop) once
-    `room` heads were admitted: admit_ready asks once per head and admits it or stops."""
-    asked = 0
+def _peek(
+    hits: dict[str, Hit], room: int | None
+) -> tuple[Callable[[str], Hit | None], Callable[[Admitted], None]]:
+    """The reported hit of each request tried (none reported: no hit), and None (stop) once
+    `room` requests were admitted; the second function counts the admissions."""
+    admitted = 0
 
     def peek(rid: str) -> Hit | None:
-        nonlocal asked
-        if room is not None and asked >= room:
+        if room is not None and admitted >= room:
             return None
-        asked += 1
         return hits.get(rid, NO_HIT)
 
-    return peek
+    def started(decision: Admitted) -> None:
+        nonlocal admitted
+        admitted += 1
+
+    return peek, started
 
 
 def fill_pool(pool: pb.PoolFigures, ledger: Ledger, totals: bool = True) -> None:
@@ -416,6 +430,9 @@ def fill_pool(pool: pb.PoolFigures, ledger: Ledger, totals: bool = True) -> None
     pool.free = ledger.free
     pool.evictable = ledger.evictable
     pool.outstanding = ledger.outstanding
+    # A peak ledger's headroom costs a profile: sent when a waiting request may want a pin.
+    if ledger.policy is None or not ledger.policy.peak or ledger.waiting_count():
+        pool.headroom = max(0, ledger.headroom)
     if totals:
         running = ledger.running()
         pool.reserved = sum(r.reserved for r in running)

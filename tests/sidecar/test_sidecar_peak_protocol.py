@@ -230,6 +230,26 @@ BAD_FIELDS: dict[str, tuple[pb.Event, str, str]] = {
     ),
     "negative progress": (progress("a", -1, 33), "INVALID_ARGUMENT", "must be >= 0"),
     "progress of a waiting request": (progress("b", 1, 33), "NOT_FOUND", "'b' is not running"),
+    "a start for a request admitted in step": (
+        pb.Event(start=pb.Start(rid="a", prefill_chunks=1)),
+        "INVALID_ARGUMENT",
+        "report start only for deferred admissions",
+    ),
+    "a start for a waiting request": (
+        pb.Event(start=pb.Start(rid="b", prefill_chunks=1)),
+        "NOT_FOUND",
+        "'b' is not running",
+    ),
+    "a start with negative prefill chunks": (
+        pb.Event(start=pb.Start(rid="a", prefill_chunks=-1)),
+        "INVALID_ARGUMENT",
+        "prefill_chunks must be a non-negative integer",
+    ),
+    "more exclusive pages than held": (
+        pb.Event(exclusive=pb.Exclusive(rid="a", pages=99)),
+        "INVALID_ARGUMENT",
+        "reports 99 exclusive pages of the",
+    ),
 }
 
 
