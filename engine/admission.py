@@ -61,6 +61,17 @@ class AdmissionBackend(Protocol):
         to hold admissions back and must tolerate receiving no call for a while."""
         ...
 
+    def collect(self) -> list[Decision]:
+        """Decisions that already arrived, without asking for more (a remote backend reads the
+        reply in flight if it is here). The engine applies them before it pins."""
+        ...
+
+    def settled(self) -> bool:
+        """Whether every decision made so far is known to the engine. A pin may take only the
+        slack the engine knows of, so it waits while a decision is on its way: that decision
+        may have counted the pages the pin would take."""
+        ...
+
     def outstanding(self) -> int:
         """Pages admitted requests may still take, as far as the backend knows."""
         ...
@@ -93,7 +104,33 @@ class PeakBackend(AdmissionBackend, Protocol):
 
     def admit_pass(self, peek: Peek, started: Started) -> None:
         """Admit heads (and backfill) as `Ledger.admit_ready` does, asking `peek` for each
-        candidate's hit and calling `started` for each admission before the next question."""
+        candidate's hit and calling `started` for each admission before the next question.
+        Only for a backend that does not defer."""
+        ...
+
+    @property
+    def defers(self) -> bool:
+        """True when decisions arrive a report later (a sidecar the engine does not wait on):
+        the engine then pins the head's hit, reports it, and applies decisions from `poll`,
+        reporting each `start`."""
+        ...
+
+    def start(self, rid: str, prefill_chunks: int) -> None:
+        """The engine started a deferred admission (`Ledger.start`)."""
+        ...
+
+    def set_exclusive(self, rid: str, pages: int) -> None:
+        """A running request's exact exclusive pages after a pin shared some of them."""
+        ...
+
+    def headroom(self) -> int:
+        """Pages a pin may take off the supply now with every promise kept (`Ledger.headroom`,
+        as of the backend's latest knowledge, never more)."""
+        ...
+
+    def note_pin(self, cost: int) -> None:
+        """A pin took `cost` pages of headroom; until the ledger has seen it, `headroom` is
+        that much lower."""
         ...
 
     def advance(
@@ -157,6 +194,20 @@ class EmbeddedBackend:
             raise InvariantBreach(f"the ledger refused requests: {self._refused}")
         self.ledger.admit_ready(peek, started)
 
+    defers = False  # decides during the engine's own calls
+
+    def start(self, rid: str, prefill_chunks: int) -> None:
+        self.ledger.start(rid, prefill_chunks)
+
+    def set_exclusive(self, rid: str, pages: int) -> None:
+        self.ledger.set_exclusive(rid, pages)
+
+    def headroom(self) -> int:
+        return self.ledger.headroom
+
+    def note_pin(self, cost: int) -> None:
+        pass  # the pool's next supply report reaches the ledger before any decision
+
     def advance(
         self,
         rid: str,
@@ -190,6 +241,12 @@ class EmbeddedBackend:
         ledger = self.ledger
         if free != ledger.free or evictable != ledger.evictable:
             ledger.set_supply(free, evictable)
+
+    def collect(self) -> list[Decision]:
+        return []  # decides only when polled
+
+    def settled(self) -> bool:
+        return True
 
     def poll(self, room: int) -> list[Decision]:
         if not room and not self._refused:

@@ -53,9 +53,11 @@ class BankerPolicy(AdmissionPolicy):
             self.backend.cancel(req.rid)
 
     def admit(self) -> None:
-        sched = self.sched
+        sched, backend = self.sched, self.backend
+        self._apply(backend.collect())
         while True:
-            self._pin_and_report()
+            if backend.settled():
+                self._pin_and_report()
             room = 1 if sched.can_start() else 0
             decisions = self.backend.poll(room)
             if not self._apply(decisions) or not room:

@@ -59,22 +59,25 @@ class KVCache:
         refcount = self.pool.refcount
         return sum(1 for chain in chains.values() for page in chain if refcount[page] == 0)
 
-    def pin(self, req: Request, max_idle: int) -> int:
+    def pin(self, req: Request, max_idle: int, sole_costs: bool = False) -> int:
         """Hold a waiting request's hit so that eviction cannot take it before its admission is
         applied. Pins only grow while the request waits, and take at most `max_idle` pages that
-        only the index holds. Returns the pinned depth in pages, all labels."""
+        only the index holds; with `sole_costs`, a page exactly one holder has costs as much
+        (that holder no longer returns it when it finishes). Returns the pinned depth in pages,
+        all labels."""
         chains = self.peek(req, req.pinned or None)
         if not chains:
             return self.pinned_pages(req)
         old_depth = len(next(iter(req.pinned.values()), ()))
         new_depth = len(next(iter(chains.values())))
         refcount = self.pool.refcount
+        most = 1 if sole_costs else 0
         depth = old_depth
         while depth < new_depth:
-            idle = sum(1 for chain in chains.values() if refcount[chain[depth]] == 0)
-            if idle > max_idle:
+            cost = sum(1 for chain in chains.values() if refcount[chain[depth]] <= most)
+            if cost > max_idle:
                 break
-            max_idle -= idle
+            max_idle -= cost
             for name, chain in chains.items():
                 self.pool.hold(chain[depth])
                 req.pinned.setdefault(name, []).append(chain[depth])

@@ -1,12 +1,21 @@
 """Peak-fit admission in the engine: `peak`, `peak+backfill` and `banker+backfill` (the
 conservative reading with EASY backfill).
 
-The ledger (kvbank.ledger with a kvbank.peaktimeline.PeakPolicy) sits behind a `PeakBackend`:
-in-process (kvbank.engine.admission.EmbeddedBackend), or in the sidecar, which asks for each
-candidate's hit in turn and waits for the engine to start each admission before the next
-question (kvbank.sidecar.backend, blocking). Either way a head's hit is peeked and leased in the
-same pass: nothing is pinned, and the ledger's own account of shared pages stays exact (a pin
-would hold pages the ledger cannot see).
+The ledger (kvbank.ledger with a kvbank.peaktimeline.PeakPolicy) sits behind a `PeakBackend`,
+reached one of two ways.
+
+- In step (the embedded ledger, and `kvbank bench --sidecar`'s blocking sidecar): one pass asks
+  for each candidate's hit in turn and the engine starts each admission before the next
+  question; a head's hit is peeked and leased in the same pass, nothing is pinned.
+- Deferred (a served engine over its sidecar): the step never waits. As the banker does, the
+  engine pins the head's cached hit and reports it; the sidecar decides when the report reaches
+  it and the engine applies the decisions a step or more later, reporting each `start`. Until
+  then the ledger keeps the admission open-ended (it may start at any later step; see
+  kvbank.peaktimeline.open_ended), so the delay cannot break a promise. A pin takes pages off
+  the supply (its idle pages) and off the returns of a request that held a page alone, so it
+  spends at most the ledger's headroom (`PeakBackend.headroom`), and the holders' exact
+  exclusive counts go with the same report as the hit. Requests admitted behind the head (a
+  second head, backfill) come with no hit and start without a lease, as the banker's do.
 
 The bound the ledger relies on is the scheduler's to keep (see kvbank.engine.scheduler): every
 running request gets a decode row every step, and prefill rows are served oldest first; this
@@ -20,6 +29,7 @@ the ledger; one that made none (or a prefill past its bound) is reported as stal
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import replace
 from typing import cast
@@ -29,9 +39,9 @@ import kvbank.engine.baselines  # noqa: F401  (registered first: `all` keeps ban
 from kvbank.engine.admission import AdmissionBackend, PeakBackend, embedded
 from kvbank.engine.kv import Chains
 from kvbank.engine.policy import AdmissionPolicy, register
-from kvbank.engine.request import Request
+from kvbank.engine.request import FinishReason, Request
 from kvbank.engine.scheduler import Scheduler
-from kvbank.ledger import Admitted, Hit, InvariantBreach
+from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, UnknownRequest
 from kvbank.peakfit import PeakShape, peak_shape
 from kvbank.peaktimeline import PeakPolicy
 
@@ -53,6 +63,8 @@ class PeakFitPolicy(AdmissionPolicy):
         # Set when pages changed hands between requests (a shared hit leased, or a co-holder
         # left); the next end_step then counts every request's exclusive pages afresh.
         self._sharing_changed = False
+        self._reported: dict[str, int] = {}  # deferred: pages of the head's pin last reported
+        self._last_seq = -1  # deferred: the last decision applied
 
     def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
@@ -87,7 +99,11 @@ class PeakFitPolicy(AdmissionPolicy):
 
     def on_cancel(self, req: Request) -> None:
         self._shapes.pop(req.rid, None)
-        self.backend.cancel(req.rid)
+        self._reported.pop(req.rid, None)
+        self.sched.kv.unpin(req)
+        # A deferred ledger may have admitted it already: `_apply` releases that admission.
+        with contextlib.suppress(UnknownRequest):
+            self.backend.cancel(req.rid)
 
     def _prefill_bound(self, req: Request) -> int:
         """Steps the request's prefill may take if admitted now: every prefill token ahead of
@@ -135,8 +151,89 @@ class PeakFitPolicy(AdmissionPolicy):
 
     def admit(self) -> None:
         self._sync_supply()
+        backend = self.backend
+        if backend.defers:
+            self._apply(backend.collect())
+            if backend.settled():
+                self._pin_head()
+                self._sync_supply()
+            self._apply(backend.poll(max(0, self.running_cap - len(self.sched.running))))
+            return
         self.backend.admit_pass(self._peek, self._started)
         self._chains.clear()
+
+    # ---- deferred decisions (a sidecar the step does not wait on) -------------------------------
+
+    def _pin_head(self) -> None:
+        sched = self.sched
+        if not sched.waiting or not sched.waiting[0].cacheable:
+            return
+        head, kv = sched.waiting[0], sched.kv
+        before = kv.pinned_pages(head)
+        depth = len(next(iter(head.pinned.values()), ()))
+        refcount = kv.pool.refcount
+        budget = self.backend.headroom()
+        pinned = kv.pin(head, budget, sole_costs=True)
+        if pinned == before:
+            if pinned != self._reported.get(head.rid, 0):
+                self._report_pin(head, pinned)
+            return
+        # What the new pins cost: idle pages left the supply, and a page one running request
+        # held alone no longer returns when that request finishes (now shared with the pin).
+        new = [page for chain in head.pinned.values() for page in chain[depth:]]
+        cost = sum(1 for page in new if refcount[page] <= 2)
+        self.backend.note_pin(cost)
+        if any(refcount[page] == 2 for page in new):
+            for req in sched.running.values():
+                self.backend.set_exclusive(req.rid, self._exclusive(req))
+        self._report_pin(head, pinned)
+
+    def _report_pin(self, head: Request, pinned: int) -> None:
+        self._reported[head.rid] = pinned
+        # No running request counts a pinned page as its own any more (the exact counts went
+        # with this report), so the hit has no sole part; nor an idle one: pinned pages are held.
+        self.backend.report_hits({head.rid: Hit(pinned, 0, 0)})
+
+    def _apply(self, decisions: list[Decision]) -> None:
+        sched = self.sched
+        for decision in sorted(decisions, key=lambda d: d.seq):
+            if decision.seq <= self._last_seq:
+                continue  # a resent decision: applied once
+            self._last_seq = decision.seq
+            req = sched.waiting_by_rid.get(decision.rid)
+            if req is None:  # cancelled while the decision was on its way
+                if isinstance(decision, Admitted):
+                    self.backend.release(decision.rid)
+                continue
+            self._reported.pop(req.rid, None)
+            if not isinstance(decision, Admitted):
+                sched.kv.unpin(req)
+                sched.dequeue(req)
+                sched.finish(req, FinishReason.REJECTED)
+                continue
+            if decision.reserved != req.count.total:
+                raise InvariantBreach(
+                    f"request {req.rid!r} was admitted for {decision.reserved} pages but the "
+                    f"engine counts {req.count.total}"
+                )
+            if decision.hit.pages > sched.kv.pinned_pages(req):
+                raise InvariantBreach(
+                    f"request {req.rid!r} was admitted with a {decision.hit.pages}-page hit but "
+                    f"only {sched.kv.pinned_pages(req)} pages are pinned for it"
+                )
+            if len(sched.running) >= self.running_cap:
+                raise InvariantBreach(
+                    f"request {req.rid!r} was admitted beyond the room the engine reported: "
+                    f"{len(sched.running)} run, the cap is {self.running_cap}"
+                )
+            sched.kv.unpin(req, keep=decision.hit.pages // max(1, len(req.layout)))
+            self._shapes.pop(req.rid, None)
+            chunks = self._prefill_bound(req)
+            self.backend.start(req.rid, chunks)  # before the prompt's pages are taken
+            sched.start(req, {name: list(chain) for name, chain in req.pinned.items()})
+            self._chunks[req.rid] = chunks
+            if decision.hit.pages:
+                self._sharing_changed = True
 
     # ---- pages ---------------------------------------------------------------------------------
 

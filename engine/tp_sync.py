@@ -51,7 +51,8 @@ class Plan:
     seq: int
     kind: str = "step"  # "step", "idle" (heartbeat), "stop" (rank 0 shuts down), "error"
     journal: list[Added | str] = field(default_factory=list)  # adds, and aborted request ids
-    polls: list[list[Decision]] = field(default_factory=list)
+    # Rank 0's backend answers in call order: decisions (poll, collect) and settled() flags.
+    polls: list[list[Decision] | bool] = field(default_factory=list)
     message: str = ""
 
 
@@ -98,9 +99,9 @@ class RecordingBackend:
 
     def __init__(self, inner: AdmissionBackend) -> None:
         self.inner = inner
-        self.polls: list[list[Decision]] = []
+        self.polls: list[list[Decision] | bool] = []
 
-    def take_polls(self) -> list[list[Decision]]:
+    def take_polls(self) -> list[list[Decision] | bool]:
         polls, self.polls = self.polls, []
         return polls
 
@@ -108,6 +109,17 @@ class RecordingBackend:
         decisions = self.inner.poll(room)
         self.polls.append(list(decisions))
         return decisions
+
+    def collect(self) -> list[Decision]:
+        decisions = self.inner.collect()
+        self.polls.append(list(decisions))
+        return decisions
+
+    def settled(self) -> bool:
+        # Whether rank 0 pins depends on its sidecar's timing: the followers replay the answer.
+        answer = self.inner.settled()
+        self.polls.append(answer)
+        return answer
 
     def submit(self, rid: str, pages: int, refusal: str | None = None) -> None:
         self.inner.submit(rid, pages, refusal)
@@ -145,19 +157,33 @@ class FollowerBackend(EmbeddedBackend):
 
     def __init__(self, total_pages: int, debug: bool = False) -> None:
         super().__init__(Ledger(total_pages, debug=debug))
-        self._planned: list[list[Decision]] = []
+        self._planned: list[list[Decision] | bool] = []
         self._last_seq = -1
 
-    def expect(self, polls: list[list[Decision]]) -> None:
-        left = [d for batch in self._planned for d in batch]
+    def expect(self, polls: list[list[Decision] | bool]) -> None:
+        left = [d for batch in self._planned if not isinstance(batch, bool) for d in batch]
         if left:
             raise TPDiverged(f"decisions of rank 0 were never applied here: {left}")
         self._planned = list(polls)
+
+    def settled(self) -> bool:
+        answer = self._planned.pop(0) if self._planned else None
+        if not isinstance(answer, bool):
+            raise TPDiverged(
+                f"this rank asked whether admission was settled where rank 0 did not "
+                f"(rank 0's next answer: {answer!r})"
+            )
+        return answer
+
+    def collect(self) -> list[Decision]:
+        return self.poll(0)
 
     def poll(self, room: int) -> list[Decision]:
         if not self._planned:
             return []
         decisions = self._planned.pop(0)
+        if isinstance(decisions, bool):
+            raise TPDiverged("this rank polled for decisions where rank 0 asked whether settled")
         refused = {r.rid for r in self._refused}
         self._refused.clear()
         ledger = self.ledger

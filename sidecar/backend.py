@@ -3,10 +3,12 @@ embedded ledger gets, sent to the sidecar as one report per `poll`.
 
 Two modes. Blocking (`kvbank bench --sidecar`, virtual time): `poll` sends what happened since
 the last poll and waits for this step's answer, so the sidecar's ledger sees exactly the calls
-the embedded one would, in the same order, and the run is identical. Non-blocking (serving):
-`poll` collects the answer of the report in flight if it arrived, sends the next one, and returns
-at once; decisions are applied a step later. One report is in flight at a time, so every reply
-is read before the next report is built.
+the embedded one would, in the same order, and the run is identical. Non-blocking (serving,
+every policy): at the start of a step `collect` reads the reply in flight if it arrived, the
+engine applies its decisions and, with nothing in flight (`settled`), pins the head's hit; then
+`poll` sends the next report and returns at once. Decisions are applied a step or more after
+they were made. One report is in flight at a time, so every reply is read before the next
+report is built.
 
 Races, and why they are safe:
 - Supply reported before a decision is applied: the report carries `applied_seq` and the sidecar
@@ -14,6 +16,11 @@ Races, and why they are safe:
   kvbank.sidecar.state). The banker policy pins reported hits with no idle part, so that
   correction is zero for it; it matters for an engine that reports idle hits.
 - A hit must still be there when its admission is applied: the engine pins what it reports.
+- A pin takes pages off the supply (and, under peak-fit, off a holder's returns), so it may use
+  only slack no decision has counted: the engine pins only while no report is in flight, within
+  the `headroom` of the last reply less what pins took since (banker: supply - outstanding).
+- Under peak-fit a decision starts some steps after it was made: the sidecar's ledger keeps it
+  open-ended (kvbank.peaktimeline.open_ended) until the engine's `start` event arrives.
 - A cancel crossing an admission: `cancel` of a request this backend already saw decided sends
   nothing (the engine releases the admitted request when it applies the decision), and a cancel
   queued while the deciding report was in flight is dropped when that reply arrives.
@@ -98,6 +105,15 @@ class SidecarBackend:
         self._last_seq = -1  # last decision seen
         self.last_pool: pb.PoolFigures | None = None
         self._last_report_at = 0.0
+        # Pages pins took off the headroom since the report the last reply answered: in the
+        # report in flight, and not yet reported (see `headroom`).
+        self._pin_cost_inflight = 0
+        self._pin_cost_pending = 0
+
+    @property
+    def defers(self) -> bool:
+        """Whether decisions reach the engine a report later (the engine does not wait)."""
+        return not self.blocking
 
     # ---- events (AdmissionBackend) -------------------------------------------------------------
 
@@ -150,6 +166,17 @@ class SidecarBackend:
     def outstanding(self) -> int:
         return self._outstanding
 
+    def headroom(self) -> int:
+        """Pages a pin may take off the supply now: the ledger's headroom in the last reply
+        (after its decisions), less what pins took since the report it answers. Releases since
+        only add to the true figure, so this never overstates it."""
+        known = self.last_pool.headroom if self.last_pool is not None else 0
+        return max(0, known - self._pin_cost_inflight - self._pin_cost_pending)
+
+    def note_pin(self, cost: int) -> None:
+        """A pin took `cost` pages of headroom (idle pages, and pages one request held alone)."""
+        self._pin_cost_pending += cost
+
     # ---- the peak-fit ledger (kvbank.engine.admission.PeakBackend) -----------------------------
 
     def configure(self, policy: str, peak: PeakPolicy) -> None:
@@ -201,6 +228,13 @@ class SidecarBackend:
             request.stepwise = request.resume = True
             request.hits.append(head)
 
+    def start(self, rid: str, prefill_chunks: int) -> None:
+        """The engine started a request this backend's sidecar admitted (non-blocking peak)."""
+        self._events.append(pb.Event(start=pb.Start(rid=rid, prefill_chunks=prefill_chunks)))
+
+    def set_exclusive(self, rid: str, pages: int) -> None:
+        self._events.append(pb.Event(exclusive=pb.Exclusive(rid=rid, pages=pages)))
+
     def advance(
         self,
         rid: str,
@@ -239,6 +273,20 @@ class SidecarBackend:
             self._absorb(self._send(self._build(room, admit=True)))
         else:
             self._poll_async(room)
+        return self._hand_over()
+
+    def collect(self) -> list[Decision]:
+        """The decisions of the report in flight if its reply is here; sends nothing."""
+        if not self.blocking:
+            self._read_inflight()
+        return self._hand_over()
+
+    def settled(self) -> bool:
+        """No report in flight: every decision the sidecar made is known here. Only then may
+        the engine pin (a decision still on its way may have counted the pages a pin takes)."""
+        return self._inflight is None
+
+    def _hand_over(self) -> list[Decision]:
         ready, self._ready = self._ready, []
         if ready:
             self._applied_seq = max(self._applied_seq, max(d.seq for d in ready))
@@ -296,10 +344,12 @@ class SidecarBackend:
             self._open()
         self._report_seq += 1
         hits = [
-            pb.HeadHit(rid=rid, hit=pb.Hit(pages=h.pages, idle_pages=h.idle_pages))
+            pb.HeadHit(rid=rid, hit=hit_to_wire(h))
             for rid, h in self._hits.items()
             if rid in self._waiting
         ]
+        self._pin_cost_inflight += self._pin_cost_pending
+        self._pin_cost_pending = 0
         self._last_report_at = time.monotonic()
         request = pb.ReportRequest(
             session=self._session,
@@ -323,28 +373,42 @@ class SidecarBackend:
             raise _as_ledger_error(exc) from exc
 
     def _poll_async(self, room: int) -> None:
+        # The reply in flight is read only by `collect`, which the engine calls before it pins:
+        # a reply read here would be followed by the next report with no pin in between.
         if self._inflight is not None:
-            if not self._inflight.done():
-                return
-            future, self._inflight = self._inflight, None
-            try:
-                self._absorb(future.result())
-            except SessionLost:
-                self._open()
-            except SidecarUnavailable:
-                # Keep serving and resend the same report: the sidecar may have applied it and
-                # lost only the reply, and a repeated report_seq is answered, not re-applied.
-                assert self._inflight_request is not None
-                self._inflight = self.client.report_async(self._inflight_request)
-                return
-            except SidecarError as exc:
-                raise _as_ledger_error(exc) from exc
+            return
         if self._events or self._waiting:
+            if self._pace is not None:
+                # Room is what the engine can start once it applied what it holds now: the
+                # decisions just read are applied after this call returns.
+                room = max(0, room - sum(isinstance(d, Admitted) for d in self._ready))
             self._inflight_request = self._build(room, admit=True)
             self._inflight = self.client.report_async(self._inflight_request)
 
+    def _read_inflight(self) -> bool:
+        """Absorb the reply in flight if it arrived; True when no report is in flight now."""
+        if self._inflight is None:
+            return True
+        if not self._inflight.done():
+            return False
+        future, self._inflight = self._inflight, None
+        try:
+            self._absorb(future.result())
+        except SessionLost:
+            self._open()
+        except SidecarUnavailable:
+            # Keep serving and resend the same report: the sidecar may have applied it and
+            # lost only the reply, and a repeated report_seq is answered, not re-applied.
+            assert self._inflight_request is not None
+            self._inflight = self.client.report_async(self._inflight_request)
+            return False
+        except SidecarError as exc:
+            raise _as_ledger_error(exc) from exc
+        return True
+
     def _absorb(self, reply: pb.ReportReply) -> None:
         self.last_pool = reply.pool
+        self._pin_cost_inflight = 0  # the reply's headroom counts every pin reported so far
         self._stalled += reply.stalled
         self._stalled_steps = max(self._stalled_steps, reply.stalled_steps)
         cancelled = []

@@ -79,10 +79,10 @@ def resolve_model_dir(options: ServeOptions) -> tuple[str, Path]:
 def sidecar_backend(
     address: str, total_pages: int, token: str | None = None, blocking: bool = False
 ) -> AdmissionBackend:
-    """The gRPC backend of `kvbank.sidecar.backend`. Non-blocking (banker): the step loop never
-    waits on the sidecar; its decisions are applied at a later step. Blocking (the peak-fit
-    policies): a pass asks for each candidate's hit as the engine stands then, so the step
-    waits for its few loopback round trips."""
+    """The gRPC backend of `kvbank.sidecar.backend`. Non-blocking (every policy when serving):
+    the step loop never waits on the sidecar; its decisions are applied at a later step.
+    Blocking: a peak-fit pass asks for each candidate's hit as the engine stands then, so the
+    step waits for its few loopback round trips, and decides exactly as the embedded ledger."""
     try:
         module = importlib.import_module("kvbank.sidecar.backend")
         connect = module.connect
@@ -96,13 +96,12 @@ def sidecar_backend(
     return backend
 
 
-def options_sidecar_backend(options: ServeOptions) -> AdmissionBackend:
+def options_sidecar_backend(options: ServeOptions, blocking: bool = False) -> AdmissionBackend:
     """The sidecar backend `--sidecar` (and `--sidecar-token-file`) ask for."""
     assert options.sidecar is not None
     token = None
     if options.sidecar_token_file:
         token = Path(options.sidecar_token_file).read_text().strip() or None
-    blocking = options.policy != "banker"
     return sidecar_backend(options.sidecar, options.pages, token, blocking)
 
 
@@ -146,7 +145,11 @@ def build_stack(
     attention = options.attention or default_attention(device)
     runner = TorchRunner(model, options.pages, options.page_size, eos, attention, options.seed)
     if backend is None and options.sidecar:  # kvbank serve accepts only the sidecar's policies
-        backend = options_sidecar_backend(options)
+        # Tensor-parallel followers replay only the banker's decisions (kvbank.engine.tp_sync);
+        # under a peak-fit policy each rank runs the same ledger pass, so rank 0's sidecar must
+        # decide in step with theirs: blocking.
+        in_step = parallel is not None and parallel.world > 1 and options.policy != "banker"
+        backend = options_sidecar_backend(options, blocking=in_step)
     engine_config = EngineConfig(
         capacity,
         options.pages,

@@ -173,6 +173,9 @@ class OneStepLateBackend(EmbeddedBackend):
         ready, self._late = self._late, super().poll(room)
         return ready
 
+    def settled(self) -> bool:
+        return not self._late  # a decision on its way: the engine must not pin
+
 
 def test_decisions_that_arrive_a_step_late_are_applied_safely() -> None:
     backend = OneStepLateBackend(24)

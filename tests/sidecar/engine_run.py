@@ -38,7 +38,13 @@ class Recording:
         return getattr(self._backend, name)
 
     def poll(self, room: int) -> list[Any]:
-        decisions = sorted(self._backend.poll(room), key=lambda d: d.seq)
+        return self._seen(self._backend.poll(room))
+
+    def collect(self) -> list[Any]:
+        return self._seen(self._backend.collect())
+
+    def _seen(self, decisions: list[Any]) -> list[Any]:
+        decisions = sorted(decisions, key=lambda d: d.seq)
         self._record.admitted += [d.rid for d in decisions if isinstance(d, Admitted)]
         return decisions
 

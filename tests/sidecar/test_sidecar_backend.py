@@ -50,7 +50,8 @@ def test_flush_on_idle_keeps_a_live_engines_session(client: SidecarClient) -> No
     backend = SidecarBackend(client, 101, blocking=False, lease_s=0.3)
     backend.submit("a", 10)
     deadline = time.monotonic() + 5
-    while not backend.poll(1):
+    while not backend.collect():  # the engine reads a reply at the start of a step ...
+        backend.poll(1)  # ... and sends the next report after it
         assert time.monotonic() < deadline
     session = client.status().session
     for _ in range(10):  # an idle engine loop: 1 s, over three leases

@@ -141,20 +141,26 @@ def test_kvbank_bench_with_a_sidecar_prints_the_embedded_figures(policy: str) ->
 
 
 @pytest.mark.timeout(120)
-def test_the_non_blocking_backend_applies_decisions_a_step_later_and_loses_nothing() -> None:
+@pytest.mark.parametrize("policy", ["banker", "peak", "peak+backfill"])
+def test_the_non_blocking_backend_applies_decisions_a_step_later_and_loses_nothing(
+    policy: str,
+) -> None:
     sc = scenario("shared-prefix", 24, 16)
-    local = run(sc, embedded(sc.pages, debug=True))
-    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--debug")
+    local = run(sc, embedded(sc.pages, debug=True), policy=policy)
+    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--debug", "--policy", policy)
     try:
         with SidecarClient(f"127.0.0.1:{port}") as client:
             backend = SidecarBackend(client, sc.pages, blocking=False)
-            remote = run(sc, backend)  # integrity checked after every step
+            remote = run(sc, backend, policy=policy)  # integrity checked after every step
             backend.flush()  # the last releases wait for a poll the idle engine never makes
             status = client.status()
+            served = client.status_reply()
     finally:
         stop_process(proc)
     # Decisions arrive later in engine steps, so timing differs; what finishes must not.
     assert remote.completions == local.completions
-    assert sorted(remote.admitted) == sorted(local.admitted)
+    assert sorted(remote.admitted) == sorted(local.completions)  # each admitted once
     assert remote.steps >= local.steps
     assert (status.running, status.waiting, status.outstanding) == (0, 0, 0)
+    assert backend.stalled_steps() == 0  # a late start is never taken for a stall
+    assert served.next_seq == 24  # every admission was the sidecar's decision

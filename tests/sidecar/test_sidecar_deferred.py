@@ -1,0 +1,61 @@
+"""Every sidecar policy with an engine that never waits for its sidecar: replies arrive zero to
+several polls after each report, decisions are applied when they arrive, and the head's cached
+hit is pinned only while no decision is on its way. Random small workloads through the real
+engine (debug: the pool's integrity after every step), the real `SidecarBackend` and the real
+`AdmissionState` (debug: the ledger's safe state after every report); only the transport is
+in-process. No admitted request is ever short of a page (a shortage raises InvariantBreach),
+nothing is preempted, nothing stalls, and everything finishes."""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+
+import pytest
+from inprocess import InProcessSidecar
+from random_workload import drive
+
+from kvbank.capacity import CapacityModel
+from kvbank.engine.engine import Engine, EngineConfig
+from kvbank.engine.virtual import VirtualRunner
+from kvbank.modelpool import KvSlot
+from kvbank.sidecar.backend import SidecarBackend
+from kvbank.sidecar.state import AdmissionState
+
+SEEDS = int(os.environ.get("DEFERRED_SEEDS", "40"))
+
+
+def workload(rng: random.Random) -> list[tuple[int, int, int | None, int, int, bool]]:
+    """Arrivals over the first steps, prompts from three prefix families (hits, and so pins),
+    some with max_tokens, each stopping at a drawn length."""
+    return [
+        (rng.randint(0, 12), rng.randint(1, 30), rng.choice([None, rng.randint(1, 20)]),
+         rng.randint(1, 24), rng.randint(0, 2), True)
+        for _ in range(rng.randint(1, 14))
+    ]  # fmt: skip
+
+
+# Seeded rather than hypothesis-drawn: a pin that races a decision on its way needs one exact
+# interleaving, which these seeds reach (every policy fails within them when the engine pins
+# without waiting for `settled`), and hypothesis' search for small examples rarely does.
+@pytest.mark.parametrize("policy", ["banker", "peak", "peak+backfill", "banker+backfill"])
+def test_late_decisions_keep_every_promise(policy: str) -> None:
+    for seed in range(SEEDS):
+        rng = random.Random(seed)
+        model = CapacityModel({"main": KvSlot(1, 1)}, 4, 48, 16, rng.randint(0, 2))
+        pages = rng.randint(8, 40)
+        state = AdmissionState(pool_pages=pages, debug=True, policy=policy)
+        client = InProcessSidecar(state, functools.partial(rng.randint, 0, 3))
+        backend = SidecarBackend(client, pages, blocking=False)
+        budget = rng.randint(2, 40)
+        config = EngineConfig(model, pages, policy=policy, max_batch_tokens=budget, debug=True)
+        runner = VirtualRunner()
+        engine = Engine(config, runner, backend)
+        admitted, outputs = drive(engine, runner, workload(rng), max_steps=4000)
+        assert {out.rid for out in outputs} == admitted, seed
+        assert engine.kv.pool.held == 0, seed
+        assert engine.sched.stats.preemptions == 0, seed
+        assert backend.stalled_steps() == 0, seed
+        assert state.ledger is not None and state.ledger.stalled_steps == 0, seed
+        assert client.reports > 0
