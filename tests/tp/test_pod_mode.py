@@ -57,28 +57,46 @@ def rendered_env(rank: int, dist_port: int) -> dict[str, str]:
     return env
 
 
-def serve(model: Path, port: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    # The figures the operator renders for POOL, less --sidecar (rank 0 admits in-process here).
+def serve(
+    model: Path, port: int, env: dict[str, str], sidecar: str | None = None
+) -> subprocess.Popen[bytes]:
+    """`kvbank serve` with the figures the operator renders for POOL; `sidecar`: the pod's
+    sidecar (every pod gets --sidecar; only rank 0 asks it), else the embedded ledger."""
     command = [sys.executable, "-m", "kvbank.cli", "serve", "--model", str(model),
                "--port", str(port), "--pages", "256", "--page-size", "16", "--max-seq-len", "512",
                "--max-tokens", "256", "--policy", "banker"]  # fmt: skip
+    if sidecar is not None:
+        command += ["--sidecar", sidecar]
     return subprocess.Popen(command, env=child_env(env), cwd=ROOT)
 
 
-def start_pair(model: Path) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+def start_pair(
+    model: Path, sidecar: str | None = None
+) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
     dist_port = free_port()
     ports = [free_port(), free_port()]
-    ranks = [serve(model, ports[r], rendered_env(r, dist_port)) for r in range(2)]
+    ranks = [serve(model, ports[r], rendered_env(r, dist_port), sidecar) for r in range(2)]
     return ranks, [f"http://127.0.0.1:{p}" for p in ports]
+
+
+def start_sidecar() -> tuple[subprocess.Popen[bytes], str]:
+    """Rank 0's sidecar, on loopback (in a pod it listens on the pod's address)."""
+    address = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "kvbank.cli", "sidecar", "--listen", address,
+               "--metrics-port", "-1"]  # fmt: skip
+    return subprocess.Popen(command, env=child_env(), cwd=ROOT), address
 
 
 @pytest.mark.slow
 def test_two_pods_answer_like_one_engine_and_a_follower_points_to_rank_0(
     builtin_model_dir: Path,
 ) -> None:
+    """Rank 0 admits through its sidecar, as rendered; the single engine with its embedded
+    ledger gives the reference answers."""
     single_port = free_port()
     single = serve(builtin_model_dir, single_port, {})
-    ranks, (leader, follower) = start_pair(builtin_model_dir)
+    sidecar, address = start_sidecar()
+    ranks, (leader, follower) = start_pair(builtin_model_dir, address)
     try:
         wait_healthy(f"http://127.0.0.1:{single_port}", [single])
         wait_healthy(leader, ranks)
@@ -98,6 +116,7 @@ def test_two_pods_answer_like_one_engine_and_a_follower_points_to_rank_0(
     finally:
         kill_all(ranks)
         stop(single)
+        stop(sidecar)
 
 
 @pytest.mark.slow
