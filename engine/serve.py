@@ -2,12 +2,15 @@
 
 With no --model it serves the built-in random-weight Llama (built once into the user's cache);
 with --tp N it starts N ranks under torch.distributed, rank 0 serving HTTP and deciding admission.
+With KVBANK_WORLD_SIZE above 1 (or --world), as the operator renders for a tensor-parallel pool,
+this process is one rank of a group spread over pods (kvbank.engine.tp_pod).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -69,6 +72,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sidecar-token-file", help="file holding the token the sidecar expects (--sidecar)"
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument(
+        "--world",
+        type=int,
+        help="ranks of a group with one rank per pod (default: $KVBANK_WORLD_SIZE, else 1); "
+        "above 1 this process runs only rank --rank",
+    )
+    parser.add_argument(
+        "--rank", type=int, help="this process's rank in that group (default: $KVBANK_RANK)"
+    )
+    parser.add_argument(
+        "--master",
+        metavar="HOST:PORT",
+        help="rank 0's torch.distributed address (default: $KVBANK_RANK0_ADDR:$KVBANK_DIST_PORT, "
+        "the port 29500 when unset)",
+    )
     parser.add_argument(
         "--attention",
         choices=["torch", "flashinfer"],
@@ -224,6 +242,20 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         options = options_from_args(args)
+        from kvbank.engine.tp_pod import pod_rank
+
+        place = pod_rank(args.rank, args.world, args.master, os.environ)
+        if place is not None:
+            if args.tp > 1:
+                raise ValueError(
+                    f"--tp {args.tp} starts every rank here, but {place.world_source}="
+                    f"{place.world} makes this process one rank of a group across pods: "
+                    f"drop --tp, or unset {place.world_source}"
+                )
+            from kvbank.engine.tp import DEFAULT_TIMEOUT_S
+            from kvbank.engine.tp_pod import run_pod_rank
+
+            return run_pod_rank(place, options, args.host, args.port, DEFAULT_TIMEOUT_S)
         if args.tp > 1:
             from kvbank.engine.tp import run_tp
 

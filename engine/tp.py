@@ -5,6 +5,10 @@ shard of the weights and its own KV pool of the same page count. Rank 0 runs the
 admits through its ledger (embedded or its sidecar); followers replay rank 0's plan step by step
 (see kvbank.engine.tp_sync). The process group has a timeout, so a lost peer or a divergence ends
 every rank with a non-zero exit within seconds; the launcher then stops what is left.
+
+Across pods there is no launcher: each pod's `kvbank serve` runs one rank (`run_rank`, placed by
+kvbank.engine.tp_pod from the operator's environment), and a pod whose rank exits is restarted
+by its workload.
 """
 
 from __future__ import annotations
@@ -119,7 +123,10 @@ def wait_for_ranks(procs: list[subprocess.Popen[bytes]]) -> int:
 
 
 def rank_main(rank: int, world: int, master: str, options: ServeOptions, host: str, port: int,
-              timeout_s: float) -> int:  # fmt: skip
+              timeout_s: float, pod: bool = False) -> int:  # fmt: skip
+    """Run one rank until its group ends. `pod`: this rank has a pod (kvbank.engine.tp_pod) of
+    its own rather than a process beside the others, so it drives its pod's only GPU (cuda:0,
+    not cuda:rank) and a follower serves /health on `host:port` itself."""
     import torch.distributed as dist
 
     addr, master_port = master.rsplit(":", 1)
@@ -134,9 +141,11 @@ def rank_main(rank: int, world: int, master: str, options: ServeOptions, host: s
                             timeout=timedelta(seconds=timeout_s))  # fmt: skip
     channel = Channel(rank, world, lambda: _all_loaded(store, rank, world))
     parallel = Parallel(rank, world)
+    device_index = 0 if pod else None
     if rank == 0:
-        return _leader(options, parallel, channel, host, port)
-    return _follower(options, parallel, channel)
+        return _leader(options, parallel, channel, host, port, device_index)
+    http = (host, port, addr) if pod else None
+    return _follower(options, parallel, channel, device_index, http)
 
 
 def _all_loaded(store: Any, rank: int, world: int) -> None:
@@ -152,7 +161,12 @@ def _cuda() -> bool:
 
 
 def _leader(
-    options: ServeOptions, parallel: Parallel, channel: Channel, host: str, port: int
+    options: ServeOptions,
+    parallel: Parallel,
+    channel: Channel,
+    host: str,
+    port: int,
+    device_index: int | None,
 ) -> int:
     from kvbank.engine.admission import embedded
     from kvbank.engine.model.stack import build_stack, options_sidecar_backend
@@ -163,7 +177,7 @@ def _leader(
         inner = (options_sidecar_backend(options) if options.sidecar
                  else embedded(options.pages, debug=options.debug))  # fmt: skip
         recording = RecordingBackend(inner)
-    stack = build_stack(options, parallel, recording)
+    stack = build_stack(options, parallel, recording, device_index=device_index)
     channel.startup_barrier()
     engine = stack.engine
     journal: list[Any] = []
@@ -226,14 +240,28 @@ def _journal_requests(engine: Any, journal: list[Any]) -> None:
     engine.abort = abort_request
 
 
-def _follower(options: ServeOptions, parallel: Parallel, channel: Channel) -> int:
+def _follower(
+    options: ServeOptions,
+    parallel: Parallel,
+    channel: Channel,
+    device_index: int | None,
+    http: tuple[str, int, str] | None,
+) -> int:
+    """Replay rank 0's plans. `http` (host, port, rank 0's host): serve /health there once
+    loaded, as a pod's follower must for its readiness probe."""
     from kvbank.engine.model.stack import build_stack
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: rank 0 says when to stop
     backend = FollowerBackend(options.pages, options.debug) if options.policy == "banker" else None
+    # Decisions come from rank 0's plans over the process group, not from a sidecar: a pod's
+    # own sidecar, rendered beside every rank, is not asked (see docs/operator.md).
     follower_options = dataclasses.replace(options, sidecar=None)
-    stack = build_stack(follower_options, parallel, backend)
+    stack = build_stack(follower_options, parallel, backend, device_index=device_index)
     channel.startup_barrier()
+    if http is not None:
+        from kvbank.engine.tp_pod import serve_follower_http
+
+        serve_follower_http(http[0], http[1], parallel.rank, parallel.world, http[2])
     engine = stack.engine
     runner = FollowerRunner(stack.runner, channel)
     engine.runner = runner
@@ -283,11 +311,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank {args.rank} %(name)s %(message)s")  # fmt: skip
     options = ServeOptions(**json.loads(args.options))
+    return run_rank(args.rank, args.world, args.master, options, args.host, args.port,
+                    args.timeout)  # fmt: skip
+
+
+def run_rank(rank: int, world: int, master: str, options: ServeOptions, host: str, port: int,
+             timeout_s: float, pod: bool = False) -> int:  # fmt: skip
+    """rank_main as a process's last act: any failure is logged and the process exits with the
+    rank's code."""
     try:
-        code = rank_main(args.rank, args.world, args.master, options, args.host, args.port,
-                         args.timeout)  # fmt: skip
+        code = rank_main(rank, world, master, options, host, port, timeout_s, pod)
     except Exception as exc:
-        log.error("rank %d stops: %s", args.rank, exc)
+        log.error("rank %d stops: %s", rank, exc)
         code = 1
     _exit(code)
     return code

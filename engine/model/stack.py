@@ -110,14 +110,17 @@ def build_stack(
     parallel: Parallel | None = None,
     backend: AdmissionBackend | None = None,
     model_dir: Path | None = None,
+    device_index: int | None = None,
 ) -> Stack:
+    """`device_index`: the GPU a tensor-parallel rank drives; None gives rank r cuda:r, as when
+    every rank runs on one machine (a rank in its own pod sees one GPU: 0)."""
     if model_dir is None:
         name, model_dir = resolve_model_dir(options)
     else:
         name = BUILTIN_NAME if options.model is None else model_dir.name
     device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and parallel is not None and parallel.world > 1:
-        device = torch.device("cuda", parallel.rank)
+        device = torch.device("cuda", parallel.rank if device_index is None else device_index)
         torch.cuda.set_device(device)
     if device.type == "cpu" and options.threads:
         torch.set_num_threads(options.threads)

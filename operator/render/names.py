@@ -55,6 +55,9 @@ class RenderSettings:
     http_port: int = 8000
     sidecar_port: int = 50051
     metrics_port: int = 9464
+    # Rank 0's torch.distributed store (KVBANK_DIST_PORT); the ranks' own gloo/NCCL links then
+    # use ports the kernel picks, which is why the chart opens every port between a pool's ranks.
+    dist_port: int = 29500
     gpu_resource: str = "nvidia.com/gpu"
     # Where the image (or a volume the chart mounts) holds the weights: MODEL_ROOT/model.name.
     model_root: str = "/models"

@@ -1,8 +1,11 @@
 """The pod every rank runs: the engine and its admission sidecar.
 
-A follower's engine reaches rank 0's decisions through its own sidecar, which follows rank 0's
-sidecar, so only sidecar-to-sidecar traffic crosses pods. Rank, world size and the rank-0
-address reach both containers by environment (the contract is in docs/operator.md). Under a
+Each pod's `kvbank serve` is one rank: it reads KVBANK_RANK, KVBANK_WORLD_SIZE, KVBANK_RANK0_ADDR
+and KVBANK_DIST_PORT (kvbank.engine.tp_pod), joins torch.distributed at rank 0's store, and
+follows rank 0's admission decisions over that process group, as the ranks of `kvbank serve --tp`
+do; a follower's own sidecar is not in that path yet (docs/operator.md says what it would take).
+Rank, world size and the rank-0 address reach both containers by environment (the contract is
+in docs/operator.md). Under a
 StatefulSet the ordinal gives group and rank, which needs arithmetic no env reference can do,
 so a four-line POSIX shell prelude computes them and then execs the real command.
 """
@@ -56,6 +59,7 @@ def rank_env(pool: ModelPool, settings: RenderSettings, workload: Workload) -> l
         {"name": "KVBANK_WORLD_SIZE", "value": str(pool.tensor_parallel)},
         {"name": "KVBANK_WORKLOAD", "value": pool.name},
         {"name": "KVBANK_HEADLESS", "value": headless_name(pool.name)},
+        {"name": "KVBANK_DIST_PORT", "value": str(settings.dist_port)},
         {"name": "KVBANK_SIDECAR_PORT", "value": str(settings.sidecar_port)},
         {"name": "KVBANK_SIDECAR_ADDR", "value": f"127.0.0.1:{settings.sidecar_port}"},
         {"name": "KVBANK_POOL_FILE", "value": f"{CONFIG_DIR}/{POOL_FILE}"},
@@ -147,7 +151,11 @@ def pod_template(
         "engine",
         engine_args(pool, settings),
         env,
-        [{"name": "http", "containerPort": settings.http_port, "protocol": "TCP"}],
+        [
+            {"name": "http", "containerPort": settings.http_port, "protocol": "TCP"},
+            # Only rank 0's is listened on; every rank gets it so the pod template is one.
+            {"name": "dist", "containerPort": settings.dist_port, "protocol": "TCP"},
+        ],
         {"httpGet": {"path": "/health", "port": "http"}},
         workload,
         settings,

@@ -291,10 +291,12 @@ def test_network_policies_let_only_a_pools_own_ranks_reach_its_sidecars(helm: To
     assert open_ports == {settings.http_port, settings.metrics_port}
     pool = policies[("team-a", "kvbank-sidecars-llama-8b")]["spec"]
     assert pool["podSelector"]["matchLabels"]["kvbank.dev/pool"] == "llama-8b"
-    [rule] = pool["ingress"]
-    assert rule["ports"] == [{"port": settings.sidecar_port, "protocol": "TCP"}]
-    own, operator = rule["from"]
-    assert own == {"podSelector": pool["podSelector"]}
+    # Its own ranks on every port (torch.distributed's links use ports the kernel picks); the
+    # operator on the sidecar's port only.
+    ranks, status = pool["ingress"]
+    assert ranks == {"from": [{"podSelector": pool["podSelector"]}]}
+    assert status["ports"] == [{"port": settings.sidecar_port, "protocol": "TCP"}]
+    [operator] = status["from"]
     assert operator["namespaceSelector"] == {
         "matchLabels": {"kubernetes.io/metadata.name": "kvbank-system"}
     }

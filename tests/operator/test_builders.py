@@ -175,6 +175,11 @@ class TestPodTemplate:
         assert engine["env"] == sidecar["env"]
         env = {e["name"]: e.get("value") for e in engine["env"]}
         assert env["KVBANK_WORLD_SIZE"] == "2"
+        assert env["KVBANK_DIST_PORT"] == "29500"
+        assert engine["ports"] == [
+            {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+            {"name": "dist", "containerPort": 29500, "protocol": "TCP"},
+        ]
         assert env["KVBANK_SIDECAR_ADDR"] == "127.0.0.1:50051"
         assert env["KVBANK_HEADLESS"] == "llama-ranks"
         assert engine["resources"] == {"limits": {"nvidia.com/gpu": 1}}
@@ -265,6 +270,41 @@ class TestPodTemplate:
         out = subprocess.run(probe, env=env, capture_output=True, text=True, check=True)
         # ordinal 6 with TP 4: group 1, rank 2; group 1's rank 0 is ordinal 4
         assert out.stdout.split() == ["1", "2", "llama-4.llama-ranks.team-a.svc:50051"]
+
+    def test_the_engine_reads_its_rank_from_what_the_stateful_set_renders(self) -> None:
+        """The prelude's exports plus the rendered values are all `kvbank serve` needs to run
+        one rank of its group: the rank, the group's size and rank 0's store."""
+        import subprocess
+
+        from kvbank.engine.tp_pod import PodRank, pod_rank
+
+        pool = _pool(tensorParallel=4)
+        engine = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "h")["spec"]["containers"][0]
+        rendered = {e["name"]: e["value"] for e in engine["env"] if "value" in e}
+        downward = {"POD_NAME": "llama-6", "POD_NAMESPACE": "team-a", "PATH": "/usr/bin:/bin"}
+        out = subprocess.run([*engine["command"], "env"], env={**rendered, **downward},
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        environ = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+        assert pod_rank(None, None, None, environ) == PodRank(
+            2, 4, "llama-4.llama-ranks.team-a.svc:29500"
+        )
+
+    def test_a_leader_worker_set_renders_the_same_contract(self) -> None:
+        import subprocess
+
+        from kvbank.engine.tp_pod import PodRank, pod_rank
+
+        engine = pod_template(_pool(tensorParallel=2), SETTINGS, Workload.LEADER_WORKER_SET, "h")[
+            "spec"
+        ]["containers"][0]
+        rendered = {e["name"]: e["value"] for e in engine["env"] if "value" in e}
+        # What the downward API reads from the LeaderWorkerSet's labels, and its leader address.
+        lws = {"KVBANK_RANK": "1", "KVBANK_GROUP": "0", "POD_NAMESPACE": "team-a",
+               "LWS_LEADER_ADDRESS": "llama-0.llama.team-a", "PATH": "/usr/bin:/bin"}  # fmt: skip
+        out = subprocess.run([*engine["command"], "env"], env={**rendered, **lws},
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        environ = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+        assert pod_rank(None, None, None, environ) == PodRank(1, 2, "llama-0.llama.team-a:29500")
 
 
 class TestStatefulSet:
