@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -105,8 +105,11 @@ class SidecarClient:
             self._channel = grpc.insecure_channel(address, options=options)
         self._metadata = bearer(token) if token else ()
         self._stub = pb_grpc.AdmissionStub(self._channel)
+        self._sender: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
+        if self._sender is not None:
+            self._sender.shutdown(wait=False, cancel_futures=True)
         self._channel.close()
 
     def __enter__(self) -> SidecarClient:
@@ -144,28 +147,13 @@ class SidecarClient:
         return self._unary(self._stub.Report, request)
 
     def report_async(self, request: pb.ReportRequest) -> Future[pb.ReportReply]:
-        """Send a report without waiting (the serving engine's step loop never blocks). The
-        future's result applies the same policy as `report`: retries run on a gRPC thread when
-        the first attempt fails, and a failure ends as one of this module's errors."""
-        answer: Future[pb.ReportReply] = Future()
-        first = self._stub.Report.future(request, timeout=self.deadline_s, metadata=self._metadata)
-
-        def done(call: grpc.Future) -> None:
-            try:
-                answer.set_result(call.result())
-                return
-            except grpc.RpcError as exc:
-                err = _error(exc)
-            if not isinstance(err, SidecarUnavailable):
-                answer.set_exception(err)
-                return
-            try:  # retried on this callback's thread; the step loop only polls `answer`
-                answer.set_result(self.report(request))
-            except SidecarError as again:
-                answer.set_exception(again)
-
-        first.add_done_callback(done)
-        return answer
+        """Send a report without waiting (the serving engine's step loop never blocks). One
+        long-lived sender thread makes the call with the same policy as `report` (retries, and a
+        failure ends as one of this module's errors): a gRPC future would start a thread per
+        call, about 1.6 ms of the step on a small machine."""
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(1, thread_name_prefix="kvbank-report")
+        return self._sender.submit(self.report, request)
 
     def ack(self, follower_id: str, seq: int) -> int:
         """Returns the oldest sequence number the log still holds."""
