@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         choices=sorted(SIDECAR_MODES),
-        help="the ledger's admission policy (default: the --pool's spec.admission, else banker); "
-        "an engine that asks for another gets FAILED_PRECONDITION",
+        help="the ledger's admission policy (default: the --pool's spec.admission, else the "
+        "policy the engine asks for); an engine that asks for another gets FAILED_PRECONDITION",
     )
     parser.add_argument("--token-file", help="file holding the shared token callers must send")
     parser.add_argument("--tls-cert", help="PEM server certificate (with --tls-key)")
@@ -84,7 +84,7 @@ class Config:
     max_message_bytes: int
     grace_s: float
     debug: bool
-    policy: str = "banker"
+    policy: str | None = None  # None: the engine's (no pool, no --policy)
 
 
 def _read_pool(path: str) -> tuple[int, str]:
@@ -97,9 +97,7 @@ def _read_pool(path: str) -> tuple[int, str]:
         pool = parse_modelpool(doc)
     except SpecError as exc:
         raise ConfigError(f"{where}: " + "; ".join(str(e) for e in exc.errors)) from exc
-    adm = pool.admission
-    policy = "peak" if adm.policy == "peak" else "banker"
-    return pool_pages(pool), policy + ("+backfill" if adm.backfill else "")
+    return pool_pages(pool), pool.admission.ledger_policy
 
 
 def _is_loopback(listen: str) -> bool:
@@ -114,7 +112,7 @@ def _is_loopback(listen: str) -> bool:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     try:
-        pages, pool_policy = _read_pool(args.pool) if args.pool else (None, "banker")
+        pages, pool_policy = _read_pool(args.pool) if args.pool else (None, None)
         token = Path(args.token_file).read_text().strip() if args.token_file else None
         tls = None
         if bool(args.tls_cert) != bool(args.tls_key):

@@ -87,9 +87,10 @@ class AdmissionState:
         debug: bool = False,
         default_lease_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
-        policy: str = "banker",
+        policy: str | None = None,
     ) -> None:
-        if policy not in SIDECAR_MODES:
+        # None: no pool and no --policy given; each session runs the ledger its engine asks for.
+        if policy is not None and policy not in SIDECAR_MODES:
             raise ValueError(
                 f"the sidecar runs the ledger of {', '.join(SIDECAR_MODES)}, not {policy!r}"
             )
@@ -118,13 +119,13 @@ class AdmissionState:
                 f"next_seq {req.next_seq} and lease_ms {req.lease_ms} must not be negative"
             )
         asked = req.policy or "banker"
-        if asked != self.policy:
+        if self.policy is not None and asked != self.policy:
             raise PolicyMismatch(
                 f"the engine admits by the {asked} policy but this sidecar's ledger runs "
                 f"{self.policy}; start the sidecar with --policy {asked} (or the pool's "
                 f"spec.admission), or run the engine with --policy {self.policy}"
             )
-        peak = peak_policy(self.policy, req.pace if req.HasField("pace") else None)
+        peak = peak_policy(asked, req.pace if req.HasField("pace") else None)
         ledger = Ledger(req.total_pages, debug=self.debug, next_seq=req.next_seq, policy=peak)
         if req.HasField("supply"):
             ledger.set_supply(req.supply.free, req.supply.evictable)

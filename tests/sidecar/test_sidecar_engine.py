@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -151,7 +152,9 @@ def test_the_non_blocking_backend_applies_decisions_a_step_later_and_loses_nothi
     try:
         with SidecarClient(f"127.0.0.1:{port}") as client:
             backend = SidecarBackend(client, sc.pages, blocking=False)
-            remote = run(sc, backend, policy=policy)  # integrity checked after every step
+            # A virtual step takes microseconds, a loopback reply about a millisecond; a model's
+            # forward pass takes more. Half a millisecond a step lets replies arrive in steps.
+            remote = run(sc, backend, on_step=lambda step: time.sleep(0.0005), policy=policy)
             backend.flush()  # the last releases wait for a poll the idle engine never makes
             status = client.status()
             served = client.status_reply()

@@ -288,12 +288,12 @@ def test_the_pool_s_admission_chooses_the_ledger_unless_policy_is_given(tmp_path
         server.add_arguments(parser)
         return server.config_from_args(parser.parse_args(list(argv))).policy
 
-    assert policy("--pool", str(pools["default"])) == "banker"
+    assert policy("--pool", str(pools["default"])) == "peak+backfill"
     assert policy("--pool", str(pools["peak"])) == "peak"
     assert policy("--pool", str(pools["peak+backfill"])) == "peak+backfill"
     assert policy("--pool", str(pools["peak+backfill"]), "--policy", "banker") == "banker"
     assert policy("--pool", str(pools["conservative"])) == "banker"
-    assert policy() == "banker"
+    assert policy() is None  # no pool, no --policy: each session runs what its engine asks
 
 
 def test_resume_without_an_open_pass_is_out_of_order(peak_client: SidecarClient) -> None:

@@ -34,7 +34,9 @@ def kvbank(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_pool_metrics_status_and_graceful_sigterm() -> None:
-    proc, port, metrics_port = spawn_sidecar("--pool", str(MANIFEST), "--metrics-port", "0")
+    proc, port, metrics_port = spawn_sidecar(
+        "--pool", str(MANIFEST), "--metrics-port", "0", "--policy", "banker"
+    )
     address = f"127.0.0.1:{port}"
     try:
         with SidecarClient(address) as client:
