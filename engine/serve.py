@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvbank.engine.engine import RequestOutput
+from kvbank.modelpool import DEFAULT_POLICY
 
 if TYPE_CHECKING:  # torch, uvicorn and the model load only when serve runs
     import uvicorn
@@ -47,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policy",
-        default="banker",
-        help="admission policy: banker (the default), peak, peak+backfill, banker+backfill "
+        default=DEFAULT_POLICY,
+        help="admission policy: peak+backfill (the default), peak, banker, banker+backfill "
         "(these four also with --sidecar), or a baseline: optimistic, preempt, no-evict, ratio",
     )
     parser.add_argument(

@@ -23,7 +23,7 @@ from kvbank.engine.model.llama import Parallel
 from kvbank.engine.model.loader import DTYPES, load_model
 from kvbank.engine.model.runner import TorchRunner
 from kvbank.engine.model.tokenizer import Tokenizer
-from kvbank.modelpool import KvSlot
+from kvbank.modelpool import DEFAULT_POLICY, KvSlot
 
 BUILTIN_NAME = "kvbank-builtin"
 KV_LABEL = "kv"  # a decoder writes one KV position per prompt and per output token
@@ -36,7 +36,7 @@ class ServeOptions:
     page_size: int = 16
     max_seq_len: int | None = None  # None: min(max_position_embeddings, 4096)
     max_tokens: int = 256
-    policy: str = "banker"
+    policy: str = DEFAULT_POLICY
     attention: str | None = None  # None: flashinfer on CUDA when installed, else torch
     device: str | None = None  # None: cuda when available, else cpu
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU

@@ -21,6 +21,7 @@ from kvbank.modelpool import (
     MAX_SPECULATIVE,
     MAX_TP,
     PRESETS,
+    Admission,
 )
 from kvbank.operator.crd.modelpool_rules import architecture_rules, root_rules, spec_rules
 from kvbank.operator.crd.openapi import (
@@ -140,8 +141,8 @@ def _spec() -> Schema:
             "admission": obj(
                 {
                     "minConcurrency": integer(0, MAX_PAGES, "worst-case requests held at once"),
-                    "policy": {**enum(ADMISSION_POLICIES), "default": "conservative"},
-                    "backfill": {"type": "boolean", "default": False},
+                    "policy": {**enum(ADMISSION_POLICIES), "default": Admission.policy},
+                    "backfill": {"type": "boolean", "default": Admission.backfill},
                 }
             ),
         },

@@ -81,21 +81,13 @@ def prelude(workload: Workload) -> list[str]:
 
 # The spec's admission policy and backfill, as `kvbank serve --policy` names them. The sidecar
 # runs each of these ledgers (it reads the same spec.admission from --pool), so every engine
-# keeps its ledger there; a peak-fit engine waits on the sidecar's loopback round trips within a
-# step (see kvbank.sidecar.peakpass), the banker's does not.
-ENGINE_POLICY = {
-    ("conservative", False): "banker",
-    ("conservative", True): "banker+backfill",
-    ("peak", False): "peak",
-    ("peak", True): "peak+backfill",
-}
-SIDECAR_POLICIES = frozenset({"banker", "banker+backfill", "peak", "peak+backfill"})
+# keeps its ledger there, and none waits on it within a step (kvbank.engine.peak).
 
 
 def engine_args(pool: ModelPool, settings: RenderSettings) -> list[str]:
     """`kvbank serve` with the pool's own figures, so the engine admits by the same numbers the
     webhook judged (the pages resolved, memoryFraction included)."""
-    policy = ENGINE_POLICY[(pool.admission.policy, pool.admission.backfill)]
+    policy = pool.admission.ledger_policy
     sidecar = ["--sidecar", f"127.0.0.1:{settings.sidecar_port}"]
     return [
         "kvbank",
@@ -104,7 +96,7 @@ def engine_args(pool: ModelPool, settings: RenderSettings) -> list[str]:
         "0.0.0.0",
         "--port",
         str(settings.http_port),
-        *(sidecar if policy in SIDECAR_POLICIES else []),
+        *sidecar,
         "--model",
         f"{settings.model_root}/{pool.model_name}",
         "--pages",

@@ -56,15 +56,16 @@ class TestParse:
         assert pool.architecture.kv_heads == 8
         assert pool.kv.pages == 20000 and pool.kv.speculative_tokens == 1
         assert pool.admission.min_concurrency == 8
-        # the default: the banker, whose sidecar ledger never makes the engine's step wait
-        assert (pool.admission.policy, pool.admission.backfill) == ("conservative", False)
+        # the default: peak-fit with backfill, the same promise with more admitted
+        assert (pool.admission.policy, pool.admission.backfill) == ("peak", True)
+        assert pool.admission.ledger_policy == "peak+backfill"
 
     def test_a_peak_pool_is_judged_by_the_conservative_worst_case(self) -> None:
         """`kvbank check` and the webhook read the worst case whatever the ledger's policy."""
-        peak = parse_modelpool(
-            make_spec(**{"admission.policy": "peak", "admission.backfill": True})
+        peak = parse_modelpool(make_spec())
+        conservative = parse_modelpool(
+            make_spec(**{"admission.policy": "conservative", "admission.backfill": False})
         )
-        conservative = parse_modelpool(make_spec())
         assert holdability(peak) == holdability(conservative)
         assert holdability(peak).worst_concurrency == 38
 

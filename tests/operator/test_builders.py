@@ -73,7 +73,7 @@ class TestEngineConfig:
             "speculativeTokens": 1,
             "kvSlots": {"main": {"prompt": 1, "output": 1, "fixed": 0}},
             "limits": {"maxSeqLen": 8192, "maxTokens": 2048},
-            "admission": {"policy": "conservative", "backfill": False, "minConcurrency": 0},
+            "admission": {"policy": "peak", "backfill": True, "minConcurrency": 0},
             # ceil((8192 + 1) / 16) = 513 pages; (20000 - 1 sink) // 513 = 38
             "worstRequestPages": 513,
             "worstConcurrency": 38,
@@ -188,7 +188,7 @@ class TestPodTemplate:
             "kvbank", "serve", "--host", "0.0.0.0", "--port", "8000",
             "--sidecar", "127.0.0.1:50051", "--model", "/models/llama-3.1-8b-instruct",
             "--pages", "20000", "--page-size", "16", "--max-seq-len", "8192",
-            "--max-tokens", "2048", "--policy", "banker",
+            "--max-tokens", "2048", "--policy", "peak+backfill",
         ]  # fmt: skip
         assert sidecar["args"] == [
             "kvbank", "sidecar", "--listen", "0.0.0.0:50051", "--metrics-port", "9464",
