@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbank.operator.certs import service_names
@@ -119,7 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     status.add_argument(
         "--sidecar-token",
         default=_env("KVBANK_SIDECAR_TOKEN"),
-        help="shared token for the sidecars' status call, when they require one",
+        help="shared token every rendered sidecar requires of its engine and of the operator's "
+        "status reads (env KVBANK_SIDECAR_TOKEN, which the chart sets from its Secret); "
+        "without it no pool's pods are rendered",
     )
     status.add_argument(
         "--status-timeout",
@@ -154,6 +156,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def sidecar_token(raw: str | None) -> str | None:
+    """The token as the sidecar will read it from its file (stripped: a Secret made with `echo`
+    ends in a newline). It travels as gRPC metadata, which takes printable ASCII only; a bad
+    token stops the operator here, never as a refused call in every pod."""
+    token = (raw or "").strip()
+    if not token:
+        return None
+    bad = sorted({c for c in token if not 0x21 <= ord(c) <= 0x7E})
+    if bad:
+        raise SystemExit(
+            f"--sidecar-token (KVBANK_SIDECAR_TOKEN) has {len(bad)} kind(s) of character gRPC "
+            "metadata cannot carry (spaces, control or non-ASCII characters): use printable "
+            "ASCII, e.g. `openssl rand -hex 32`"
+        )
+    return token
+
+
 @dataclass(frozen=True)
 class OperatorConfig:
     kubeconfig: str | None
@@ -166,7 +185,7 @@ class OperatorConfig:
     status_interval: float
     status_concurrency: int
     status_timeout: float
-    sidecar_token: str | None
+    sidecar_token: str | None = field(repr=False)
     render: RenderSettings
     liveness: str | None
 
@@ -174,6 +193,7 @@ class OperatorConfig:
     def from_args(cls, args: argparse.Namespace) -> OperatorConfig:
         if args.cert_mode == "cert-manager" and not args.webhook_cert_dir:
             raise SystemExit("--cert-mode cert-manager needs --webhook-cert-dir (tls.crt, tls.key)")
+        token = sidecar_token(args.sidecar_token)
         names = service_names(
             args.webhook_service, args.operator_namespace, tuple(args.webhook_extra_san)
         )
@@ -195,13 +215,14 @@ class OperatorConfig:
             status_interval=args.status_interval,
             status_concurrency=args.status_concurrency,
             status_timeout=args.status_timeout,
-            sidecar_token=args.sidecar_token or None,
+            sidecar_token=token,
             render=RenderSettings(
                 image=args.image,
                 image_pull_policy=args.image_pull_policy,
                 gpu_resource=args.gpu_resource,
                 model_root=args.model_root,
                 termination_grace_seconds=args.termination_grace_seconds,
+                sidecar_token=token,
             ),
             liveness=args.liveness or None,
         )

@@ -6,6 +6,10 @@ Accepted=False and the message, and nothing new is rendered — what already run
 the last accepted spec. Applying is server-side apply of complete manifests with owner
 references, so running it twice, or after a restart half-way, converges on the same objects and
 creates nothing twice; deleting the ModelPool lets the garbage collector remove them.
+
+An operator started without the sidecar token renders nothing either: every rank's sidecar
+would refuse to start. The pool says so (Accepted and Ready False, reason SidecarTokenMissing)
+with how to set it; restarting the operator with a token renders it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from kvbank.operator.render.names import (
     Workload,
     config_name,
 )
-from kvbank.operator.render.status import ACCEPTED, Condition, conditions
+from kvbank.operator.render.status import ACCEPTED, READY, Condition, conditions
+from kvbank.operator.render.token import MissingSidecarToken
 
 
 def utc_now() -> str:
@@ -79,6 +84,24 @@ async def _refuse(
     return Outcome(False, text)
 
 
+async def _refuse_untokened(
+    cluster: Cluster, owner: Owner, error: MissingSidecarToken, doc: Mapping[str, Any], now: str
+) -> Outcome:
+    """The spec is fine; the operator is not set up to run it. Ready too, since the live timer
+    (which owns Ready) skips a pool that is not accepted."""
+    generation = int(doc["metadata"].get("generation") or 0)
+    text = f"{owner.namespace}/{owner.name}: no pods rendered: {error}"
+    reason = "SidecarTokenMissing"
+    current = (doc.get("status") or {}).get("conditions")
+    updates = [Condition(ACCEPTED, False, reason, text), Condition(READY, False, reason, text)]
+    status = {
+        "observedGeneration": generation,
+        "conditions": conditions(current, updates, generation, now),
+    }
+    await patch_status(cluster, owner, status)
+    return Outcome(False, text)
+
+
 async def reconcile(
     cluster: Cluster, settings: RenderSettings, doc: Mapping[str, Any], now: str | None = None
 ) -> Outcome:
@@ -89,8 +112,13 @@ async def reconcile(
         return await _refuse(cluster, owner, decision, doc, now)
 
     kind = await choose_workload(cluster, doc)
-    rendered = render_pool(decision.pool, decision.held, owner, doc["spec"], settings, kind)
-    applied = []
+    try:
+        rendered = render_pool(decision.pool, decision.held, owner, doc["spec"], settings, kind)
+    except MissingSidecarToken as exc:
+        return await _refuse_untokened(cluster, owner, exc, doc, now)
+    secret = rendered.token_secret
+    await cluster.create(secret)  # None when it is there already: immutable, so it is the same
+    applied = [f"{secret['kind']}/{secret['metadata']['name']}"]
     for manifest in rendered.manifests:
         await cluster.apply(manifest)
         applied.append(f"{manifest['kind']}/{manifest['metadata']['name']}")

@@ -1,4 +1,5 @@
-"""Everything one ModelPool renders, in apply order: config before the pods that mount it."""
+"""Everything one ModelPool renders, in apply order: the token Secret and config before the pods
+that mount them. The Secret is created, never applied (render.token says why)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from kvbank.modelpool import ModelPool
 from kvbank.operator.render.engine_config import config_data, config_hash, config_map
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
 from kvbank.operator.render.services import disruption_budget, headless_service, traffic_service
+from kvbank.operator.render.token import token_secret
 from kvbank.operator.render.workloads import workload
 
 
 @dataclass(frozen=True)
 class Rendered:
+    token_secret: dict[str, Any]  # created before the manifests are applied
     manifests: list[dict[str, Any]]
     config_hash: str
     workload: Workload
@@ -29,6 +32,8 @@ def render_pool(
     settings: RenderSettings,
     kind: Workload,
 ) -> Rendered:
+    """Raises MissingSidecarToken when `settings` has no token: pods without one cannot start."""
+    secret = token_secret(owner, settings.sidecar_token)
     data = config_data(pool, held, owner, spec)
     digest = config_hash(data)
     manifests = [
@@ -36,6 +41,6 @@ def render_pool(
         headless_service(owner, settings),
         traffic_service(owner, settings, kind),
         disruption_budget(owner),
-        workload(kind, pool, owner, settings, digest),
+        workload(kind, pool, owner, settings, digest, secret["metadata"]["name"]),
     ]
-    return Rendered(manifests, digest, kind)
+    return Rendered(secret, manifests, digest, kind)

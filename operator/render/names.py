@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -63,6 +63,9 @@ class RenderSettings:
     model_root: str = "/models"
     # Long enough for admitted requests to finish on a pod being replaced (see docs/operator.md).
     termination_grace_seconds: int = 600
+    # The token every rendered sidecar requires (render.token); never in a repr, so no log of
+    # these settings shows it. None renders no pods: they could not start.
+    sidecar_token: str | None = field(default=None, repr=False)
 
 
 def headless_name(pool: str) -> str:

@@ -28,6 +28,7 @@ from kvbank.operator.render.names import (
     headless_name,
     labels,
 )
+from kvbank.operator.render.token import TOKEN_FILE, token_mount, token_volume
 
 STATEFUL_SET_PRELUDE = """set -eu
 ordinal="${POD_NAME##*-}"
@@ -88,7 +89,12 @@ def engine_args(pool: ModelPool, settings: RenderSettings) -> list[str]:
     """`kvbank serve` with the pool's own figures, so the engine admits by the same numbers the
     webhook judged (the pages resolved, memoryFraction included)."""
     policy = pool.admission.ledger_policy
-    sidecar = ["--sidecar", f"127.0.0.1:{settings.sidecar_port}"]
+    sidecar = [
+        "--sidecar",
+        f"127.0.0.1:{settings.sidecar_port}",
+        "--sidecar-token-file",
+        TOKEN_FILE,
+    ]
     return [
         "kvbank",
         "serve",
@@ -130,15 +136,42 @@ def _container(
         "env": env,
         "ports": ports,
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
-        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            token_mount(),
+        ],
     }
 
 
+def sidecar_args(settings: RenderSettings) -> list[str]:
+    """`kvbank sidecar` on the pod address, so the operator can read its status; that needs the
+    shared token, which its engine sends too (--sidecar-token-file)."""
+    return [
+        "kvbank",
+        "sidecar",
+        "--listen",
+        f"0.0.0.0:{settings.sidecar_port}",
+        "--token-file",
+        TOKEN_FILE,
+        "--metrics-port",
+        str(settings.metrics_port),
+        "--metrics-host",
+        "0.0.0.0",
+        "--pool",
+        f"{CONFIG_DIR}/{POOL_FILE}",
+    ]
+
+
 def pod_template(
-    pool: ModelPool, settings: RenderSettings, workload: Workload, config_hash: str
+    pool: ModelPool,
+    settings: RenderSettings,
+    workload: Workload,
+    config_hash: str,
+    token_secret: str,
 ) -> dict[str, Any]:
+    """`token_secret`: the name of the pool's token Secret (render.token), mounted read-only into
+    both containers."""
     env = rank_env(pool, settings, workload)
-    pool_file = f"{CONFIG_DIR}/{POOL_FILE}"
     engine = _container(
         "engine",
         engine_args(pool, settings),
@@ -155,18 +188,7 @@ def pod_template(
     engine["resources"] = {"limits": {settings.gpu_resource: 1}}
     sidecar = _container(
         "sidecar",
-        [
-            "kvbank",
-            "sidecar",
-            "--listen",
-            f"0.0.0.0:{settings.sidecar_port}",
-            "--metrics-port",
-            str(settings.metrics_port),
-            "--metrics-host",
-            "0.0.0.0",
-            "--pool",
-            pool_file,
-        ],
+        sidecar_args(settings),
         env,
         [
             {"name": "grpc", "containerPort": settings.sidecar_port, "protocol": "TCP"},
@@ -185,7 +207,8 @@ def pod_template(
             "terminationGracePeriodSeconds": settings.termination_grace_seconds,
             "containers": [engine, sidecar],
             "volumes": [
-                {"name": "config", "configMap": {"name": config_name(pool.name, config_hash)}}
+                {"name": "config", "configMap": {"name": config_name(pool.name, config_hash)}},
+                token_volume(token_secret),
             ],
         },
     }

@@ -20,7 +20,7 @@ from kvbank.operator.render.pods import pod_template
 
 
 def stateful_set(
-    pool: ModelPool, owner: Owner, settings: RenderSettings, config_hash: str
+    pool: ModelPool, owner: Owner, settings: RenderSettings, config_hash: str, token_secret: str
 ) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
@@ -34,13 +34,15 @@ def stateful_set(
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
             "selector": {"matchLabels": selector_labels(owner.name)},
-            "template": pod_template(pool, settings, Workload.STATEFUL_SET, config_hash),
+            "template": pod_template(
+                pool, settings, Workload.STATEFUL_SET, config_hash, token_secret
+            ),
         },
     }
 
 
 def leader_worker_set(
-    pool: ModelPool, owner: Owner, settings: RenderSettings, config_hash: str
+    pool: ModelPool, owner: Owner, settings: RenderSettings, config_hash: str, token_secret: str
 ) -> dict[str, Any]:
     return {
         "apiVersion": LWS_API_VERSION,
@@ -57,7 +59,7 @@ def leader_worker_set(
                 "size": pool.tensor_parallel,
                 "restartPolicy": "RecreateGroupOnPodRestart",
                 "workerTemplate": pod_template(
-                    pool, settings, Workload.LEADER_WORKER_SET, config_hash
+                    pool, settings, Workload.LEADER_WORKER_SET, config_hash, token_secret
                 ),
             },
         },
@@ -65,8 +67,13 @@ def leader_worker_set(
 
 
 def workload(
-    kind: Workload, pool: ModelPool, owner: Owner, settings: RenderSettings, config_hash: str
+    kind: Workload,
+    pool: ModelPool,
+    owner: Owner,
+    settings: RenderSettings,
+    config_hash: str,
+    token_secret: str,
 ) -> dict[str, Any]:
     if kind is Workload.LEADER_WORKER_SET:
-        return leader_worker_set(pool, owner, settings, config_hash)
-    return stateful_set(pool, owner, settings, config_hash)
+        return leader_worker_set(pool, owner, settings, config_hash, token_secret)
+    return stateful_set(pool, owner, settings, config_hash, token_secret)

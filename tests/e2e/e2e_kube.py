@@ -152,6 +152,8 @@ class Operator:
     namespace: str
     webhook_port: int
     log_dir: Path
+    # What the chart's Deployment hands it from its Secret (KVBANK_SIDECAR_TOKEN).
+    sidecar_token: str | None = field(default=None, repr=False)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     logs: list[Path] = field(default_factory=list)
@@ -179,9 +181,12 @@ class Operator:
             "--status-interval",
             "5",
         ]
+        env = {k: v for k, v in os.environ.items() if k != "KVBANK_SIDECAR_TOKEN"}
+        if self.sidecar_token:
+            env["KVBANK_SIDECAR_TOKEN"] = self.sidecar_token  # as the chart does, never a flag
         with log.open("wb") as sink:
             self.proc = subprocess.Popen(
-                command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
             )
 
     def alive(self) -> bool:

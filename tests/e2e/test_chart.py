@@ -5,6 +5,7 @@ handler ids, and the ClusterRole grants what its builders apply. No cluster is n
 from __future__ import annotations
 
 import argparse
+import base64
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -59,6 +60,21 @@ def env_of(deployment: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container["env"] if "value" in e}
 
 
+def secret_env_of(deployment: dict[str, Any]) -> dict[str, dict[str, str]]:
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in container["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+
+
+def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in by_kind(docs, kind) if d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{len(found)} {kind}/{name} rendered"
+    return found[0]
+
+
 def test_lint_passes_in_both_certificate_modes(helm: Tools) -> None:
     for mode in ("self-signed", "cert-manager"):
         out = helm.helm(
@@ -77,6 +93,7 @@ def test_default_render_has_exactly_the_operator_objects(helm: Tools) -> None:
         "Deployment",
         "Role",
         "RoleBinding",
+        "Secret",
         "Secret",
         "Service",
         "ServiceAccount",
@@ -121,7 +138,8 @@ def test_the_deployment_environment_is_what_the_operator_reads(
     assert config.namespaces == ("team-a", "team-b")
     assert config.tls.mode == "self-signed"
     assert config.tls.namespace == "kvbank-system"
-    assert config.tls.secret_name == one(docs, "Secret")["metadata"]["name"]
+    assert config.tls.secret_name == "kvbank-webhook-tls"
+    assert named(docs, "Secret", "kvbank-webhook-tls").get("data") is None  # the operator fills it
     assert (
         config.tls.webhook_configuration
         == one(docs, "ValidatingWebhookConfiguration")["metadata"]["name"]
@@ -131,6 +149,43 @@ def test_the_deployment_environment_is_what_the_operator_reads(
     assert config.webhook_port == 9443
     assert config.render.image == "ghcr.io/kvbank/kvbank:0.1.0"
     assert config.render.gpu_resource == "amd.com/gpu"
+
+
+def test_the_operator_gets_a_generated_sidecar_token_it_accepts(
+    helm: Tools, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = render(helm)
+    secret = named(docs, "Secret", "kvbank-sidecar-token")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token)
+    deployment = one(docs, "Deployment")
+    # By reference only: the token is in no literal value of the Deployment.
+    assert secret_env_of(deployment) == {
+        "KVBANK_SIDECAR_TOKEN": {"name": "kvbank-sidecar-token", "key": "token"}
+    }
+    assert token not in yaml.safe_dump(deployment)
+    config = parsed_operator_config({**env_of(deployment), "KVBANK_SIDECAR_TOKEN": token},
+                                    monkeypatch)  # fmt: skip
+    assert config.sidecar_token == config.render.sidecar_token == token
+    # Without a cluster to look it up in, each render draws a new one; an install keeps its own
+    # across upgrades (tests/e2e/test_cluster.py).
+    again = named(render(helm), "Secret", "kvbank-sidecar-token")
+    assert again["data"]["token"] != secret["data"]["token"]
+
+
+def test_an_existing_sidecar_token_secret_replaces_the_generated_one(helm: Tools) -> None:
+    docs = render(
+        helm, "sidecarToken.existingSecret=corp-token", "sidecarToken.existingSecretKey=value"
+    )
+    assert [s["metadata"]["name"] for s in by_kind(docs, "Secret")] == ["kvbank-webhook-tls"]
+    assert secret_env_of(one(docs, "Deployment")) == {
+        "KVBANK_SIDECAR_TOKEN": {"name": "corp-token", "key": "value"}
+    }
+    error = render(
+        helm, "sidecarToken.existingSecret=corp-token", "sidecarToken.existingSecretKey=",
+        expect_ok=False,
+    )  # fmt: skip
+    assert "sidecarToken.existingSecretKey is empty" in error
 
 
 def test_webhook_configuration_follows_the_values(helm: Tools) -> None:
@@ -197,12 +252,14 @@ def test_rbac_is_least_privilege(helm: Tools) -> None:
             assert rule["resources"] == ["configmaps"], rule
     secrets = [r for r in everything if "secrets" in r["resources"]]
     assert secrets == [
+        # The pools' token Secrets, in their namespaces: created, never read, listed or patched.
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
         {
             "apiGroups": [""],
             "resources": ["secrets"],
             "resourceNames": ["kvbank-webhook-tls"],
             "verbs": ["get", "update"],
-        }
+        },
     ]
     hooks = [r for r in everything if "validatingwebhookconfigurations" in r["resources"]]
     assert [r["resourceNames"] for r in hooks] == [["kvbank-operator"]]
@@ -216,10 +273,13 @@ def test_rbac_covers_every_kind_the_builders_apply(helm: Tools) -> None:
     example = load_example("modelpool-llama-8b.yaml")
     pool = parse_modelpool(example)
     owner = Owner(pool.name, pool.namespace, "0000")
+    settings = RenderSettings(sidecar_token="t0ken")
     for workload in Workload:
-        rendered = render_pool(
-            pool, holdability(pool), owner, example["spec"], RenderSettings(), workload
-        )
+        rendered = render_pool(pool, holdability(pool), owner, example["spec"], settings, workload)
+        # Created only (operator/render/token.py): exactly create, nothing that returns data.
+        secret = rendered.token_secret
+        assert RESOURCES[(secret["apiVersion"], secret["kind"])][0] == "secrets"
+        assert granted(docs, "", "secrets") == {"create"}
         for manifest in rendered.manifests:
             api_version, kind = manifest["apiVersion"], manifest["kind"]
             group = api_version.rpartition("/")[0]
@@ -232,7 +292,8 @@ def test_cert_manager_mode_renders_a_certificate_and_no_secret_rights(
     helm: Tools, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     docs = render(helm, "certificates.mode=cert-manager")
-    assert not by_kind(docs, "Secret") and not by_kind(docs, "Role")
+    assert [s["metadata"]["name"] for s in by_kind(docs, "Secret")] == ["kvbank-sidecar-token"]
+    assert not by_kind(docs, "Role")
     certificate = one(docs, "Certificate")
     assert certificate["spec"]["secretName"] == "kvbank-webhook-tls"
     assert certificate["spec"]["dnsNames"][0] == "kvbank-webhook.kvbank-system.svc"
@@ -285,7 +346,7 @@ def test_network_policies_let_only_a_pools_own_ranks_reach_its_sidecars(helm: To
         ("team-a", "kvbank-sidecars-llama-8b"),
         ("kvbank-system", "kvbank-operator"),
     }
-    settings = RenderSettings()
+    settings = RenderSettings(sidecar_token="t0ken")
     base = policies[("team-a", "kvbank-ranks")]["spec"]
     open_ports = {p["port"] for rule in base["ingress"] for p in rule["ports"]}
     assert open_ports == {settings.http_port, settings.metrics_port}

@@ -9,13 +9,15 @@ a namespace would never finish)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import shutil
 import subprocess
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(FIRST_USE_T
 
 SYSTEM = "kvbank-system"
 RELEASE = "kvbank"
+TOKEN_SECRET = "kvbank-sidecar-token"  # the chart's generated one
+TOKEN_FILE = "/var/run/kvbank/sidecar-token/token"
 ACCOUNT = "kvbank-operator"
 CRDS = ("modelpools.kvbank.dev", "capacitypolicies.kvbank.dev")
 POOL_SELECTOR = "kvbank.dev/pool={}"
@@ -56,6 +60,7 @@ class Cluster:
     operator: Operator
     webhook_port: int
     suffix: str
+    sidecar_token: str = field(repr=False)
 
     def namespace(self, prefix: str, labels: dict[str, str] | None = None) -> str:
         """A fresh namespace per test: none is ever deleted, since no namespace controller runs."""
@@ -93,6 +98,13 @@ def webhook_answers(admin: Tools) -> bool:
     return out.returncode == 0
 
 
+def chart_token(admin: Tools) -> str:
+    """The token the chart generated, as the operator's Deployment would get it."""
+    secret = admin.get("secret", TOKEN_SECRET, SYSTEM)
+    assert secret is not None, "the chart rendered no sidecar token Secret"
+    return base64.b64decode(secret["data"]["token"]).decode()
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     bin_dir = ensure_tools()
@@ -122,13 +134,14 @@ def cluster() -> Iterator[Cluster]:
         )
 
         sa_config = service_account_kubeconfig(admin, ACCOUNT, SYSTEM, work / "operator.kubeconfig")
-        operator = Operator(sa_config, SYSTEM, port, work)
+        token = chart_token(admin)
+        operator = Operator(sa_config, SYSTEM, port, work, sidecar_token=token)
         operator.start()
         try:
             wait_for("the operator's webhook", lambda: webhook_answers(admin), 120, every=1)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\noperator log:\n{operator.log_tail()}") from None
-        yield Cluster(admin, Tools(bin_dir, sa_config), operator, port, uuid.uuid4().hex[:6])
+        yield Cluster(admin, Tools(bin_dir, sa_config), operator, port, uuid.uuid4().hex[:6], token)
     finally:
         if operator is not None:
             operator.stop()
@@ -139,7 +152,7 @@ def cluster() -> Iterator[Cluster]:
 def owned(cluster: Cluster, namespace: str, pool: str) -> dict[str, list[dict[str, Any]]]:
     """Every object of the kinds a pool renders that carries the pool's label, by kind."""
     selector = POOL_SELECTOR.format(pool)
-    kinds = ("configmaps", "services", "statefulsets", "poddisruptionbudgets")
+    kinds = ("configmaps", "secrets", "services", "statefulsets", "poddisruptionbudgets")
     return {kind: cluster.admin.items(kind, namespace, selector) for kind in kinds}
 
 
@@ -176,6 +189,10 @@ def test_the_operator_holds_only_the_charts_rights(cluster: Cluster) -> None:
     assert can_i(sa, "get", "secrets/kvbank-webhook-tls", "-n", SYSTEM) == "yes"
     assert can_i(sa, "get", "secrets/other", "-n", SYSTEM) == "no"
     assert can_i(sa, "list", "secrets", "-n", SYSTEM) == "no"
+    # A pool's token Secret: created in its namespace, and nothing that returns a Secret's data.
+    assert can_i(sa, "create", "secrets", "-n", "x") == "yes"
+    for verb in ("get", "list", "watch", "patch", "update", "delete"):
+        assert can_i(sa, verb, "secrets", "-n", "x") == "no", verb
     assert can_i(sa, "update", "validatingwebhookconfigurations/kvbank-operator") == "yes"
     assert can_i(sa, "update", "validatingwebhookconfigurations/someone-else") == "no"
 
@@ -199,12 +216,24 @@ def test_a_holdable_pool_is_accepted_and_rendered(cluster: Cluster) -> None:
         for item in items:
             [ref] = item["metadata"]["ownerReferences"]
             assert (ref["kind"], ref["uid"], ref["controller"]) == ("ModelPool", uid, True), kind
+    [secret] = objects["secrets"]
+    assert secret["immutable"] is True
+    assert base64.b64decode(secret["data"]["token"]).decode() == cluster.sidecar_token
     [sts] = objects["statefulsets"]
     assert sts["spec"]["replicas"] == 2  # replicas 2 x tensorParallel 1
     assert sts["spec"]["serviceName"] == "llama-8b-ranks"
     template = sts["spec"]["template"]
     assert template["metadata"]["annotations"]["kvbank.dev/config-hash"] == status["configHash"]
     assert [c["name"] for c in template["spec"]["containers"]] == ["engine", "sidecar"]
+    volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+    assert volumes["sidecar-token"]["secret"]["secretName"] == secret["metadata"]["name"]
+    engine, sidecar = template["spec"]["containers"]
+    for container in (engine, sidecar):
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["sidecar-token"]["readOnly"] is True
+        assert mounts["sidecar-token"]["mountPath"] == TOKEN_FILE.rsplit("/", 1)[0]
+    assert sidecar["args"][sidecar["args"].index("--token-file") + 1] == TOKEN_FILE
+    assert engine["args"][engine["args"].index("--sidecar-token-file") + 1] == TOKEN_FILE
     services = {s["metadata"]["name"]: s["spec"] for s in objects["services"]}
     assert services["llama-8b-ranks"]["clusterIP"] == "None"
     assert services["llama-8b"]["selector"]["kvbank.dev/rank"] == "0"
@@ -220,7 +249,13 @@ def test_a_holdable_pool_is_accepted_and_rendered(cluster: Cluster) -> None:
 def _all_rendered(cluster: Cluster, ns: str, pool: str) -> dict[str, list[dict[str, Any]]] | None:
     objects = owned(cluster, ns, pool)
     counts = {kind: len(items) for kind, items in objects.items()}
-    expected = {"configmaps": 1, "services": 2, "statefulsets": 1, "poddisruptionbudgets": 1}
+    expected = {
+        "configmaps": 1,
+        "secrets": 1,
+        "services": 2,
+        "statefulsets": 1,
+        "poddisruptionbudgets": 1,
+    }
     return objects if counts == expected else None
 
 
@@ -298,6 +333,7 @@ def test_helm_upgrade_keeps_the_certificate_and_adds_what_the_values_ask(
     cluster: Cluster,
 ) -> None:
     before = cluster.admin.get("secret", "kvbank-webhook-tls", SYSTEM)
+    token_before = cluster.admin.get("secret", TOKEN_SECRET, SYSTEM)
     ns = cluster.namespace("upgraded")
     out = cluster.admin.helm(
         "upgrade", RELEASE, str(CHART), "-n", SYSTEM, "--reuse-values",
@@ -324,6 +360,11 @@ def test_helm_upgrade_keeps_the_certificate_and_adds_what_the_values_ask(
     assert {h["failurePolicy"] for h in hooks["webhooks"]} == {"Ignore"}
     after = cluster.admin.get("secret", "kvbank-webhook-tls", SYSTEM)
     assert before is not None and after is not None and after["data"] == before["data"]
+    # lookup found the generated token: the upgrade kept it, so no pool's pods roll.
+    token_after = cluster.admin.get("secret", TOKEN_SECRET, SYSTEM)
+    assert token_before is not None and token_after is not None
+    assert token_after["data"] == token_before["data"]
+    assert chart_token(cluster.admin) == cluster.sidecar_token
     assert {h["clientConfig"].get("caBundle") for h in hooks["webhooks"]} == {
         after["data"]["ca-bundle.crt"]
     }
@@ -351,6 +392,37 @@ def test_cel_alone_rejects_with_the_operator_stopped_and_reconcile_judges_what_s
     wait_for("the restarted webhook", lambda: webhook_answers(cluster.admin), 60, every=1)
 
 
+def test_an_operator_without_a_token_renders_no_pods_and_says_how_to_set_it(
+    cluster: Cluster,
+) -> None:
+    cluster.operator.stop()
+    cluster.operator.sidecar_token = None
+    try:
+        cluster.operator.start()
+        ns = cluster.namespace("no-token")
+        out = cluster.admin.apply(example("modelpool-llama-8b.yaml", ns))
+        assert out.returncode == 0, out.stderr  # the spec itself is fine
+
+        def refused() -> dict[str, Any] | None:
+            cond = condition(cluster.pool(ns, "llama-8b"), "Accepted")
+            return cond if cond and cond["reason"] == "SidecarTokenMissing" else None
+
+        cond = wait_for("Accepted=False for want of a token", refused, SETTLE_TIMEOUT)
+        assert cond["status"] == "False"
+        assert "set KVBANK_SIDECAR_TOKEN or --sidecar-token" in cond["message"]
+        ready = condition(cluster.pool(ns, "llama-8b"), "Ready")
+        assert ready is not None and ready["reason"] == "SidecarTokenMissing"
+        assert all(items == [] for items in owned(cluster, ns, "llama-8b").values())
+    finally:
+        cluster.operator.stop()
+        cluster.operator.sidecar_token = cluster.sidecar_token
+        cluster.operator.start()
+    # Given the token, the restarted operator renders the pool it refused.
+    cluster.accepted(ns, "llama-8b")
+    wait_for("every rendered object", lambda: _all_rendered(cluster, ns, "llama-8b"), 30)
+    wait_for("the restarted webhook", lambda: webhook_answers(cluster.admin), 60, every=1)
+
+
 def test_the_operator_was_never_refused_by_the_apiserver(cluster: Cluster) -> None:
     """Every step above ran under the chart's RBAC; a 403 anywhere means a rule is missing."""
     refused = [
@@ -360,6 +432,21 @@ def test_the_operator_was_never_refused_by_the_apiserver(cluster: Cluster) -> No
         if "forbidden" in line.lower() or "HTTP 403" in line
     ]
     assert refused == []
+
+
+def test_the_token_is_in_no_log_status_event_or_config_map(cluster: Cluster) -> None:
+    """Only Secrets hold it: every pool rendered above, the operator's logs, the events it
+    posted and every status it wrote were made with it configured."""
+    token = cluster.sidecar_token
+    encoded = base64.b64encode(token.encode()).decode()
+    for log in cluster.operator.logs:
+        assert token not in log.read_text(errors="replace"), log.name
+    kinds = "modelpools,events,configmaps,statefulsets,services,poddisruptionbudgets"
+    stored = json.loads(cluster.admin.ok("get", kinds, "-A", "-o", "json"))["items"]
+    assert any(o["kind"] == "StatefulSet" for o in stored)
+    for obj in stored:
+        text = json.dumps(obj)
+        assert token not in text and encoded not in text, (obj["kind"], obj["metadata"]["name"])
 
 
 def test_helm_uninstall_removes_every_object_of_the_chart(cluster: Cluster) -> None:

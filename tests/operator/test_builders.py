@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
+from pathlib import Path
 
+import pytest
 import yaml
 from operator_specs import pool_doc
 
 from kvbank.capacity import holdability, pool_pages
 from kvbank.modelpool import parse_modelpool
 from kvbank.operator.pruning import stale_config_maps
-from kvbank.operator.render.bundle import render_pool
+from kvbank.operator.render.bundle import Rendered, render_pool
 from kvbank.operator.render.engine_config import (
     config_data,
     config_hash,
@@ -33,10 +37,12 @@ from kvbank.operator.render.services import (
     traffic_service,
 )
 from kvbank.operator.render.status import Condition, conditions
+from kvbank.operator.render.token import MissingSidecarToken, token_fingerprint, token_secret
 from kvbank.operator.render.workloads import leader_worker_set, stateful_set
 
 OWNER = Owner("llama", "team-a", "uid-7")
-SETTINGS = RenderSettings(image="registry.example/kvbank:1.2.3")
+SETTINGS = RenderSettings(image="registry.example/kvbank:1.2.3", sidecar_token="t0ken-for-tests")
+TOKEN_SECRET = "llama-sidecar-token-0123456789"
 SELECTOR = {"app.kubernetes.io/name": "kvbank", "kvbank.dev/pool": "llama"}
 
 
@@ -167,7 +173,7 @@ class TestDisruptionBudget:
 class TestPodTemplate:
     def test_engine_and_sidecar_share_the_rank_environment(self) -> None:
         pool = _pool(tensorParallel=2)
-        template = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "abc123")
+        template = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "abc123", TOKEN_SECRET)
         assert template["metadata"]["annotations"] == {ANNOTATION_CONFIG_HASH: "abc123"}
         engine, sidecar = template["spec"]["containers"]
         assert engine["name"] == "engine" and sidecar["name"] == "sidecar"
@@ -186,17 +192,36 @@ class TestPodTemplate:
         assert "resources" not in sidecar
         assert engine["args"] == [
             "kvbank", "serve", "--host", "0.0.0.0", "--port", "8000",
-            "--sidecar", "127.0.0.1:50051", "--model", "/models/llama-3.1-8b-instruct",
+            "--sidecar", "127.0.0.1:50051",
+            "--sidecar-token-file", "/var/run/kvbank/sidecar-token/token",
+            "--model", "/models/llama-3.1-8b-instruct",
             "--pages", "20000", "--page-size", "16", "--max-seq-len", "8192",
             "--max-tokens", "2048", "--policy", "peak+backfill",
         ]  # fmt: skip
         assert sidecar["args"] == [
-            "kvbank", "sidecar", "--listen", "0.0.0.0:50051", "--metrics-port", "9464",
+            "kvbank", "sidecar", "--listen", "0.0.0.0:50051",
+            "--token-file", "/var/run/kvbank/sidecar-token/token", "--metrics-port", "9464",
             "--metrics-host", "0.0.0.0", "--pool", "/etc/kvbank/modelpool.yaml",
         ]  # fmt: skip
         assert template["spec"]["volumes"] == [
-            {"name": "config", "configMap": {"name": "llama-engine-abc123"}}
+            {"name": "config", "configMap": {"name": "llama-engine-abc123"}},
+            {
+                "name": "sidecar-token",
+                "secret": {
+                    "secretName": TOKEN_SECRET,
+                    "items": [{"key": "token", "path": "token"}],
+                },
+            },
         ]
+        for container in (engine, sidecar):
+            assert container["volumeMounts"] == [
+                {"name": "config", "mountPath": "/etc/kvbank", "readOnly": True},
+                {
+                    "name": "sidecar-token",
+                    "mountPath": "/var/run/kvbank/sidecar-token",
+                    "readOnly": True,
+                },
+            ]
         assert template["spec"]["terminationGracePeriodSeconds"] == 600
 
     def test_the_commands_parse_with_the_real_subcommands(self) -> None:
@@ -207,9 +232,9 @@ class TestPodTemplate:
             admission={"policy": "peak", "backfill": False},
             kv={"pageSize": 16, "memoryFraction": 0.5},
         )
-        engine, sidecar = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "h")["spec"][
-            "containers"
-        ]
+        engine, sidecar = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "h", TOKEN_SECRET)[
+            "spec"
+        ]["containers"]
         for container in (engine, sidecar):
             argv = container["args"][1:]
             args = cli.build_parser(argv).parse_args(argv)
@@ -231,9 +256,9 @@ class TestPodTemplate:
         }
         for (policy, backfill), engine_policy in expected.items():
             pool = _pool(admission={"policy": policy, "backfill": backfill})
-            engine = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "h")["spec"]["containers"][
-                0
-            ]
+            engine = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "h", TOKEN_SECRET)["spec"][
+                "containers"
+            ][0]
             args = engine["args"]
             assert args[args.index("--policy") + 1] == engine_policy
             assert args[args.index("--sidecar") + 1] == "127.0.0.1:50051"
@@ -254,9 +279,9 @@ class TestPodTemplate:
     def test_stateful_set_prelude_computes_group_rank_and_leader(self) -> None:
         import subprocess
 
-        command = pod_template(_pool(tensorParallel=4), SETTINGS, Workload.STATEFUL_SET, "h")[
-            "spec"
-        ]["containers"][0]["command"]
+        command = pod_template(
+            _pool(tensorParallel=4), SETTINGS, Workload.STATEFUL_SET, "h", TOKEN_SECRET
+        )["spec"]["containers"][0]["command"]
         env = {
             "POD_NAME": "llama-6",
             "POD_NAMESPACE": "team-a",
@@ -279,7 +304,9 @@ class TestPodTemplate:
         from kvbank.engine.tp_pod import PodRank, pod_rank
 
         pool = _pool(tensorParallel=4)
-        engine = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "h")["spec"]["containers"][0]
+        engine = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "h", TOKEN_SECRET)["spec"][
+            "containers"
+        ][0]
         rendered = {e["name"]: e["value"] for e in engine["env"] if "value" in e}
         downward = {"POD_NAME": "llama-6", "POD_NAMESPACE": "team-a", "PATH": "/usr/bin:/bin"}
         out = subprocess.run([*engine["command"], "env"], env={**rendered, **downward},
@@ -294,9 +321,9 @@ class TestPodTemplate:
 
         from kvbank.engine.tp_pod import PodRank, pod_rank
 
-        engine = pod_template(_pool(tensorParallel=2), SETTINGS, Workload.LEADER_WORKER_SET, "h")[
-            "spec"
-        ]["containers"][0]
+        engine = pod_template(
+            _pool(tensorParallel=2), SETTINGS, Workload.LEADER_WORKER_SET, "h", TOKEN_SECRET
+        )["spec"]["containers"][0]
         rendered = {e["name"]: e["value"] for e in engine["env"] if "value" in e}
         # What the downward API reads from the LeaderWorkerSet's labels, and its leader address.
         lws = {"KVBANK_RANK": "1", "KVBANK_GROUP": "0", "POD_NAMESPACE": "team-a",
@@ -309,7 +336,7 @@ class TestPodTemplate:
 
 class TestStatefulSet:
     def test_replicas_times_tp_pods_in_parallel(self) -> None:
-        sts = stateful_set(_pool(replicas=3, tensorParallel=2), OWNER, SETTINGS, "h")
+        sts = stateful_set(_pool(replicas=3, tensorParallel=2), OWNER, SETTINGS, "h", TOKEN_SECRET)
         assert sts["apiVersion"] == "apps/v1"
         assert sts["spec"]["replicas"] == 6
         assert sts["spec"]["serviceName"] == "llama-ranks"
@@ -322,12 +349,149 @@ class TestStatefulSet:
 
 class TestLeaderWorkerSet:
     def test_one_group_of_tp_pods_per_replica(self) -> None:
-        lws = leader_worker_set(_pool(replicas=3, tensorParallel=2), OWNER, SETTINGS, "h")
+        lws = leader_worker_set(
+            _pool(replicas=3, tensorParallel=2), OWNER, SETTINGS, "h", TOKEN_SECRET
+        )
         assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
         assert lws["spec"]["replicas"] == 3
         assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
         assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
         assert _owner_ref(lws) == [OWNER.reference()]
+
+
+class TestTokenSecret:
+    def test_immutable_owned_and_named_by_the_tokens_fingerprint(self) -> None:
+        secret = token_secret(OWNER, "t0ken-for-tests")
+        fingerprint = token_fingerprint("t0ken-for-tests", "uid-7")
+        assert len(fingerprint) == 10 and fingerprint not in "t0ken-for-tests"
+        assert secret == {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": f"llama-sidecar-token-{fingerprint}",
+                "namespace": "team-a",
+                "labels": {**SELECTOR, "app.kubernetes.io/instance": "llama",
+                           "app.kubernetes.io/component": "sidecar-token",
+                           "app.kubernetes.io/managed-by": "kvbank-operator"},
+                "ownerReferences": [OWNER.reference()],
+            },
+            "type": "Opaque",
+            "immutable": True,
+            "data": {"token": base64.b64encode(b"t0ken-for-tests").decode()},
+        }  # fmt: skip
+
+    def test_the_fingerprint_depends_on_the_token_and_the_pools_uid(self) -> None:
+        prints = {
+            token_fingerprint(token, uid) for token in ("a", "b") for uid in ("uid-1", "uid-2")
+        }
+        assert len(prints) == 4
+        assert token_fingerprint("a", "uid-1") == token_fingerprint("a", "uid-1")
+
+    def test_no_token_says_how_to_set_one(self) -> None:
+        for token in (None, ""):
+            with pytest.raises(MissingSidecarToken) as caught:
+                token_secret(OWNER, token)
+            assert "set KVBANK_SIDECAR_TOKEN or --sidecar-token on the operator" in str(
+                caught.value
+            )
+
+
+class TestPodsStartWithoutAKubelet:
+    """What the kubelet would do with a rendered pod, short of running it: project the ConfigMap
+    and Secret into files, then hand each container's args to its own command's parser and
+    config check. `kvbank sidecar` on the pod address refuses to start without a token, which
+    no apiserver-only test sees."""
+
+    @staticmethod
+    def _template(rendered: Rendered) -> dict:
+        spec = rendered.manifests[-1]["spec"]
+        if rendered.workload is Workload.LEADER_WORKER_SET:
+            return spec["leaderWorkerTemplate"]["workerTemplate"]
+        return spec["template"]
+
+    def _mount(self, rendered: Rendered, root: Path) -> dict[str, Path]:
+        """Each volume's files under `root`, as the kubelet projects them; mountPath -> folder."""
+        config_map = rendered.manifests[0]
+        secret = rendered.token_secret
+        template = self._template(rendered)
+        folders = {}
+        for volume in template["spec"]["volumes"]:
+            folder = root / volume["name"]
+            folder.mkdir()
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+                for key, text in config_map["data"].items():
+                    (folder / key).write_text(text)
+            else:
+                assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+                for item in volume["secret"]["items"]:
+                    (folder / item["path"]).write_bytes(
+                        base64.b64decode(secret["data"][item["key"]])
+                    )
+            folders[volume["name"]] = folder
+        mounts: dict[str, Path] = {}
+        for container in template["spec"]["containers"]:
+            for mount in container["volumeMounts"]:
+                assert mount["readOnly"] is True
+                mounts[mount["mountPath"]] = folders[mount["name"]]
+        return mounts
+
+    @staticmethod
+    def _local(args: list[str], mounts: dict[str, Path]) -> list[str]:
+        out = []
+        for arg in args:
+            for mount_path, folder in mounts.items():
+                if arg.startswith(mount_path + "/"):
+                    arg = str(folder) + arg[len(mount_path) :]
+            out.append(arg)
+        return out
+
+    def _containers(self, tmp_path: Path, workload: Workload) -> tuple[list[str], list[str]]:
+        pool, doc = _pool(tensorParallel=2), pool_doc(tensorParallel=2)
+        rendered = render_pool(pool, holdability(pool), OWNER, doc["spec"], SETTINGS, workload)
+        mounts = self._mount(rendered, tmp_path)
+        engine, sidecar = self._template(rendered)["spec"]["containers"]
+        return self._local(engine["args"], mounts), self._local(sidecar["args"], mounts)
+
+    @pytest.mark.parametrize("workload", list(Workload))
+    def test_the_sidecar_accepts_its_args_and_holds_the_operators_token(
+        self, tmp_path: Path, workload: Workload
+    ) -> None:
+        from kvbank import cli
+        from kvbank.sidecar.server import config_from_args
+
+        _, sidecar = self._containers(tmp_path, workload)
+        argv = sidecar[1:]
+        config = config_from_args(cli.build_parser(argv).parse_args(argv))
+        assert config.listen == "0.0.0.0:50051"
+        # The token the operator's status reads send (SidecarClientSource) is the one it checks.
+        assert config.token == SETTINGS.sidecar_token
+        assert (
+            config.pool_pages == 20000 and config.policy == "peak+backfill"
+        )  # the default spec.admission
+
+    def test_the_engine_reads_the_same_token(self, tmp_path: Path) -> None:
+        from kvbank import cli
+        from kvbank.engine.serve import options_from_args
+
+        engine, _ = self._containers(tmp_path, Workload.STATEFUL_SET)
+        argv = engine[1:]
+        options = options_from_args(cli.build_parser(argv).parse_args(argv))
+        assert options.sidecar == "127.0.0.1:50051"
+        assert options.sidecar_token_file is not None
+        # As kvbank.engine.model.stack reads it.
+        assert Path(options.sidecar_token_file).read_text().strip() == SETTINGS.sidecar_token
+
+    def test_the_check_catches_a_sidecar_rendered_without_its_token(self, tmp_path: Path) -> None:
+        """The regression this class guards against: without --token-file the sidecar exits."""
+        from kvbank import cli
+        from kvbank.sidecar.server import ConfigError, config_from_args
+
+        _, sidecar = self._containers(tmp_path, Workload.STATEFUL_SET)
+        at = sidecar.index("--token-file")
+        argv = sidecar[1:at] + sidecar[at + 2 :]
+        with pytest.raises(ConfigError, match="not a loopback address: give --token-file"):
+            config_from_args(cli.build_parser(argv).parse_args(argv))
 
 
 class TestRenderPool:
@@ -336,6 +500,7 @@ class TestRenderPool:
         rendered = render_pool(
             pool, holdability(pool), OWNER, doc["spec"], SETTINGS, Workload.STATEFUL_SET
         )
+        assert rendered.token_secret["kind"] == "Secret"  # created before the rest is applied
         kinds = [(m["kind"], m["metadata"]["name"]) for m in rendered.manifests]
         assert kinds == [
             ("ConfigMap", f"llama-engine-{rendered.config_hash[:10]}"),
@@ -346,8 +511,29 @@ class TestRenderPool:
         ]
         template = rendered.manifests[-1]["spec"]["template"]
         assert template["metadata"]["annotations"][ANNOTATION_CONFIG_HASH] == rendered.config_hash
-        mounted = template["spec"]["volumes"][0]["configMap"]["name"]
-        assert mounted == rendered.manifests[0]["metadata"]["name"]
+        config, token = template["spec"]["volumes"]
+        assert config["configMap"]["name"] == rendered.manifests[0]["metadata"]["name"]
+        assert token["secret"]["secretName"] == rendered.token_secret["metadata"]["name"]
+
+    def test_the_token_changes_the_secret_and_pods_but_not_the_config(self) -> None:
+        pool, doc = _pool(), pool_doc()
+        args = (pool, holdability(pool), OWNER, doc["spec"])
+        first = render_pool(*args, SETTINGS, Workload.STATEFUL_SET)
+        other = dataclasses.replace(SETTINGS, sidecar_token="another-token")
+        second = render_pool(*args, other, Workload.STATEFUL_SET)
+        assert first.config_hash == second.config_hash
+        assert first.manifests[0] == second.manifests[0]  # the ConfigMap
+        assert first.token_secret["metadata"]["name"] != second.token_secret["metadata"]["name"]
+        assert first.manifests[-1] != second.manifests[-1]  # the pod template: a roll
+        for manifest in first.manifests:
+            assert "t0ken-for-tests" not in json.dumps(manifest), manifest["kind"]
+
+    def test_without_a_token_nothing_renders(self) -> None:
+        pool, doc = _pool(), pool_doc()
+        with pytest.raises(MissingSidecarToken, match="set KVBANK_SIDECAR_TOKEN or --sidecar"):
+            render_pool(
+                pool, holdability(pool), OWNER, doc["spec"], RenderSettings(), Workload.STATEFUL_SET
+            )
 
     def test_same_inputs_render_identical_manifests(self) -> None:
         pool, doc = _pool(), pool_doc()

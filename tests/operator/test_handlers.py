@@ -38,7 +38,14 @@ def _setup(tls: bool = False) -> tuple[kopf.OperatorRegistry, Runtime, FakeClust
     cluster = FakeCluster()
     cluster.put(namespace_doc("team-a"))
     runtime = Runtime(
-        config=_config("--webhook-configuration", "kvbank", "--cert-check-interval", "3600"),
+        config=_config(
+            "--webhook-configuration",
+            "kvbank",
+            "--cert-check-interval",
+            "3600",
+            "--sidecar-token",
+            "t0ken-for-tests",
+        ),
         cluster=cluster,
         source=NoSidecars(),
         tls=ServerTLS() if tls else None,

@@ -125,7 +125,12 @@ class TestRefresh:
         cluster.put(namespace_doc("team-a"))
         cluster.put(stored(pool_doc(replicas=2, tensorParallel=2)))
         asyncio.run(
-            reconcile(cluster, RenderSettings(), cluster.one("ModelPool", "llama"), now="t0")
+            reconcile(
+                cluster,
+                RenderSettings(sidecar_token="t"),
+                cluster.one("ModelPool", "llama"),
+                now="t0",
+            )
         )
         for pod in pods:
             cluster.put(pod)

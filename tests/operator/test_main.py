@@ -49,6 +49,24 @@ class TestConfig:
         assert config.namespaces == ("team-a", "team-b")
         assert config.render.image == "registry.example/kvbank:9"
 
+    def test_the_sidecar_token_reaches_rendering_and_status_reads_but_no_repr(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("KVBANK_SIDECAR_TOKEN", "s3cret-from-a-file\n")  # `echo` leaves one
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        config = OperatorConfig.from_args(parser.parse_args([]))
+        # Stripped as `kvbank sidecar --token-file` strips what it reads, so the two agree.
+        assert config.sidecar_token == config.render.sidecar_token == "s3cret-from-a-file"
+        assert "s3cret" not in repr(config)
+
+    def test_no_sidecar_token_is_none_and_a_bad_one_stops_the_operator(self) -> None:
+        assert OperatorConfig.from_args(_parse()).render.sidecar_token is None
+        assert OperatorConfig.from_args(_parse("--sidecar-token", "  ")).sidecar_token is None
+        with pytest.raises(SystemExit, match="printable ASCII") as caught:
+            OperatorConfig.from_args(_parse("--sidecar-token", "two words"))
+        assert "two" not in str(caught.value)  # the message never echoes the token
+
     def test_cert_manager_needs_the_mounted_directory(self) -> None:
         with pytest.raises(SystemExit, match="--webhook-cert-dir"):
             OperatorConfig.from_args(_parse("--cert-mode", "cert-manager"))

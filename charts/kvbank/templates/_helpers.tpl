@@ -12,6 +12,12 @@ them explicitly. */}}
 {{- define "kvbank.operatorName" -}}{{ include "kvbank.fullname" . }}-operator{{- end -}}
 {{- define "kvbank.webhookService" -}}{{ include "kvbank.fullname" . }}-webhook{{- end -}}
 {{- define "kvbank.webhookSecret" -}}{{ include "kvbank.fullname" . }}-webhook-tls{{- end -}}
+{{- define "kvbank.sidecarTokenSecret" -}}
+{{- .Values.sidecarToken.existingSecret | default (printf "%s-sidecar-token" (include "kvbank.fullname" .)) -}}
+{{- end -}}
+{{- define "kvbank.sidecarTokenKey" -}}
+{{- if .Values.sidecarToken.existingSecret }}{{ .Values.sidecarToken.existingSecretKey }}{{ else }}token{{ end -}}
+{{- end -}}
 {{/* Cluster-scoped like the ClusterRole: one release per cluster, since one operator judges
 every namespace's pools against cluster-wide CapacityPolicies. */}}
 {{- define "kvbank.webhookConfiguration" -}}{{ include "kvbank.operatorName" . }}{{- end -}}
@@ -55,6 +61,9 @@ app.kubernetes.io/managed-by: kvbank-operator
 {{- end -}}
 {{- if and .Values.webhook.url (not (hasPrefix "https://" .Values.webhook.url)) -}}
 {{- fail (printf "webhook.url is %q; the apiserver calls webhooks over https://" .Values.webhook.url) -}}
+{{- end -}}
+{{- if and .Values.sidecarToken.existingSecret (not .Values.sidecarToken.existingSecretKey) -}}
+{{- fail "sidecarToken.existingSecretKey is empty; name the key of sidecarToken.existingSecret that holds the token" -}}
 {{- end -}}
 {{- if and .Values.webhook.url (eq .Values.certificates.mode "cert-manager") -}}
 {{- fail "webhook.url (local development) needs certificates.mode self-signed: cert-manager's certificate names only the Service" -}}
