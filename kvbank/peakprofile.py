@@ -19,7 +19,7 @@ operation of random sequences). When most requests changed, a rebuild is cheaper
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from operator import is_
 
 import numpy as np
@@ -28,53 +28,104 @@ import numpy.typing as npt
 from kvbank.peakfit import NEVER, Pace, Track
 
 Steps = npt.NDArray[np.int64]
+# Below this many (request-label rows x candidates), a rebuild costs less than following the
+# previous profile: finding what changed costs a few dozen small numpy calls.
+FOLLOW_FROM = 16_384
 
 
 @dataclass(frozen=True)
-class Columns:
-    """The running requests as numpy columns, in the timeline's order.
-
-    Per request: its label rows, `offset` (j = k + offset: 1 decoding, 0 in prefill), held,
-    exclusive and end (the first step it has surely finished). Per (request, label) row: tokens,
-    per_output and worst, and the bound as a line in k, which is what an evaluation reads: once
-    j > 0 a row may hold `tokens + per_output * (advance * j + lookahead)` = start + slope * k
-    tokens, capped at worst, and its prompt before. `start`, `cap` and `prompt` carry page_size - 1
-    (a ceiling is then a floor) and, on the request's first row, minus its held pages times
-    page_size (pages beyond held come out of the division): neither costs a pass over the matrix.
-    `tracks` are the objects read: a table of the same objects keeps what a track never changes
-    once made (its labels, per_output and worst)."""
+class Lines:
+    """The bound of the requests as an evaluation reads it. Per (request, label) row, once its
+    step count j = k + offset is positive, it may hold `tokens + per_output * (advance * j +
+    lookahead)` = start + slope * k tokens, capped at `cap`, and its `prompt` before. `start`,
+    `cap` and `prompt` carry page_size - 1 (a ceiling is then a floor) and, on the request's
+    first row, minus its held pages times page_size (pages beyond held come out of the
+    division): neither costs a pass over the matrix. Per request: its label rows, its exclusive
+    pages and its end (the first step it has surely finished)."""
 
     page_size: int
-    tracks: tuple[Track, ...]
-    rids: tuple[str, ...]
     rows: Steps
     row_starts: Steps
-    offset: Steps
-    held: Steps
-    exclusive: Steps
-    end: Steps
-    tokens: Steps
-    per_output: Steps
-    worst: Steps
     row_offset: Steps
     slope: Steps
     start: Steps
     cap: Steps
     prompt: Steps
+    exclusive: Steps
+    end: Steps
+
+    @property
+    def single_label(self) -> bool:
+        return len(self.start) == len(self.rows)
+
+    def subset(self, requests: Steps, closed: int = 0) -> Lines:
+        """The given requests, their curves read `closed` steps later (the term at k is theirs
+        at k + closed)."""
+        if self.single_label:
+            rows, counts, starts = requests, self.rows[requests], np.arange(len(requests))
+        else:
+            counts = self.rows[requests]
+            starts = np.cumsum(counts) - counts
+            within = np.arange(int(counts.sum())) - np.repeat(starts, counts)
+            rows = np.repeat(self.row_starts[requests], counts) + within
+        slope = self.slope[rows]
+        return Lines(
+            self.page_size,
+            counts,
+            starts,
+            self.row_offset[rows] + closed,
+            slope,
+            self.start[rows] + slope * closed,
+            self.cap[rows],
+            self.prompt[rows],
+            self.exclusive[requests],
+            self.end[requests] - closed,
+        )
+
+
+@dataclass(frozen=True)
+class Columns:
+    """The running requests as numpy columns, in the timeline's order, and their `lines`.
+    Per request: its label rows and `numbers` (held, exclusive, chunks, remaining). Per
+    (request, label) row: tokens, per_output and worst. `tracks` are the objects read; `kept`:
+    they are the objects of the table it was made `like`, in the same order, whose rows,
+    per_output and worst it kept (a track never changes them once made)."""
+
+    tracks: tuple[Track, ...]
+    rids: tuple[str, ...]
+    kept: bool
+    rows: Steps
+    row_starts: Steps
+    numbers: npt.NDArray[np.int64]  # [requests, 4]: held, exclusive, chunks, remaining
+    tokens: Steps
+    per_output: Steps
+    worst: Steps
+    lines: Lines
 
     @classmethod
     def of(
         cls, tracks: Mapping[str, Track], page_size: int, pace: Pace, like: Columns | None = None
     ) -> Columns:
         values, rids = tuple(tracks.values()), tuple(tracks)
+        kept = like is not None and like.rids == rids and all(map(is_, values, like.tracks))
         # One flat list per kind, converted once: cheaper than a conversion per field.
-        numbers = np.array(
-            [x for t in values for x in (t.held, t.exclusive, t.chunks, t.remaining)],
-            dtype=np.int64,
-        ).reshape(len(values), 4)
-        held, exclusive, chunks, remaining = numbers.T.copy()
-        tokens = np.array([x for t in values for x in t.tokens], dtype=np.int64)
-        if like is not None and like.rids == rids and all(map(is_, values, like.tracks)):
+        if kept and like is not None and like.single_label:
+            numbers = np.array(
+                [
+                    x
+                    for t in values
+                    for x in (t.held, t.exclusive, t.chunks, t.remaining, *t.tokens)
+                ],
+                dtype=np.int64,
+            ).reshape(len(values), 5)
+            numbers, tokens = numbers[:, :4], numbers[:, 4].copy()
+        else:
+            numbers = np.array(
+                [x for t in values for x in (t.held, t.exclusive, t.chunks, t.remaining)],
+                dtype=np.int64,
+            ).reshape(len(values), 4)
+            tokens = np.array([x for t in values for x in t.tokens], dtype=np.int64)
+        if kept and like is not None:
             rows, row_starts, per_output, worst = (
                 like.rows,
                 like.row_starts,
@@ -86,87 +137,54 @@ class Columns:
             row_starts = np.cumsum(rows) - rows
             per_output = np.array([x for t in values for x in t.per_output], dtype=np.int64)
             worst = np.array([x for t in values for x in t.worst], dtype=np.int64)
-        offset = 1 - np.minimum(chunks, 1)
+        held, exclusive, chunks, remaining = numbers.T.copy()
+        offset = 1 - np.minimum(chunks, 1)  # j = k + offset: 1 decoding, 0 in prefill
         row_offset = offset if len(tokens) == len(rows) else np.repeat(offset, rows)
         slope = per_output * pace.advance
         lift = np.full(len(tokens), page_size - 1, dtype=np.int64)
         lift[row_starts] -= held * page_size
-        return cls(
+        lines = Lines(
             page_size,
-            values,
-            rids,
             rows,
             row_starts,
-            offset,
-            held,
-            exclusive,
-            np.minimum(chunks + remaining, NEVER),  # Track.end
-            tokens,
-            per_output,
-            worst,
             row_offset,
             slope,
             tokens + per_output * pace.lookahead + slope * row_offset + lift,
             worst + lift,
             np.minimum(tokens, worst) + lift,
+            exclusive,
+            np.minimum(chunks + remaining, NEVER),  # Track.end
         )
+        return cls(values, rids, kept, rows, row_starts, numbers, tokens, per_output, worst, lines)
 
     @property
     def single_label(self) -> bool:
         return len(self.tokens) == len(self.rows)
 
-    def subset(self, requests: Steps, closed: int = 0) -> Columns:
-        """The given requests, their curves read `closed` steps later (the term at k is theirs
-        at k + closed)."""
-        rows = requests
-        counts = self.rows[requests]
-        if not self.single_label:
-            within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            rows = np.repeat(self.row_starts[requests], counts) + within
-        return replace(
-            self,
-            tracks=(),
-            rids=(),
-            rows=counts,
-            row_starts=np.cumsum(counts) - counts,
-            offset=self.offset[requests] + closed,
-            held=self.held[requests],
-            exclusive=self.exclusive[requests],
-            end=self.end[requests] - closed,
-            tokens=self.tokens[rows],
-            per_output=self.per_output[rows],
-            worst=self.worst[rows],
-            row_offset=self.row_offset[rows] + closed,
-            slope=self.slope[rows],
-            start=self.start[rows] + self.slope[rows] * closed,
-            cap=self.cap[rows],
-            prompt=self.prompt[rows],
-        )
 
-
-def demand_of(columns: Columns, ks: Steps) -> Steps:
-    """Summed extra demand of the requests in `columns` at steps `ks`: each request's pages
+def demand_of(lines: Lines, ks: Steps) -> Steps:
+    """Summed extra demand of the requests in `lines` at steps `ks`: each request's pages
     beyond what it holds while it runs, minus its exclusive pages once it has finished.
     O(requests x len(ks)), in as few passes over that matrix as the arithmetic allows."""
-    if not len(columns.rows):
+    if not len(lines.rows):
         return np.zeros(len(ks), dtype=np.int64)
     # tokens, pages: [request-label rows, len(ks)]
-    tokens = columns.slope[:, None] * ks[None, :]
-    tokens += columns.start[:, None]
-    np.minimum(tokens, columns.cap[:, None], out=tokens)
-    early = np.flatnonzero(ks + int(columns.row_offset.min()) <= 0)  # some row has j <= 0
+    tokens = lines.slope[:, None] * ks[None, :]
+    tokens += lines.start[:, None]
+    np.minimum(tokens, lines.cap[:, None], out=tokens)
+    early = np.flatnonzero(ks + int(lines.row_offset.min()) <= 0)  # some row has j <= 0
     if len(early):
-        before = ks[early][None, :] + columns.row_offset[:, None] <= 0
-        tokens[:, early] = np.where(before, columns.prompt[:, None], tokens[:, early])
-    page_size = columns.page_size
+        before = ks[early][None, :] + lines.row_offset[:, None] <= 0
+        tokens[:, early] = np.where(before, lines.prompt[:, None], tokens[:, early])
+    page_size = lines.page_size
     if page_size & (page_size - 1) == 0:  # a shift: integer division is the slow step
         pages = np.right_shift(tokens, page_size.bit_length() - 1, out=tokens)
     else:
         pages = np.floor_divide(tokens, page_size, out=tokens)
-    if not columns.single_label:
-        pages = np.add.reduceat(pages, columns.row_starts, axis=0)
+    if not lines.single_label:
+        pages = np.add.reduceat(pages, lines.row_starts, axis=0)
     np.maximum(pages, 0, out=pages)
-    np.copyto(pages, -columns.exclusive[:, None], where=ks[None, :] >= columns.end[:, None])
+    np.copyto(pages, -lines.exclusive[:, None], where=ks[None, :] >= lines.end[:, None])
     return pages.sum(axis=0)  # type: ignore[no-any-return]
 
 
@@ -189,11 +207,12 @@ class Profile:
     def _arrange(self, columns: Columns, pace: Pace, clock: int) -> None:
         """Everything but the demand: the candidates and the returns, O(requests log)."""
         self.columns, self.pace, self.clock = columns, pace, clock
-        self.page_size = columns.page_size
+        self.page_size = columns.lines.page_size
         self.count = len(columns.rows)
-        order = np.argsort(columns.end, kind="stable")
-        self.ends_sorted = columns.end[order]
-        self.exclusive_by_end = columns.exclusive[order]
+        end = columns.lines.end
+        order = np.argsort(end, kind="stable")
+        self.ends_sorted = end[order]
+        self.exclusive_by_end = columns.lines.exclusive[order]
         self.returned_by = np.concatenate([[0], np.cumsum(self.exclusive_by_end)])
         self.finishes = _distinct(self.ends_sorted[self.ends_sorted < NEVER])
         # The peak is just before a finish, or after the last one (where nothing changes).
@@ -208,16 +227,20 @@ class Profile:
         profile = Profile.__new__(Profile)
         profile._arrange(columns, self.pace, clock)
         ks = profile.candidates
-        if closed < 0 or not self.count:
+        if closed < 0 or not self.count or len(columns.tokens) * len(ks) < FOLLOW_FROM:
             profile.demand_at_candidates = profile.evaluate(ks)
             return profile
-        index = self._old_index(columns)
-        same = self._unchanged(columns, index, closed)
-        changed_new = np.flatnonzero(~same)
-        changed_old = np.ones(self.count, dtype=bool)
-        changed_old[index[same]] = False
-        changed_old_count = int(changed_old.sum())
-        if len(changed_new) + changed_old_count >= max(len(same), 1):
+        if columns.kept:
+            same = self._unchanged(columns, None, closed)
+            changed_new = changed_old = np.flatnonzero(~same)
+        else:
+            index = self._old_index(columns)
+            same = self._unchanged(columns, index, closed)
+            changed_new = np.flatnonzero(~same)
+            gone = np.ones(self.count, dtype=bool)
+            gone[index[same]] = False
+            changed_old = np.flatnonzero(gone)
+        if len(changed_new) + len(changed_old) >= len(same):
             profile.demand_at_candidates = profile.evaluate(ks)  # a rebuild costs less
             return profile
         # Candidates this profile summed (one of its candidates, `closed` steps later) are
@@ -228,11 +251,11 @@ class Profile:
         if known.any():
             kept = ks[known]
             demand[known] = self.demand_at_candidates[at[known]]
-            if changed_old_count:
-                before = self.columns.subset(np.flatnonzero(changed_old), closed)
+            if len(changed_old):
+                before = self.columns.lines.subset(changed_old, closed)
                 demand[known] -= demand_of(before, kept)
             if len(changed_new):
-                demand[known] += demand_of(columns.subset(changed_new), kept)
+                demand[known] += demand_of(columns.lines.subset(changed_new), kept)
         if not known.all():
             demand[~known] = profile.evaluate(ks[~known])
         profile.demand_at_candidates = demand
@@ -240,52 +263,51 @@ class Profile:
 
     def _old_index(self, columns: Columns) -> Steps:
         """Per request of `columns`, its index here, or -1 if it was not running then."""
-        if columns.rids == self.columns.rids:
-            return np.arange(len(columns.rids), dtype=np.int64)
         position = {rid: i for i, rid in enumerate(self.columns.rids)}
         return np.array([position.get(rid, -1) for rid in columns.rids], dtype=np.int64)
 
-    def _unchanged(self, columns: Columns, index: Steps, closed: int) -> npt.NDArray[np.bool_]:
-        """Per request of `columns` (`index`: where it sits here, -1 if it was not running),
-        whether its term at every step k is its term here at k + closed. So it was: running,
-        decoding unless no step closed (a prefill's growth starts at the next step, so its curve
-        moves with the clock), with the same held, exclusive and labels, its finish `closed`
-        steps closer, and per label `advance` tokens per step closed further."""
+    def _unchanged(
+        self, columns: Columns, index: Steps | None, closed: int
+    ) -> npt.NDArray[np.bool_]:
+        """Per request of `columns` (`index`: where it sits here, -1 if it was not running;
+        None: the same tracks in the same order), whether its term at every step k is its term
+        here at k + closed. So it was: running, with the same held and exclusive pages and
+        labels, `closed` steps fewer left (its finish that much closer; an unknown budget stays
+        unknown), decoding unless no step closed (a prefill's growth starts at the next step,
+        so its curve moves with the clock), and per label `advance` tokens per step further."""
         old = self.columns
-        was = np.maximum(index, 0)
-        end = old.end[was]
-        same = (
-            (index >= 0)
-            & (columns.rows == old.rows[was])
-            & (columns.held == old.held[was])
-            & (columns.exclusive == old.exclusive[was])
-            & (columns.end == np.where(end >= NEVER, end, end - closed))
-            & (columns.offset == old.offset[was])
-        )
+        if index is None:
+            numbers, tokens, per_output = old.numbers, old.tokens, old.per_output
+            same = np.ones(len(numbers), dtype=bool)
+        else:
+            was = np.maximum(index, 0)
+            numbers = old.numbers[was]
+            # Each request's rows here, by its label count now: a name reused with other
+            # labels reads whatever rows sit there (clipped), and `same` is False for it.
+            rows = was
+            if not columns.single_label:
+                within = np.arange(len(columns.tokens)) - np.repeat(
+                    columns.row_starts, columns.rows
+                )
+                rows = np.repeat(old.row_starts[was], columns.rows) + within
+            rows = np.minimum(rows, len(old.tokens) - 1)
+            tokens, per_output = old.tokens[rows], old.per_output[rows]
+            same = (index >= 0) & (columns.rows == old.rows[was])
         if closed:
-            same &= columns.offset == 1
-        if not len(same):
-            return same
-        # Each request's rows here, by its label count now: a name reused with other labels
-        # reads whatever rows sit there (clipped), and `same` is already False for it.
-        rows = was
-        if not columns.single_label:
-            within = np.arange(len(columns.tokens)) - np.repeat(columns.row_starts, columns.rows)
-            rows = np.repeat(old.row_starts[was], columns.rows) + within
-        rows = np.minimum(rows, len(old.tokens) - 1)
-        per_output = old.per_output[rows]
-        same_rows = (
-            (columns.per_output == per_output)
-            & (columns.worst == old.worst[rows])
-            & (columns.tokens == old.tokens[rows] + per_output * (self.pace.advance * closed))
-        )
+            numbers = numbers.copy()
+            numbers[:, 3] -= np.where(numbers[:, 3] >= NEVER, 0, closed)
+            same &= columns.numbers[:, 2] == 0
+        same &= (columns.numbers == numbers).all(axis=1)
+        same_rows = columns.tokens == tokens + per_output * (self.pace.advance * closed)
+        if index is not None:
+            same_rows &= (columns.per_output == per_output) & (columns.worst == old.worst[rows])
         if not columns.single_label:
             same_rows = np.logical_and.reduceat(same_rows, columns.row_starts)
         return same & same_rows  # type: ignore[no-any-return]
 
     def evaluate(self, ks: Steps) -> Steps:
         """Extra demand at any steps `ks`: O(requests x len(ks))."""
-        return demand_of(self.columns, ks)
+        return demand_of(self.columns.lines, ks)
 
     def demand(self, ks: Steps) -> Steps:
         """Extra demand at steps `ks` (sorted): read off the candidates, evaluated elsewhere."""
