@@ -18,8 +18,8 @@ from kvbank.peakfit import NEVER, peak_shape
 from kvbank.peakprofile import Profile
 from kvbank.peaktimeline import Hold, PeakPolicy, Timeline
 
-OPS = ["add", "add", "restore", "take", "advance", "deviate", "step", "end_step", "remove"]
-OPS += ["supply"]
+OPS = ["add", "add", "restore", "start", "take", "advance", "deviate", "exclusive", "step"]
+OPS += ["end_step", "remove", "supply"]
 
 
 def bound(timeline: Timeline, k: int) -> int:
@@ -98,7 +98,15 @@ def drive(data: st.DataObject) -> None:
             pages = data.draw(st.integers(0, 3))
             idle = data.draw(st.integers(0, pages))
             hit = Hold(pages, idle, data.draw(st.integers(0, pages - idle)))
-            timeline.add(rid, data.draw(st.sampled_from([shape, None])), shape.pages, hit)
+            given = data.draw(st.sampled_from([shape, None]))
+            deferred = given is not None and data.draw(st.booleans())  # started later
+            timeline.add(rid, given, shape.pages, hit, deferred=deferred)
+        elif op == "start" and timeline.unstarted:
+            rid = data.draw(st.sampled_from(sorted(timeline.unstarted)))
+            timeline.start(rid, data.draw(st.integers(0, 3)))
+        elif op == "exclusive" and running:
+            rid = data.draw(st.sampled_from(running))
+            timeline.set_exclusive(rid, data.draw(st.integers(0, timeline.tracks[rid].held)))
         elif op == "take" and running:
             timeline.take(data.draw(st.sampled_from(running)), data.draw(st.integers(0, 3)))
         elif op == "advance" and running:
