@@ -16,9 +16,9 @@ its worst-case number of chunks: it has surely finished, and returned its exclus
 step chunks + remaining - 1. Summed over the running
 requests, extra demand (pages beyond what each holds now, minus what finished ones return) only
 rises between two finishes, so its peak is at the step before a finish: one candidate step per
-running request. The timeline keeps that demand at the candidates (the profile, rebuilt once
-after each change: O(requests x candidates) in numpy), and an admission test evaluates only the
-newcomer's curve at them.
+running request. The timeline keeps that demand at the candidates (the profile,
+kvbank/peakprofile.py: carried from step to step, re-evaluating only the requests whose curve
+changed), and an admission test evaluates only the newcomer's curve at them.
 
 Why this keeps the promise, and where each assumption is kept: docs/admission.md.
 """
@@ -150,96 +150,6 @@ def flat_track(pages: int, page_size: int, held: int) -> Track:
     """A request whose shape the ledger was not given: its worst case, until it is released."""
     worst = (pages * page_size,)
     return Track(list(worst), (0,), worst, 0, NEVER, held, 0, NEVER, (0,))
-
-
-class Profile:
-    """Extra demand of the running requests at their candidate steps, and the pages their
-    finishes return by then. Built from the tracks as they stand; immutable."""
-
-    def __init__(self, tracks: list[Track], page_size: int, pace: Pace):
-        self.page_size = page_size
-        self.pace = pace
-        n = len(tracks)
-        self.count = n
-        rows = [len(t.tokens) for t in tracks]
-        self.single_label = all(r == 1 for r in rows)
-        self.row_starts = np.cumsum([0, *rows[:-1]], dtype=np.int64) if n else np.zeros(0, int)
-        # Column vectors, one row per (request, label), built once per profile.
-        self.tokens = np.array([x for t in tracks for x in t.tokens], dtype=np.int64)[:, None]
-        self.per_output = np.array([x for t in tracks for x in t.per_output], dtype=np.int64)[
-            :, None
-        ]
-        self.worst = np.array([x for t in tracks for x in t.worst], dtype=np.int64)[:, None]
-        prefilling = np.minimum(np.array([t.chunks for t in tracks], dtype=np.int64), 1)
-        self.offset = np.repeat(1 - prefilling, rows)[:, None]  # j = k + offset
-        self.held = np.array([t.held for t in tracks], dtype=np.int64)
-        self.exclusive = np.array([t.exclusive for t in tracks], dtype=np.int64)
-        self.end = np.array([t.end for t in tracks], dtype=np.int64)
-        self._held_c, self._end_c = self.held[:, None], self.end[:, None]
-        self._neg_exclusive_c = -self.exclusive[:, None]
-        # A power-of-two page size divides by a shift (integer division is the slow step).
-        self._shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
-        order = np.argsort(self.end, kind="stable")
-        self.ends_sorted = self.end[order]
-        self.exclusive_by_end = self.exclusive[order]
-        self.returned_by = np.concatenate([[0], np.cumsum(self.exclusive_by_end)])
-        finite = self.end[self.end < NEVER]
-        self.finishes = np.unique(finite)
-        # The peak is just before a finish, or after the last one (where nothing changes).
-        after_last = self.finishes[-1:] if len(self.finishes) else np.zeros(0, np.int64)
-        self.candidates = np.unique(
-            np.concatenate([[0], np.maximum(self.end - 1, 0), after_last]).astype(np.int64)
-        )
-        self.demand_at_candidates = self._evaluate(self.candidates)
-
-    def evaluate(self, ks: Steps) -> Steps:
-        """Extra demand at any steps `ks`: O(requests x len(ks))."""
-        return self._evaluate(ks)
-
-    def _evaluate(self, ks: Steps) -> Steps:
-        if self.count == 0:
-            return np.zeros(len(ks), dtype=np.int64)
-        # steps, tokens, pages: [request-label rows, len(ks)]
-        steps = ks[None, :] + self.offset
-        np.maximum(steps, 0, out=steps)
-        written = steps * self.pace.advance if self.pace.advance != 1 else steps
-        if self.pace.lookahead:
-            written = written + self.pace.lookahead * np.minimum(steps, 1)
-        tokens = self.tokens + self.per_output * written
-        np.minimum(tokens, self.worst, out=tokens)
-        if self._shift >= 0:
-            tokens += self.page_size - 1
-            pages = np.right_shift(tokens, self._shift, out=tokens)
-        else:
-            pages = -(-tokens // self.page_size)
-        if not self.single_label:
-            pages = np.add.reduceat(pages, self.row_starts, axis=0)
-        pages -= self._held_c
-        np.maximum(pages, 0, out=pages)
-        term = np.where(ks[None, :] < self._end_c, pages, self._neg_exclusive_c)
-        return term.sum(axis=0)  # type: ignore[no-any-return]
-
-    def demand(self, ks: Steps) -> Steps:
-        """Extra demand at steps `ks` (sorted): read off the candidates, evaluated elsewhere."""
-        idx = np.minimum(np.searchsorted(self.candidates, ks), len(self.candidates) - 1)
-        known = self.candidates[idx] == ks
-        out = self.demand_at_candidates[idx].copy()
-        if not known.all():
-            out[~known] = self._evaluate(ks[~known])
-        return out  # type: ignore[no-any-return]
-
-    def returned(self, ks: Steps, pinned: int = 0) -> Steps:
-        """Exclusive pages the running requests have returned by steps `ks`; with `pinned`, as
-        if each of them had that many fewer (a newcomer leases pages one of them held alone)."""
-        by = self.returned_by
-        if pinned:
-            by = np.concatenate([[0], np.cumsum(np.maximum(self.exclusive_by_end - pinned, 0))])
-        return by[np.searchsorted(self.ends_sorted, ks, side="right")]  # type: ignore[no-any-return]
-
-    def peak(self) -> tuple[int, int]:
-        """(highest extra demand, the step it is reached)."""
-        i = int(np.argmax(self.demand_at_candidates))
-        return int(self.demand_at_candidates[i]), int(self.candidates[i])
 
 
 def newcomer(

@@ -3,8 +3,9 @@ backfill promise. The ledger owns one when it is built with a `PeakPolicy`; with
 its conservative reading alone.
 
 Cost: a test reads the cached profile and evaluates the newcomer at its candidate steps (one
-numpy pass over about as many steps as there are running requests); the profile is rebuilt once
-after any change (O(requests x candidates)), so a run of checks between steps pays it once.
+numpy pass over about as many steps as there are running requests); the profile is brought up to
+date once after any change, from the previous one (kvbank/peakprofile.py: O(changed requests x
+candidates) in a typical step), so a run of checks between steps pays it once.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from kvbank.peakfit import (
     NEVER,
     Pace,
     PeakShape,
-    Profile,
     Track,
     flat_track,
     newcomer,
     steps_for,
     track_for,
 )
+from kvbank.peakprofile import Profile
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class Timeline:
         self.clock = 0  # steps closed so far
         self._promise: tuple[str, int] | None = None  # (head, the step it is promised by)
         self._profile: Profile | None = None
+        self._followed: Profile | None = None  # the latest profile built; the next follows it
         # Admitted but not yet started by the engine (a decision on its way to a remote engine):
         # the shape it will run with. Until it starts its track has no finish (see `add`).
         self.unstarted: dict[str, PeakShape] = {}
@@ -95,7 +97,11 @@ class Timeline:
 
     def profile(self) -> Profile:
         if self._profile is None:
-            self._profile = Profile(list(self.tracks.values()), self.policy.page_size, self.pace)
+            if self._followed is None:
+                self._profile = Profile(self.tracks, self.policy.page_size, self.pace, self.clock)
+            else:
+                self._profile = self._followed.follow(self.tracks, self.clock)
+            self._followed = self._profile
         return self._profile
 
     def _changed(self) -> None:
