@@ -24,9 +24,10 @@ from __future__ import annotations
 import contextlib
 
 from kvbank.engine.admission import AdmissionBackend
+from kvbank.engine.decisions import DecisionReader, pinned_chains
 from kvbank.engine.policy import AdmissionPolicy, register
-from kvbank.engine.request import FinishReason, Request
-from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, UnknownRequest
+from kvbank.engine.request import Request
+from kvbank.ledger import Decision, Hit, InvariantBreach, UnknownRequest
 
 
 class BankerPolicy(AdmissionPolicy):
@@ -35,7 +36,7 @@ class BankerPolicy(AdmissionPolicy):
     def __init__(self, backend: AdmissionBackend) -> None:
         self.backend = backend
         self._take = backend.take  # bound once: a busy step takes pages for many requests
-        self._last_seq = -1
+        self._reader = DecisionReader()
         self._reported: dict[str, int] = {}  # rid -> pinned pages last reported
         # (head, index version, slack) at the last pin: with none of them changed the pin cannot
         # grow, so the head is not re-peeked (the common busy step costs one comparison).
@@ -87,37 +88,13 @@ class BankerPolicy(AdmissionPolicy):
         """Apply decisions in sequence order; True when any request was admitted."""
         sched = self.sched
         admitted = False
-        for decision in sorted(decisions, key=lambda d: d.seq):
-            if decision.seq <= self._last_seq:
-                continue
-            self._last_seq = decision.seq
-            req = sched.waiting_by_rid.get(decision.rid)
-            if req is None:  # aborted while the decision was on its way
-                if isinstance(decision, Admitted):
-                    self.backend.release(decision.rid)
-                continue
-            self._reported.pop(req.rid, None)
-            if not isinstance(decision, Admitted):
-                sched.kv.unpin(req)
-                sched.dequeue(req)
-                sched.finish(req, FinishReason.REJECTED)
-                continue
-            if decision.reserved != req.count.total:
-                raise InvariantBreach(
-                    f"request {req.rid!r} was admitted for {decision.reserved} pages but the "
-                    f"engine counts {req.count.total}"
-                )
-            labels = max(1, len(req.layout))
-            depth = decision.hit.pages // labels
-            if decision.hit.pages > sched.kv.pinned_pages(req):
-                raise InvariantBreach(
-                    f"request {req.rid!r} was admitted with a {decision.hit.pages}-page hit but "
-                    f"only {sched.kv.pinned_pages(req)} pages are pinned for it"
-                )
-            sched.kv.unpin(req, keep=depth)
-            sched.start(req, {name: list(chain) for name, chain in req.pinned.items()})
+        for req, _ in self._reader.admissions(sched, self.backend, decisions, self._forget):
+            sched.start(req, pinned_chains(req))
             admitted = True
         return admitted
+
+    def _forget(self, rid: str) -> None:
+        self._reported.pop(rid, None)
 
     def on_shortage(self, req: Request) -> Request | None:
         raise InvariantBreach(

@@ -37,9 +37,10 @@ from typing import cast
 import kvbank.engine.banker
 import kvbank.engine.baselines  # noqa: F401  (registered first: `all` keeps banker first)
 from kvbank.engine.admission import AdmissionBackend, PeakBackend, embedded
+from kvbank.engine.decisions import DecisionReader, pinned_chains
 from kvbank.engine.kv import Chains
 from kvbank.engine.policy import AdmissionPolicy, register
-from kvbank.engine.request import FinishReason, Request
+from kvbank.engine.request import Request
 from kvbank.engine.scheduler import Scheduler
 from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, UnknownRequest
 from kvbank.peakfit import PeakShape, peak_shape
@@ -64,7 +65,7 @@ class PeakFitPolicy(AdmissionPolicy):
         # left); the next end_step then counts every request's exclusive pages afresh.
         self._sharing_changed = False
         self._reported: dict[str, int] = {}  # deferred: pages of the head's pin last reported
-        self._last_seq = -1  # deferred: the last decision applied
+        self._reader = DecisionReader()  # deferred: decisions applied once, in order
 
     def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
@@ -196,44 +197,23 @@ class PeakFitPolicy(AdmissionPolicy):
 
     def _apply(self, decisions: list[Decision]) -> None:
         sched = self.sched
-        for decision in sorted(decisions, key=lambda d: d.seq):
-            if decision.seq <= self._last_seq:
-                continue  # a resent decision: applied once
-            self._last_seq = decision.seq
-            req = sched.waiting_by_rid.get(decision.rid)
-            if req is None:  # cancelled while the decision was on its way
-                if isinstance(decision, Admitted):
-                    self.backend.release(decision.rid)
-                continue
-            self._reported.pop(req.rid, None)
-            if not isinstance(decision, Admitted):
-                sched.kv.unpin(req)
-                sched.dequeue(req)
-                sched.finish(req, FinishReason.REJECTED)
-                continue
-            if decision.reserved != req.count.total:
-                raise InvariantBreach(
-                    f"request {req.rid!r} was admitted for {decision.reserved} pages but the "
-                    f"engine counts {req.count.total}"
-                )
-            if decision.hit.pages > sched.kv.pinned_pages(req):
-                raise InvariantBreach(
-                    f"request {req.rid!r} was admitted with a {decision.hit.pages}-page hit but "
-                    f"only {sched.kv.pinned_pages(req)} pages are pinned for it"
-                )
+        reader, forget = self._reader, self._forget
+        for req, decision in reader.admissions(sched, self.backend, decisions, forget):
             if len(sched.running) >= self.running_cap:
                 raise InvariantBreach(
                     f"request {req.rid!r} was admitted beyond the room the engine reported: "
                     f"{len(sched.running)} run, the cap is {self.running_cap}"
                 )
-            sched.kv.unpin(req, keep=decision.hit.pages // max(1, len(req.layout)))
             self._shapes.pop(req.rid, None)
             chunks = self._prefill_bound(req)
             self.backend.start(req.rid, chunks)  # before the prompt's pages are taken
-            sched.start(req, {name: list(chain) for name, chain in req.pinned.items()})
+            sched.start(req, pinned_chains(req))
             self._chunks[req.rid] = chunks
             if decision.hit.pages:
                 self._sharing_changed = True
+
+    def _forget(self, rid: str) -> None:
+        self._reported.pop(rid, None)
 
     # ---- pages ---------------------------------------------------------------------------------
 

@@ -1,0 +1,67 @@
+"""Applying a backend's decisions in the engine: once each, in sequence order.
+
+Both ledger policies (kvbank.engine.banker, and kvbank.engine.peak when its backend defers) read
+decisions that may arrive late, twice, or for a request that left meanwhile. What they share is
+here: a decision at or below the last applied sequence number is skipped (a backend that resends
+is harmless); an admission of a request that is gone is released at once; a refusal finishes its
+request as rejected; an admission must reserve what the engine counts and lease no more than is
+pinned for it, and its pins past the hit are dropped. Starting the request is the caller's (the
+policies start it differently), one admission at a time, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from kvbank.engine.admission import AdmissionBackend
+from kvbank.engine.request import FinishReason, Request
+from kvbank.engine.scheduler import Scheduler
+from kvbank.ledger import Admitted, Decision, InvariantBreach
+
+
+class DecisionReader:
+    def __init__(self) -> None:
+        self.last_seq = -1
+
+    def admissions(
+        self,
+        sched: Scheduler,
+        backend: AdmissionBackend,
+        decisions: list[Decision],
+        forget: Callable[[str], None],
+    ) -> Iterator[tuple[Request, Admitted]]:
+        """The admissions to start, each with its waiting request, its pins cut to its hit;
+        `forget(rid)` runs for every decided request still waiting."""
+        for decision in sorted(decisions, key=lambda d: d.seq):
+            if decision.seq <= self.last_seq:
+                continue  # a resent decision: applied once
+            self.last_seq = decision.seq
+            req = sched.waiting_by_rid.get(decision.rid)
+            if req is None:  # it left while the decision was on its way
+                if isinstance(decision, Admitted):
+                    backend.release(decision.rid)
+                continue
+            forget(req.rid)
+            if not isinstance(decision, Admitted):
+                sched.kv.unpin(req)
+                sched.dequeue(req)
+                sched.finish(req, FinishReason.REJECTED)
+                continue
+            if decision.reserved != req.count.total:
+                raise InvariantBreach(
+                    f"request {req.rid!r} was admitted for {decision.reserved} pages but the "
+                    f"engine counts {req.count.total}"
+                )
+            pinned = sched.kv.pinned_pages(req)
+            if decision.hit.pages > pinned:
+                raise InvariantBreach(
+                    f"request {req.rid!r} was admitted with a {decision.hit.pages}-page hit but "
+                    f"only {pinned} pages are pinned for it"
+                )
+            sched.kv.unpin(req, keep=decision.hit.pages // max(1, len(req.layout)))
+            yield req, decision
+
+
+def pinned_chains(req: Request) -> dict[str, list[int]]:
+    """What an admitted request leases: the pages still pinned for it."""
+    return {name: list(chain) for name, chain in req.pinned.items()}
