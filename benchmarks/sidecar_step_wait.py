@@ -26,10 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvbank.engine.engine import Engine, EngineConfig
+from kvbank.engine.engine import Engine
 from kvbank.engine.scenario import Scenario, load_scenario
-from kvbank.engine.virtual import VirtualRunner
-from kvbank.engine.workload import generate
+from kvbank.engine.simulate import run_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"serving on [\d.]+:(\d+)")
@@ -52,41 +51,23 @@ def timed(fn: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
 
 
 def run(sc: Scenario, policy: str, backend: Any, step_s: float) -> dict[str, float]:
-    config = EngineConfig(sc.model, sc.pages, policy=policy)
-    runner = VirtualRunner(sc.cost, seed=sc.workload.seed)
-    engine = Engine(config, runner, backend)
     spent: list[float] = [0.0]
-    engine.policy.admit = timed(engine.policy.admit, spent)  # type: ignore[method-assign]
-    engine.policy.end_step = timed(engine.policy.end_step, spent)  # type: ignore[method-assign]
-    specs = generate(sc.workload)
-    live: set[str] = set()
-    completed = 0
-    concurrency = sc.workload.concurrency or 8
-    while True:
-        while len(live) < concurrency and (spec := next(specs, None)) is not None:
-            engine.add_request(
-                spec.rid,
-                spec.prompt,
-                spec.cls.max_tokens,
-                extra_tokens=dict(spec.cls.fixed_label_tokens or {}),
-                labels=spec.cls.only_labels,
-            )
-            runner.stop_after(spec.rid, spec.output_tokens)
-            live.add(spec.rid)
-        if not engine.has_work():
-            break
-        for out in engine.step():
-            if out.finished:
-                live.discard(out.rid)
-                completed += 1
+
+    def prepare(engine: Engine) -> None:
+        engine.policy.admit = timed(engine.policy.admit, spent)  # type: ignore[method-assign]
+        engine.policy.end_step = timed(engine.policy.end_step, spent)  # type: ignore[method-assign]
+
+    def after_step() -> None:
         time.sleep(step_s)
         spent.append(0.0)
+
+    result = run_policy(sc, policy, backend=backend, prepare=prepare, after_step=after_step)
     waits = [s * 1e6 for s in spent[:-1]]
     return {
         "p50_us": statistics.median(waits),
         "p99_us": percentile(waits, 99),
         "steps": len(waits),
-        "completed": completed,
+        "completed": result.metrics["completed"],
     }
 
 

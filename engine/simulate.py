@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,11 +55,17 @@ def run_policy(
     debug: bool = False,
     progress: bool = False,
     backend: AdmissionBackend | None = None,
+    prepare: Callable[[Engine], None] | None = None,
+    after_step: Callable[[], None] | None = None,
 ) -> RunResult:
-    """`backend` replaces the embedded ledger (kvbank.sidecar.backend for a sidecar)."""
+    """`backend` replaces the embedded ledger (kvbank.sidecar.backend for a sidecar);
+    `prepare` sees the engine before the first request, `after_step` runs after every step
+    (a benchmark that times the policy, or paces steps in wall time)."""
     config = EngineConfig(scenario.model, scenario.pages, policy=policy, debug=debug)
     runner = VirtualRunner(scenario.cost, seed=scenario.workload.seed)
     engine = Engine(config, runner, backend)
+    if prepare is not None:
+        prepare(engine)
     workload = scenario.workload
     specs = generate(workload)
     upcoming: deque[RequestSpec] = deque()
@@ -150,6 +157,8 @@ def run_policy(
                 if bar is not None:
                     bar.update(1)
         timeline.append((clock, engine.kv.pool.held, engine.num_running))
+        if after_step is not None:
+            after_step()
         if clock - last_progress > DEADLOCK_S:
             stop = f"deadlock: no token for {DEADLOCK_S:g} s at {clock:.1f} s"
             break
