@@ -37,6 +37,7 @@ from kvbank.engine.tp_sync import (
     FollowerBackend,
     FollowerRunner,
     LeaderRunner,
+    PeakFollowerBackend,
     Plan,
     RecordingBackend,
 )
@@ -172,8 +173,10 @@ def _leader(
     from kvbank.engine.model.stack import build_stack, options_sidecar_backend
     from kvbank.engine.serve import serve_stack
 
+    # The followers replay rank 0's backend: the banker's always, a peak-fit one when it is in
+    # the sidecar (deferred). An embedded peak-fit ledger runs on every rank alike instead.
     recording = None
-    if options.policy == "banker":
+    if options.policy == "banker" or options.sidecar:
         inner = (options_sidecar_backend(options) if options.sidecar
                  else embedded(options.pages, debug=options.debug))  # fmt: skip
         recording = RecordingBackend(inner)
@@ -252,7 +255,11 @@ def _follower(
     from kvbank.engine.model.stack import build_stack
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: rank 0 says when to stop
-    backend = FollowerBackend(options.pages, options.debug) if options.policy == "banker" else None
+    backend: Any = None
+    if options.policy == "banker":
+        backend = FollowerBackend(options.pages, options.debug)
+    elif options.sidecar:
+        backend = PeakFollowerBackend()
     # Decisions come from rank 0's plans over the process group, not from a sidecar: a pod's
     # own sidecar, rendered beside every rank, is not asked (see docs/operator.md).
     follower_options = dataclasses.replace(options, sidecar=None)

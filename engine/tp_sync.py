@@ -29,6 +29,7 @@ import torch.distributed as dist
 from kvbank.engine.admission import AdmissionBackend, EmbeddedBackend
 from kvbank.engine.runner import SamplingParams, StepBatch, StepResult
 from kvbank.ledger import Admitted, Decision, Hit, Ledger
+from kvbank.peakfit import PeakShape
 
 IDLE = "idle"
 NO_ROWS = "no rows"
@@ -51,8 +52,7 @@ class Plan:
     seq: int
     kind: str = "step"  # "step", "idle" (heartbeat), "stop" (rank 0 shuts down), "error"
     journal: list[Added | str] = field(default_factory=list)  # adds, and aborted request ids
-    # Rank 0's backend answers in call order: decisions (poll, collect) and settled() flags.
-    polls: list[list[Decision] | bool] = field(default_factory=list)
+    polls: list[Answer] = field(default_factory=list)  # rank 0's backend's answers, in order
     message: str = ""
 
 
@@ -93,15 +93,41 @@ class Channel:
             )
 
 
+@dataclass(frozen=True)
+class Headroom:
+    """Rank 0's pin budget at a step (a peak-fit follower pins with the same one)."""
+
+    pages: int
+
+
+# One answer of rank 0's backend, in call order: decisions (poll, collect), settled(), headroom().
+Answer = list[Decision] | bool | Headroom
+
+
 class RecordingBackend:
-    """Rank 0's backend: the real one (embedded ledger or sidecar), with each poll's answer
-    recorded for the step's plan."""
+    """Rank 0's backend: the real one (embedded ledger or sidecar), with each answer a
+    follower must replay recorded for the step's plan: decisions, whether admission was
+    settled, and (peak-fit over a sidecar) the pin budget. The peak-fit events pass through."""
 
     def __init__(self, inner: AdmissionBackend) -> None:
         self.inner = inner
-        self.polls: list[list[Decision] | bool] = []
+        self.polls: list[Answer] = []
 
-    def take_polls(self) -> list[list[Decision] | bool]:
+    def __getattr__(self, name: str) -> Any:
+        # The peak-fit backend's own events (configure, advance, start, ...) need no record:
+        # every rank makes the same calls, and only the answers above differ in time.
+        return getattr(self.inner, name)
+
+    @property
+    def defers(self) -> bool:
+        return bool(getattr(self.inner, "defers", False))
+
+    def headroom(self) -> int:
+        pages = int(self.inner.headroom())  # type: ignore[attr-defined]
+        self.polls.append(Headroom(pages))
+        return pages
+
+    def take_polls(self) -> list[Answer]:
         polls, self.polls = self.polls, []
         return polls
 
@@ -121,8 +147,13 @@ class RecordingBackend:
         self.polls.append(answer)
         return answer
 
-    def submit(self, rid: str, pages: int, refusal: str | None = None) -> None:
-        self.inner.submit(rid, pages, refusal)
+    def submit(
+        self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None
+    ) -> None:
+        if shape is None:
+            self.inner.submit(rid, pages, refusal)
+        else:
+            self.inner.submit(rid, pages, refusal, shape=shape)  # type: ignore[call-arg]
 
     def cancel(self, rid: str) -> None:
         self.inner.cancel(rid)
@@ -157,11 +188,11 @@ class FollowerBackend(EmbeddedBackend):
 
     def __init__(self, total_pages: int, debug: bool = False) -> None:
         super().__init__(Ledger(total_pages, debug=debug))
-        self._planned: list[list[Decision] | bool] = []
+        self._planned: list[Answer] = []
         self._last_seq = -1
 
-    def expect(self, polls: list[list[Decision] | bool]) -> None:
-        left = [d for batch in self._planned if not isinstance(batch, bool) for d in batch]
+    def expect(self, polls: list[Answer]) -> None:
+        left = [d for batch in self._planned if isinstance(batch, list) for d in batch]
         if left:
             raise TPDiverged(f"decisions of rank 0 were never applied here: {left}")
         self._planned = list(polls)
@@ -182,8 +213,8 @@ class FollowerBackend(EmbeddedBackend):
         if not self._planned:
             return []
         decisions = self._planned.pop(0)
-        if isinstance(decisions, bool):
-            raise TPDiverged("this rank polled for decisions where rank 0 asked whether settled")
+        if not isinstance(decisions, list):
+            raise TPDiverged(f"this rank polled for decisions where rank 0 answered {decisions}")
         refused = {r.rid for r in self._refused}
         self._refused.clear()
         ledger = self.ledger
@@ -209,6 +240,73 @@ class FollowerBackend(EmbeddedBackend):
                 )
             ledger.admit_head(decision.hit)
         return decisions
+
+
+class PeakFollowerBackend:
+    """A follower's backend under a peak-fit ledger in rank 0's sidecar: it decides nothing and
+    keeps no ledger. It replays rank 0's answers in order (decisions, settled, the pin budget),
+    so the follower's policy pins, starts and reports exactly as rank 0's did; its events go
+    nowhere. A follower asking what rank 0 did not ask has diverged."""
+
+    defers = True
+
+    def __init__(self) -> None:
+        self._planned: list[Answer] = []
+
+    def expect(self, polls: list[Answer]) -> None:
+        left = [d for batch in self._planned if isinstance(batch, list) for d in batch]
+        if left:
+            raise TPDiverged(f"decisions of rank 0 were never applied here: {left}")
+        self._planned = list(polls)
+
+    def _next(self, kind: type) -> Answer:
+        answer = self._planned.pop(0) if self._planned else None
+        if type(answer) is not kind:
+            raise TPDiverged(
+                f"this rank asked for a {kind.__name__} answer where rank 0's next was {answer!r}"
+            )
+        assert answer is not None
+        return answer
+
+    def poll(self, room: int) -> list[Decision]:
+        return self._next(list) if self._planned else []  # type: ignore[return-value]
+
+    def collect(self) -> list[Decision]:
+        return self.poll(0)
+
+    def settled(self) -> bool:
+        return bool(self._next(bool))
+
+    def headroom(self) -> int:
+        answer = self._next(Headroom)
+        assert isinstance(answer, Headroom)
+        return answer.pages
+
+    def submit(self, *args: Any, **kwargs: Any) -> None: ...
+    def configure(self, *args: Any) -> None: ...
+    def cancel(self, rid: str) -> None: ...
+    def report_hits(self, hits: Mapping[str, Hit]) -> None: ...
+    def take(self, rid: str, pages: int) -> None: ...
+    def release(self, rid: str) -> None: ...
+    def set_supply(self, free: int, evictable: int) -> None: ...
+    def set_prefill_chunks(self, rid: str, chunks: int) -> None: ...
+    def advance(self, *args: Any) -> None: ...
+    def start(self, rid: str, prefill_chunks: int) -> None: ...
+    def set_exclusive(self, rid: str, pages: int) -> None: ...
+    def note_pin(self, cost: int) -> None: ...
+    def check_integrity(self, free: int, evictable: int) -> None: ...
+
+    def end_step(self) -> list[str]:
+        return []
+
+    def stalled_steps(self) -> int:
+        return 0
+
+    def outstanding(self) -> int:
+        return 0
+
+    def admit_pass(self, peek: Any, started: Any) -> None:
+        raise TPDiverged("a peak-fit follower replays rank 0's deferred decisions; it runs no pass")
 
 
 class LeaderRunner:

@@ -96,13 +96,13 @@ def sidecar_backend(
     return backend
 
 
-def options_sidecar_backend(options: ServeOptions, blocking: bool = False) -> AdmissionBackend:
+def options_sidecar_backend(options: ServeOptions) -> AdmissionBackend:
     """The sidecar backend `--sidecar` (and `--sidecar-token-file`) ask for."""
     assert options.sidecar is not None
     token = None
     if options.sidecar_token_file:
         token = Path(options.sidecar_token_file).read_text().strip() or None
-    return sidecar_backend(options.sidecar, options.pages, token, blocking)
+    return sidecar_backend(options.sidecar, options.pages, token)
 
 
 def build_stack(
@@ -148,11 +148,7 @@ def build_stack(
     attention = options.attention or default_attention(device)
     runner = TorchRunner(model, options.pages, options.page_size, eos, attention, options.seed)
     if backend is None and options.sidecar:  # kvbank serve accepts only the sidecar's policies
-        # Tensor-parallel followers replay only the banker's decisions (kvbank.engine.tp_sync);
-        # under a peak-fit policy each rank runs the same ledger pass, so rank 0's sidecar must
-        # decide in step with theirs: blocking.
-        in_step = parallel is not None and parallel.world > 1 and options.policy != "banker"
-        backend = options_sidecar_backend(options, blocking=in_step)
+        backend = options_sidecar_backend(options)
     engine_config = EngineConfig(
         capacity,
         options.pages,

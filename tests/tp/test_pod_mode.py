@@ -58,24 +58,24 @@ def rendered_env(rank: int, dist_port: int) -> dict[str, str]:
 
 
 def serve(
-    model: Path, port: int, env: dict[str, str], sidecar: str | None = None
+    model: Path, port: int, env: dict[str, str], sidecar: str | None = None, policy: str = "banker"
 ) -> subprocess.Popen[bytes]:
     """`kvbank serve` with the figures the operator renders for POOL; `sidecar`: the pod's
     sidecar (every pod gets --sidecar; only rank 0 asks it), else the embedded ledger."""
     command = [sys.executable, "-m", "kvbank.cli", "serve", "--model", str(model),
                "--port", str(port), "--pages", "256", "--page-size", "16", "--max-seq-len", "512",
-               "--max-tokens", "256", "--policy", "banker"]  # fmt: skip
+               "--max-tokens", "256", "--policy", policy]  # fmt: skip
     if sidecar is not None:
         command += ["--sidecar", sidecar]
     return subprocess.Popen(command, env=child_env(env), cwd=ROOT)
 
 
 def start_pair(
-    model: Path, sidecar: str | None = None
+    model: Path, sidecar: str | None = None, policy: str = "banker"
 ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
     dist_port = free_port()
     ports = [free_port(), free_port()]
-    ranks = [serve(model, ports[r], rendered_env(r, dist_port), sidecar) for r in range(2)]
+    ranks = [serve(model, ports[r], rendered_env(r, dist_port), sidecar, policy) for r in range(2)]
     return ranks, [f"http://127.0.0.1:{p}" for p in ports]
 
 
@@ -88,15 +88,17 @@ def start_sidecar() -> tuple[subprocess.Popen[bytes], str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", ["banker", "peak+backfill"])
 def test_two_pods_answer_like_one_engine_and_a_follower_points_to_rank_0(
-    builtin_model_dir: Path,
+    builtin_model_dir: Path, policy: str
 ) -> None:
-    """Rank 0 admits through its sidecar, as rendered; the single engine with its embedded
+    """Rank 0 admits through its sidecar, as rendered, without waiting on it; the follower
+    replays its decisions (and, under peak-fit, its pins). The single engine with its embedded
     ledger gives the reference answers."""
     single_port = free_port()
     single = serve(builtin_model_dir, single_port, {})
     sidecar, address = start_sidecar()
-    ranks, (leader, follower) = start_pair(builtin_model_dir, address)
+    ranks, (leader, follower) = start_pair(builtin_model_dir, address, policy)
     try:
         wait_healthy(f"http://127.0.0.1:{single_port}", [single])
         wait_healthy(leader, ranks)

@@ -15,7 +15,7 @@ from tp_procs import PROMPTS, ROOT, answers, child_env, free_port, kill_all, sto
 
 from kvbank.engine.model.stack import ServeOptions
 from kvbank.engine.tp import rank_command
-from kvbank.engine.tp_sync import FollowerBackend, TPDiverged
+from kvbank.engine.tp_sync import FollowerBackend, Headroom, PeakFollowerBackend, TPDiverged
 from kvbank.ledger import Admitted, Hit
 
 
@@ -140,3 +140,21 @@ def test_a_tp_size_the_heads_cannot_split_is_refused_before_any_rank_starts(
 
     with pytest.raises(ValueError, match="num_attention_heads=8 is not divisible by --tp 3"):
         run_tp(ServeOptions(model=str(builtin_model_dir)), 3, "127.0.0.1", free_port())
+
+
+def test_a_peak_fit_follower_replays_rank_0s_answers_in_order_and_nothing_else() -> None:
+    backend = PeakFollowerBackend()
+    decision = Admitted("a", 0, 6, Hit(2, 0, 0))
+    backend.expect([[], True, Headroom(5), [decision]])
+    assert backend.collect() == []
+    assert backend.settled() is True
+    assert backend.headroom() == 5  # the follower pins with rank 0's budget
+    assert backend.poll(3) == [decision]
+    backend.expect([True])
+    with pytest.raises(
+        TPDiverged, match="asked for a Headroom answer where rank 0's next was True"
+    ):
+        backend.headroom()
+    backend.expect([[decision]])
+    with pytest.raises(TPDiverged, match="never applied here"):
+        backend.expect([])
