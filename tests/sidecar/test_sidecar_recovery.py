@@ -58,6 +58,52 @@ def test_a_sidecar_killed_mid_run_and_restarted_loses_nothing_and_counts_nothing
     assert (status.running, status.waiting, status.outstanding, status.reserved) == (0, 0, 0, 0)
 
 
+def test_a_sidecar_killed_under_a_non_blocking_peak_fit_engine_loses_nothing() -> None:
+    """The served path: the engine never waits, decisions in flight die with the sidecar, and
+    admissions decided but not yet started are restored at their worst case; a late Start for
+    one of them is taken as what it is."""
+    policy = "peak+backfill"
+    sc = scenario("shared-prefix", 24, 16)
+    local = run(sc, embedded(sc.pages, debug=True), policy=policy)
+    first, port, _ = spawn_sidecar("--metrics-port", "-1", "--debug", "--policy", policy)
+    address = f"127.0.0.1:{port}"
+    processes = [first]
+    client = SidecarClient(address, retry_budget_s=20)
+    backend = SidecarBackend(client, sc.pages, blocking=False)
+    seen: dict[str, int] = {}
+
+    def restart() -> None:
+        again = spawn_sidecar("--listen", address, "--metrics-port", "-1", "--debug", "--policy",
+                              policy)  # fmt: skip
+        processes.append(again[0])
+
+    def kill_mid_run(step: int) -> None:
+        time.sleep(0.0005)  # a forward pass: replies arrive within steps, as when serving
+        if seen or step < 300:
+            return
+        status = client.status()
+        if not (status.running and status.waiting):
+            return
+        seen.update(running=status.running, waiting=status.waiting)
+        first.send_signal(signal.SIGKILL)
+        first.wait(5)
+        threading.Timer(0.5, restart).start()
+
+    try:
+        remote = run(sc, backend, on_step=kill_mid_run, policy=policy)
+        backend.flush()
+        status = client.status()
+    finally:
+        client.close()
+        for proc in processes:
+            stop_process(proc)
+    assert seen["running"] > 0 and seen["waiting"] > 0  # killed with work in both states
+    assert backend.sessions_opened == 2
+    assert remote.completions == local.completions  # none lost
+    assert sorted(remote.admitted) == sorted(local.completions)  # each admitted once
+    assert (status.running, status.waiting, status.outstanding, status.reserved) == (0, 0, 0, 0)
+
+
 def test_a_dead_engines_reservations_are_dropped_and_a_new_session_starts_clean(
     tmp_path: Path,
 ) -> None:
