@@ -24,6 +24,10 @@ Races between deciding (here) and applying (in the engine, one step later when i
 
 A report is all-or-nothing: it is applied to a copy of the ledger, which replaces the ledger
 only when every event succeeded, so bad input leaves the ledger as it was.
+
+This module keeps the session's life (open, expire), a report's checks and commit, and status.
+The session record and its errors are in kvbank.sidecar.session, what the events do to a ledger
+in kvbank.sidecar.reports, and the rounds of a stepwise pass in kvbank.sidecar.stepwise.
 """
 
 from __future__ import annotations
@@ -31,55 +35,30 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger, Refused
+from kvbank.ledger import Admitted, InvalidPages, Ledger
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.decision_log import DecisionLog
 from kvbank.sidecar.metrics import SidecarMetrics
-from kvbank.sidecar.peakpass import (
-    SIDECAR_MODES,
-    OpenPass,
-    check_answer,
-    hit_from_wire,
-    hit_to_wire,
-    peak_policy,
-    shape_from_wire,
-)
+from kvbank.sidecar.peakpass import SIDECAR_MODES, OpenPass, hit_from_wire, peak_policy
+from kvbank.sidecar.reports import apply_events, fill_pool, peek_within_room
+from kvbank.sidecar.session import OutOfOrder, PolicyMismatch, PoolMismatch, Session, SessionGone
+from kvbank.sidecar.stepwise import StepwiseRounds
+
+__all__ = [
+    "AdmissionState",
+    "OutOfOrder",
+    "PolicyMismatch",
+    "PoolMismatch",
+    "Session",
+    "SessionGone",
+    "fill_pool",
+]
 
 
-class SessionGone(Exception):
-    """The report names a session this sidecar does not hold (it restarted, the lease expired,
-    or a newer session replaced it): the engine must open a new one."""
+class AdmissionState(StepwiseRounds):
+    """The state the sidecar's service serves: one engine session, its ledger, the log."""
 
-
-class OutOfOrder(Exception):
-    """A sequence number that does not follow the last one."""
-
-
-class PoolMismatch(Exception):
-    """The engine's pool is not the pool this sidecar was started for."""
-
-
-class PolicyMismatch(Exception):
-    """The engine runs an admission policy other than the one this sidecar's ledger runs."""
-
-
-@dataclass
-class Session:
-    id: int
-    engine_id: str
-    lease_s: float
-    last_report: float
-    report_seq: int = 0
-    applied_seq: int = -1
-    last_reply: pb.ReportReply | None = None
-    last_request: bytes = b""  # to tell a retry from a different report under the same number
-    unapplied_idle: dict[int, int] = field(default_factory=dict)  # admission seq -> idle pages
-    open_pass: OpenPass | None = None  # a stepwise admission pass waiting for an answer
-
-
-class AdmissionState:
     def __init__(
         self,
         pool_pages: int | None = None,
@@ -198,51 +177,8 @@ class AdmissionState:
 
         unapplied = {q: i for q, i in s.unapplied_idle.items() if q > req.applied_seq}
         ledger = self.ledger.copy()
-        decisions: list[Admitted | Refused] = []
         now = self._clock()
-        arrived: list[str] = []
-        stalled: list[str] = []
-        for event in req.events:
-            kind = event.WhichOneof("kind")
-            if kind == "submit":
-                ev = event.submit
-                shape = (
-                    shape_from_wire(ev.rid, ev.shape, ev.pages) if ev.HasField("shape") else None
-                )
-                refused = ledger.submit(ev.rid, ev.pages, ev.refusal or None, shape=shape)
-                if refused is not None:
-                    decisions.append(refused)
-                else:
-                    arrived.append(ev.rid)
-            elif kind == "cancel":
-                ledger.cancel(event.cancel.rid)
-            elif kind == "take":
-                ledger.take(event.take.rid, event.take.pages)
-            elif kind == "release":
-                res = ledger.release(event.release.rid)
-                unapplied.pop(res.seq, None)  # released before applied: its lease never comes
-            elif kind == "supply":
-                pending_idle = sum(unapplied.values())
-                evictable = max(0, event.supply.evictable - pending_idle)
-                # Unchanged figures are not a report, as with the embedded ledger: a peak
-                # ledger counts released pages as returning until the next real report.
-                if (event.supply.free, evictable) != (ledger.free, ledger.evictable):
-                    ledger.set_supply(event.supply.free, evictable)
-            elif kind == "advance":
-                _advance(ledger, event.advance)
-            elif kind == "end_step":
-                stalled += ledger.end_step()
-            elif kind == "start":
-                ledger.start(event.start.rid, event.start.prefill_chunks)
-            elif kind == "exclusive":
-                ledger.set_exclusive(event.exclusive.rid, event.exclusive.pages)
-            else:
-                raise InvalidPages(
-                    "an event must carry one of submit, cancel, take, release, supply, "
-                    "advance, end_step, start, exclusive"
-                )
-        for step in req.progress:
-            _advance(ledger, step)
+        decisions, arrived, stalled = apply_events(ledger, req, unapplied)
         if req.admit and req.stepwise:
             kept_idle = s.unapplied_idle
             s.open_pass, s.unapplied_idle = OpenPass(ledger), unapplied
@@ -255,7 +191,7 @@ class AdmissionState:
             room = req.room if req.HasField("room") else None
             # The engine applies these when the reply reaches it: a peak-fit ledger keeps them
             # open-ended until it reports their start.
-            peek, started = _peek(hits, room)
+            peek, started = peek_within_room(hits, room)
             admitted = ledger.admit_ready(peek, started, deferred=True)
             out_of_room = room is not None and len(admitted) >= room
             waited = ledger.head is not None and not out_of_room  # the head lacks pages
@@ -286,89 +222,6 @@ class AdmissionState:
         s.last_request = req.SerializeToString(deterministic=True)
         return reply
 
-    def _resume(
-        self,
-        req: pb.ReportRequest,
-        s: Session,
-        committed: tuple[Ledger, list[Admitted | Refused], list[str], list[str]] | None = None,
-    ) -> pb.ReportReply:
-        """One round of a stepwise pass (see kvbank.sidecar.peakpass). `committed`: the round
-        that opens it, with the ledger after that report's events and what they decided."""
-        open_pass = s.open_pass
-        assert open_pass is not None or committed is None
-        if open_pass is None:
-            raise OutOfOrder("no admission pass is open; send an admit report to open one")
-        if committed is None:
-            if not (req.resume and req.admit and req.stepwise):
-                raise OutOfOrder(
-                    f"an admission pass waits for the hit of {open_pass.asked!r}; answer it "
-                    f"with a stepwise admit report with resume set before anything else"
-                )
-            answer = check_answer(req, open_pass.asked)
-            open_pass.answers.append(answer)
-            try:
-                ledger, admitted, asked = open_pass.replay()
-            except BaseException:
-                open_pass.answers.pop()
-                raise
-            decided: list[Admitted | Refused] = []
-            arrived: list[str] = []
-            stalled: list[str] = []
-        else:
-            ledger, decided, arrived, stalled = committed
-            ledger, admitted, asked = open_pass.replay()
-            # The events before the pass stand on their own: a later round replays from here.
-            open_pass.base = committed[0]
-            self._commit(committed[0])
-        if self.debug and not asked:
-            ledger.check_integrity()
-        now = self._clock()
-        s.report_seq, s.applied_seq, s.last_report = req.report_seq, req.applied_seq, now
-        for rid in arrived:
-            self._arrived[rid] = now
-        reply = pb.ReportReply(peek=asked)
-        fresh = [*decided, *admitted[open_pass.told :]]
-        for d in sorted(fresh, key=lambda d: d.seq):
-            entry = self._record(d, s, now)
-            if isinstance(d, Admitted) and d.hit.idle_pages:
-                s.unapplied_idle[d.seq] = d.hit.idle_pages
-            reply.decisions.append(entry)
-        open_pass.told, open_pass.asked = len(admitted), asked
-        if not asked:  # the pass is over: its ledger is the ledger
-            self._commit(ledger)
-            s.open_pass = None
-            if ledger.head is not None and ledger.promised is None:
-                self.metrics.waits.inc()
-        reply.waiting = ledger.waiting_count()
-        fill_pool(reply.pool, ledger, totals=False)
-        reply.stalled.extend(stalled)
-        reply.stalled_steps = ledger.stalled_steps
-        s.last_reply = reply
-        s.last_request = req.SerializeToString(deterministic=True)
-        return reply
-
-    def _commit(self, ledger: Ledger) -> None:
-        """`ledger` replaces the ledger; the steps it closed with a stalled request count."""
-        before = self.ledger.stalled_steps if self.ledger is not None else 0
-        if ledger.stalled_steps > before:
-            self.metrics.stalled_steps.inc(ledger.stalled_steps - before)
-        self.ledger = ledger
-
-    def _record(self, d: Admitted | Refused, s: Session, now: float) -> pb.Decision:
-        entry = pb.Decision(seq=d.seq, rid=d.rid, session=s.id)
-        if isinstance(d, Admitted):
-            entry.admit.reserved = d.reserved
-            entry.admit.hit.CopyFrom(hit_to_wire(d.hit))
-            self.metrics.admissions.inc()
-            arrived = self._arrived.pop(d.rid, None)
-            if arrived is not None:
-                self.metrics.admission_wait.observe(now - arrived)
-        else:
-            entry.refuse.message = d.message
-            self.metrics.rejections.inc()
-        self.log.append(entry)
-        return entry
-
     # ---- status --------------------------------------------------------------------------------
 
     def status(self) -> pb.StatusReply:
@@ -390,51 +243,3 @@ class AdmissionState:
         for res in snap.running:
             reply.running.add(rid=res.rid, reserved=res.reserved, held=res.held, seq=res.seq)
         return reply
-
-
-def _advance(ledger: Ledger, step: pb.Progress) -> None:
-    if min(step.produced, step.chunks_left, *step.tokens_per_label.values()) < 0:
-        raise InvalidPages(
-            f"progress of {step.rid!r}: produced {step.produced}, chunks_left "
-            f"{step.chunks_left} and tokens {dict(step.tokens_per_label)} must be >= 0"
-        )
-    exclusive = step.exclusive if step.HasField("exclusive") else None
-    ledger.advance(
-        step.rid, step.produced, dict(step.tokens_per_label) or None, step.chunks_left, exclusive
-    )
-
-
-def _peek(
-    hits: dict[str, Hit], room: int | None
-) -> tuple[Callable[[str], Hit | None], Callable[[Admitted], None]]:
-    """The reported hit of each request tried (none reported: no hit), and None (stop) once
-    `room` requests were admitted; the second function counts the admissions."""
-    admitted = 0
-
-    def peek(rid: str) -> Hit | None:
-        if room is not None and admitted >= room:
-            return None
-        return hits.get(rid, NO_HIT)
-
-    def started(decision: Admitted) -> None:
-        nonlocal admitted
-        admitted += 1
-
-    return peek, started
-
-
-def fill_pool(pool: pb.PoolFigures, ledger: Ledger, totals: bool = True) -> None:
-    """`totals` adds reserved and held, which cost a pass over the running requests: status
-    has them, a report's reply (on every engine step) does not."""
-    pool.total_pages = ledger.total_pages
-    pool.usable_pages = ledger.usable_pages
-    pool.free = ledger.free
-    pool.evictable = ledger.evictable
-    pool.outstanding = ledger.outstanding
-    # A peak ledger's headroom costs a profile: sent when a waiting request may want a pin.
-    if ledger.policy is None or not ledger.policy.peak or ledger.waiting_count():
-        pool.headroom = max(0, ledger.headroom)
-    if totals:
-        running = ledger.running()
-        pool.reserved = sum(r.reserved for r in running)
-        pool.held = sum(r.held for r in running)

@@ -1,0 +1,114 @@
+"""What one report does to a ledger: its events applied in order (`apply_events`), the peek an
+admission pass uses within the engine's room (`peek_within_room`), and the pool figures a reply
+carries (`fill_pool`). Pure functions over a `Ledger`: the caller (kvbank.sidecar.state) hands
+them a copy, so a report that fails part way leaves the real ledger as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger, Refused
+from kvbank.proto import admission_pb2 as pb
+from kvbank.sidecar.peakpass import shape_from_wire
+
+
+def apply_events(
+    ledger: Ledger, req: pb.ReportRequest, unapplied: dict[int, int]
+) -> tuple[list[Admitted | Refused], list[str], list[str]]:
+    """Apply a report's events and progress to `ledger`; returns the refusals at submit, the
+    requests that arrived (queued) and the requests a closed step found stalled. `unapplied`
+    maps admissions the engine has not applied yet to their idle hit pages: a supply report
+    still counts those pages evictable, so they come off it (see kvbank.sidecar.state), and a
+    release before the engine applied the admission drops its entry."""
+    decisions: list[Admitted | Refused] = []
+    arrived: list[str] = []
+    stalled: list[str] = []
+    for event in req.events:
+        kind = event.WhichOneof("kind")
+        if kind == "submit":
+            ev = event.submit
+            shape = shape_from_wire(ev.rid, ev.shape, ev.pages) if ev.HasField("shape") else None
+            refused = ledger.submit(ev.rid, ev.pages, ev.refusal or None, shape=shape)
+            if refused is not None:
+                decisions.append(refused)
+            else:
+                arrived.append(ev.rid)
+        elif kind == "cancel":
+            ledger.cancel(event.cancel.rid)
+        elif kind == "take":
+            ledger.take(event.take.rid, event.take.pages)
+        elif kind == "release":
+            res = ledger.release(event.release.rid)
+            unapplied.pop(res.seq, None)  # released before applied: its lease never comes
+        elif kind == "supply":
+            pending_idle = sum(unapplied.values())
+            evictable = max(0, event.supply.evictable - pending_idle)
+            # Unchanged figures are not a report, as with the embedded ledger: a peak
+            # ledger counts released pages as returning until the next real report.
+            if (event.supply.free, evictable) != (ledger.free, ledger.evictable):
+                ledger.set_supply(event.supply.free, evictable)
+        elif kind == "advance":
+            advance(ledger, event.advance)
+        elif kind == "end_step":
+            stalled += ledger.end_step()
+        elif kind == "start":
+            ledger.start(event.start.rid, event.start.prefill_chunks)
+        elif kind == "exclusive":
+            ledger.set_exclusive(event.exclusive.rid, event.exclusive.pages)
+        else:
+            raise InvalidPages(
+                "an event must carry one of submit, cancel, take, release, supply, "
+                "advance, end_step, start, exclusive"
+            )
+    for step in req.progress:
+        advance(ledger, step)
+    return decisions, arrived, stalled
+
+
+def advance(ledger: Ledger, step: pb.Progress) -> None:
+    """One request's progress from the wire, checked for negative counts first."""
+    if min(step.produced, step.chunks_left, *step.tokens_per_label.values()) < 0:
+        raise InvalidPages(
+            f"progress of {step.rid!r}: produced {step.produced}, chunks_left "
+            f"{step.chunks_left} and tokens {dict(step.tokens_per_label)} must be >= 0"
+        )
+    exclusive = step.exclusive if step.HasField("exclusive") else None
+    ledger.advance(
+        step.rid, step.produced, dict(step.tokens_per_label) or None, step.chunks_left, exclusive
+    )
+
+
+def peek_within_room(
+    hits: dict[str, Hit], room: int | None
+) -> tuple[Callable[[str], Hit | None], Callable[[Admitted], None]]:
+    """The reported hit of each request tried (none reported: no hit), and None (stop) once
+    `room` requests were admitted; the second function counts the admissions."""
+    admitted = 0
+
+    def peek(rid: str) -> Hit | None:
+        if room is not None and admitted >= room:
+            return None
+        return hits.get(rid, NO_HIT)
+
+    def started(decision: Admitted) -> None:
+        nonlocal admitted
+        admitted += 1
+
+    return peek, started
+
+
+def fill_pool(pool: pb.PoolFigures, ledger: Ledger, totals: bool = True) -> None:
+    """`totals` adds reserved and held, which cost a pass over the running requests: status
+    has them, a report's reply (on every engine step) does not."""
+    pool.total_pages = ledger.total_pages
+    pool.usable_pages = ledger.usable_pages
+    pool.free = ledger.free
+    pool.evictable = ledger.evictable
+    pool.outstanding = ledger.outstanding
+    # A peak ledger's headroom costs a profile: sent when a waiting request may want a pin.
+    if ledger.policy is None or not ledger.policy.peak or ledger.waiting_count():
+        pool.headroom = max(0, ledger.headroom)
+    if totals:
+        running = ledger.running()
+        pool.reserved = sum(r.reserved for r in running)
+        pool.held = sum(r.held for r in running)
