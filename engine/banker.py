@@ -24,10 +24,10 @@ from __future__ import annotations
 import contextlib
 
 from kvbank.engine.admission import AdmissionBackend
-from kvbank.engine.decisions import DecisionReader, pinned_chains
+from kvbank.engine.decisions import DecisionReader, HeadPin, pinned_chains
 from kvbank.engine.policy import AdmissionPolicy, register
 from kvbank.engine.request import Request
-from kvbank.ledger import Decision, Hit, InvariantBreach, UnknownRequest
+from kvbank.ledger import Decision, InvariantBreach, UnknownRequest
 
 
 class BankerPolicy(AdmissionPolicy):
@@ -37,10 +37,7 @@ class BankerPolicy(AdmissionPolicy):
         self.backend = backend
         self._take = backend.take  # bound once: a busy step takes pages for many requests
         self._reader = DecisionReader()
-        self._reported: dict[str, int] = {}  # rid -> pinned pages last reported
-        # (head, index version, slack) at the last pin: with none of them changed the pin cannot
-        # grow, so the head is not re-peeked (the common busy step costs one comparison).
-        self._pinned_at: tuple[str, int, int] | None = None
+        self._pin = HeadPin()
 
     def on_arrival(self, req: Request) -> None:
         # The page need is the engine's own count_pages result, never a client's number.
@@ -48,7 +45,7 @@ class BankerPolicy(AdmissionPolicy):
 
     def on_cancel(self, req: Request) -> None:
         self.sched.kv.unpin(req)
-        self._reported.pop(req.rid, None)
+        self._pin.forget(req.rid)
         # A remote ledger may have admitted it already: `_apply` releases that Admitted.
         with contextlib.suppress(UnknownRequest):
             self.backend.cancel(req.rid)
@@ -65,36 +62,18 @@ class BankerPolicy(AdmissionPolicy):
                 return
 
     def _pin_and_report(self) -> None:
-        sched, kv = self.sched, self.sched.kv
-        if not sched.waiting or not sched.waiting[0].cacheable:
-            return
-        head = sched.waiting[0]
-        slack = max(0, kv.supply - self.backend.outstanding())
-        state = (head.rid, kv.index.version, slack)
-        if state == self._pinned_at:
-            return
-        pinned = kv.pin(head, slack)
-        self._pinned_at = (
-            head.rid,
-            kv.index.version,
-            max(0, kv.supply - self.backend.outstanding()),
-        )
-        if pinned != self._reported.get(head.rid, 0):
-            self._reported[head.rid] = pinned
-            self.backend.set_supply(kv.free, kv.evictable)
-            self.backend.report_hits({head.rid: Hit(pinned, 0)})
+        # Idle pages only up to the slack, so the ledger stays safe while the pin waits.
+        kv, backend = self.sched.kv, self.backend
+        self._pin.grow(self.sched, backend, lambda: max(0, kv.supply - backend.outstanding()))
 
     def _apply(self, decisions: list[Decision]) -> bool:
         """Apply decisions in sequence order; True when any request was admitted."""
         sched = self.sched
         admitted = False
-        for req, _ in self._reader.admissions(sched, self.backend, decisions, self._forget):
+        for req, _ in self._reader.admissions(sched, self.backend, decisions, self._pin.forget):
             sched.start(req, pinned_chains(req))
             admitted = True
         return admitted
-
-    def _forget(self, rid: str) -> None:
-        self._reported.pop(rid, None)
 
     def on_shortage(self, req: Request) -> Request | None:
         raise InvariantBreach(

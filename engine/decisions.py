@@ -1,4 +1,5 @@
-"""Applying a backend's decisions in the engine: once each, in sequence order.
+"""Applying a backend's decisions in the engine: once each, in sequence order; and pinning the
+waiting head's hit for a backend that decides later.
 
 Both ledger policies (kvbank.engine.banker, and kvbank.engine.peak when its backend defers) read
 decisions that may arrive late, twice, or for a request that left meanwhile. What they share is
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterator
 from kvbank.engine.admission import AdmissionBackend
 from kvbank.engine.request import FinishReason, Request
 from kvbank.engine.scheduler import Scheduler
-from kvbank.ledger import Admitted, Decision, InvariantBreach
+from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach
 
 
 class DecisionReader:
@@ -65,3 +66,44 @@ class DecisionReader:
 def pinned_chains(req: Request) -> dict[str, list[int]]:
     """What an admitted request leases: the pages still pinned for it."""
     return {name: list(chain) for name, chain in req.pinned.items()}
+
+
+class HeadPin:
+    """The waiting head's cached hit, pinned for a backend that may decide later and reported
+    to it (kvbank.engine.banker explains why only the head). A pin only grows while its request
+    waits, within the budget the caller gives; with the head, the index and the budget as they
+    were at the last pin, it cannot grow, so the busy step costs one comparison, not a peek."""
+
+    def __init__(self) -> None:
+        self._reported: dict[str, int] = {}  # rid -> pinned pages last reported
+        self._at: tuple[str, int, int] | None = None  # (head, index version, budget) after it
+
+    def forget(self, rid: str) -> None:
+        self._reported.pop(rid, None)
+
+    def grow(
+        self,
+        sched: Scheduler,
+        backend: AdmissionBackend,
+        budget: Callable[[], int],
+        sole_costs: bool = False,
+    ) -> list[int]:
+        """Pin more of the head's hit (`KVCache.pin`) and, when the pin changed, report the
+        pool's supply and the hit: pinned pages are held, so the hit has no idle part, and no
+        running request counts one as its own any more, so no sole part. Returns the pages
+        pinned now (empty when nothing changed)."""
+        if not sched.waiting or not sched.waiting[0].cacheable:
+            return []
+        head, kv = sched.waiting[0], sched.kv
+        allowed = budget()
+        if (head.rid, kv.index.version, allowed) == self._at:
+            return []
+        depth = len(next(iter(head.pinned.values()), ()))
+        pinned = kv.pin(head, allowed, sole_costs)
+        self._at = (head.rid, kv.index.version, budget())
+        if pinned == self._reported.get(head.rid, 0):
+            return []
+        self._reported[head.rid] = pinned
+        backend.set_supply(kv.free, kv.evictable)
+        backend.report_hits({head.rid: Hit(pinned, 0, 0)})
+        return [page for chain in head.pinned.values() for page in chain[depth:]]

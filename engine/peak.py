@@ -37,7 +37,7 @@ from typing import cast
 import kvbank.engine.banker
 import kvbank.engine.baselines  # noqa: F401  (registered first: `all` keeps banker first)
 from kvbank.engine.admission import AdmissionBackend, PeakBackend, embedded
-from kvbank.engine.decisions import DecisionReader, pinned_chains
+from kvbank.engine.decisions import DecisionReader, HeadPin, pinned_chains
 from kvbank.engine.kv import Chains
 from kvbank.engine.policy import AdmissionPolicy, register
 from kvbank.engine.request import Request
@@ -64,7 +64,7 @@ class PeakFitPolicy(AdmissionPolicy):
         # Set when pages changed hands between requests (a shared hit leased, or a co-holder
         # left); the next end_step then counts every request's exclusive pages afresh.
         self._sharing_changed = False
-        self._reported: dict[str, int] = {}  # deferred: pages of the head's pin last reported
+        self._pin = HeadPin()  # deferred: the head's hit, pinned and reported
         self._reader = DecisionReader()  # deferred: decisions applied once, in order
 
     def bind(self, sched: Scheduler) -> None:
@@ -100,7 +100,7 @@ class PeakFitPolicy(AdmissionPolicy):
 
     def on_cancel(self, req: Request) -> None:
         self._shapes.pop(req.rid, None)
-        self._reported.pop(req.rid, None)
+        self._pin.forget(req.rid)
         self.sched.kv.unpin(req)
         # A deferred ledger may have admitted it already: `_apply` releases that admission.
         with contextlib.suppress(UnknownRequest):
@@ -166,38 +166,21 @@ class PeakFitPolicy(AdmissionPolicy):
     # ---- deferred decisions (a sidecar the step does not wait on) -------------------------------
 
     def _pin_head(self) -> None:
-        sched = self.sched
-        if not sched.waiting or not sched.waiting[0].cacheable:
-            return
-        head, kv = sched.waiting[0], sched.kv
-        before = kv.pinned_pages(head)
-        depth = len(next(iter(head.pinned.values()), ()))
-        refcount = kv.pool.refcount
-        budget = self.backend.headroom()
-        pinned = kv.pin(head, budget, sole_costs=True)
-        if pinned == before:
-            if pinned != self._reported.get(head.rid, 0):
-                self._report_pin(head, pinned)
+        backend = self.backend
+        new = self._pin.grow(self.sched, backend, backend.headroom, sole_costs=True)
+        if not new:
             return
         # What the new pins cost: idle pages left the supply, and a page one running request
         # held alone no longer returns when that request finishes (now shared with the pin).
-        new = [page for chain in head.pinned.values() for page in chain[depth:]]
-        cost = sum(1 for page in new if refcount[page] <= 2)
-        self.backend.note_pin(cost)
+        refcount = self.sched.kv.pool.refcount
+        backend.note_pin(sum(1 for page in new if refcount[page] <= 2))
         if any(refcount[page] == 2 for page in new):
-            for req in sched.running.values():
-                self.backend.set_exclusive(req.rid, self._exclusive(req))
-        self._report_pin(head, pinned)
-
-    def _report_pin(self, head: Request, pinned: int) -> None:
-        self._reported[head.rid] = pinned
-        # No running request counts a pinned page as its own any more (the exact counts went
-        # with this report), so the hit has no sole part; nor an idle one: pinned pages are held.
-        self.backend.report_hits({head.rid: Hit(pinned, 0, 0)})
+            for req in self.sched.running.values():
+                backend.set_exclusive(req.rid, self._exclusive(req))
 
     def _apply(self, decisions: list[Decision]) -> None:
         sched = self.sched
-        reader, forget = self._reader, self._forget
+        reader, forget = self._reader, self._pin.forget
         for req, decision in reader.admissions(sched, self.backend, decisions, forget):
             if len(sched.running) >= self.running_cap:
                 raise InvariantBreach(
@@ -211,9 +194,6 @@ class PeakFitPolicy(AdmissionPolicy):
             self._chunks[req.rid] = chunks
             if decision.hit.pages:
                 self._sharing_changed = True
-
-    def _forget(self, rid: str) -> None:
-        self._reported.pop(rid, None)
 
     # ---- pages ---------------------------------------------------------------------------------
 
