@@ -138,8 +138,8 @@ class SidecarBackend(BackendWire):
         engine's state at the question, which a later step no longer has."""
         if not self.blocking:
             raise InvariantBreach(
-                f"the {self.policy} policy admits through the sidecar with a blocking backend "
-                f"only; use --policy banker for a non-blocking engine"
+                "a non-blocking backend defers its decisions (`defers`): the engine admits "
+                "through collect and poll, never through a stepwise pass"
             )
         request = self._build(0, admit=True)
         request.stepwise = True

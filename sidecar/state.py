@@ -36,7 +36,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from kvbank.ledger import Admitted, InvalidPages, Ledger
+from kvbank.ledger import InvalidPages, Ledger
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.decision_log import DecisionLog
 from kvbank.sidecar.metrics import SidecarMetrics
@@ -207,20 +207,11 @@ class AdmissionState(StepwiseRounds):
         for rid in arrived:
             self._arrived[rid] = now
         reply = pb.ReportReply(waiting=ledger.waiting_count())
-        for d in sorted(decisions, key=lambda d: d.seq):
-            entry = self._record(d, s, now)
-            if isinstance(d, Admitted) and d.hit.idle_pages:
-                unapplied[d.seq] = d.hit.idle_pages
-            reply.decisions.append(entry)
+        self._record_all(reply, decisions, s, now, unapplied)
         s.unapplied_idle = unapplied
         if waited:
             self.metrics.waits.inc()
-        fill_pool(reply.pool, ledger, totals=False)
-        reply.stalled.extend(stalled)
-        reply.stalled_steps = ledger.stalled_steps
-        s.last_reply = reply
-        s.last_request = req.SerializeToString(deterministic=True)
-        return reply
+        return self._close(reply, req, s, ledger, stalled)
 
     # ---- status --------------------------------------------------------------------------------
 

@@ -71,12 +71,7 @@ class StepwiseRounds:
         for rid in arrived:
             self._arrived[rid] = now
         reply = pb.ReportReply(peek=asked)
-        fresh = [*decided, *admitted[open_pass.told :]]
-        for d in sorted(fresh, key=lambda d: d.seq):
-            entry = self._record(d, s, now)
-            if isinstance(d, Admitted) and d.hit.idle_pages:
-                s.unapplied_idle[d.seq] = d.hit.idle_pages
-            reply.decisions.append(entry)
+        self._record_all(reply, [*decided, *admitted[open_pass.told :]], s, now, s.unapplied_idle)
         open_pass.told, open_pass.asked = len(admitted), asked
         if not asked:  # the pass is over: its ledger is the ledger
             self._commit(ledger)
@@ -84,12 +79,7 @@ class StepwiseRounds:
             if ledger.head is not None and ledger.promised is None:
                 self.metrics.waits.inc()
         reply.waiting = ledger.waiting_count()
-        fill_pool(reply.pool, ledger, totals=False)
-        reply.stalled.extend(stalled)
-        reply.stalled_steps = ledger.stalled_steps
-        s.last_reply = reply
-        s.last_request = req.SerializeToString(deterministic=True)
-        return reply
+        return self._close(reply, req, s, ledger, stalled)
 
     def _commit(self, ledger: Ledger) -> None:
         """`ledger` replaces the ledger; the steps it closed with a stalled request count."""
@@ -97,6 +87,34 @@ class StepwiseRounds:
         if ledger.stalled_steps > before:
             self.metrics.stalled_steps.inc(ledger.stalled_steps - before)
         self.ledger = ledger
+
+    def _record_all(
+        self,
+        reply: pb.ReportReply,
+        decisions: list[Admitted | Refused],
+        s: Session,
+        now: float,
+        unapplied: dict[int, int],
+    ) -> None:
+        """Log the decisions into the reply in sequence order; an admission's idle hit pages
+        stay off the reported evictable count until the engine has applied it."""
+        for d in sorted(decisions, key=lambda d: d.seq):
+            entry = self._record(d, s, now)
+            if isinstance(d, Admitted) and d.hit.idle_pages:
+                unapplied[d.seq] = d.hit.idle_pages
+            reply.decisions.append(entry)
+
+    def _close(
+        self, reply: pb.ReportReply, req: pb.ReportRequest, s: Session, ledger: Ledger,
+        stalled: list[str],
+    ) -> pb.ReportReply:  # fmt: skip
+        """The figures every reply carries; kept as the answer to a retry of `req`."""
+        fill_pool(reply.pool, ledger, totals=False)
+        reply.stalled.extend(stalled)
+        reply.stalled_steps = ledger.stalled_steps
+        s.last_reply = reply
+        s.last_request = req.SerializeToString(deterministic=True)
+        return reply
 
     def _record(self, d: Admitted | Refused, s: Session, now: float) -> pb.Decision:
         entry = pb.Decision(seq=d.seq, rid=d.rid, session=s.id)

@@ -76,13 +76,9 @@ def resolve_model_dir(options: ServeOptions) -> tuple[str, Path]:
     return path.resolve().name, path
 
 
-def sidecar_backend(
-    address: str, total_pages: int, token: str | None = None, blocking: bool = False
-) -> AdmissionBackend:
-    """The gRPC backend of `kvbank.sidecar.backend`. Non-blocking (every policy when serving):
-    the step loop never waits on the sidecar; its decisions are applied at a later step.
-    Blocking: a peak-fit pass asks for each candidate's hit as the engine stands then, so the
-    step waits for its few loopback round trips, and decides exactly as the embedded ledger."""
+def sidecar_backend(address: str, total_pages: int, token: str | None = None) -> AdmissionBackend:
+    """The gRPC backend of `kvbank.sidecar.backend`, non-blocking under every policy: the step
+    loop never waits on the sidecar; its decisions are applied at a later step."""
     try:
         module = importlib.import_module("kvbank.sidecar.backend")
         connect = module.connect
@@ -92,7 +88,7 @@ def sidecar_backend(
             f"reach a sidecar with ({exc}); run without --sidecar to admit with the embedded "
             f"ledger"
         ) from exc
-    backend: AdmissionBackend = connect(address, total_pages, blocking=blocking, token=token)
+    backend: AdmissionBackend = connect(address, total_pages, blocking=False, token=token)
     return backend
 
 
