@@ -57,9 +57,8 @@ class PeakHooks(LedgerChecks):
         """A running request's pages no one else holds, counted by the pool after a pin or a
         lease shared some of them (a progress report carries the same count each step)."""
         res = self.reservation(rid)
-        if isinstance(exclusive, bool) or not isinstance(exclusive, int):
-            raise InvalidPages(f"exclusive must be an integer, got {exclusive!r}")
-        if not 0 <= exclusive <= res.held:
+        self._check_pages(exclusive, "exclusive")
+        if exclusive > res.held:
             raise InvalidPages(
                 f"request {rid!r} reports {exclusive} exclusive pages of the {res.held} it holds"
             )

@@ -80,6 +80,10 @@ def test_exclusive_pages_between_reports_are_bounded_by_what_the_request_holds()
     ledger.take("a", 1)
     with pytest.raises(InvalidPages, match="reports 2 exclusive pages of the 1 it holds"):
         ledger.set_exclusive("a", 2)
+    with pytest.raises(InvalidPages, match="exclusive must be a non-negative integer, got True"):
+        ledger.set_exclusive("a", True)
+    with pytest.raises(InvalidPages, match="exclusive must be a non-negative integer, got -1"):
+        ledger.set_exclusive("a", -1)
     with pytest.raises(UnknownRequest):
         ledger.set_exclusive("nobody", 0)
     ledger.set_exclusive("a", 0)  # a pin shares its one page: it no longer returns it
