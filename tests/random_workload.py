@@ -5,11 +5,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hypothesis import strategies as st
+
 from kvbank.engine.engine import Engine, RequestOutput, RequestRejected
 from kvbank.engine.virtual import VirtualRunner
+from kvbank.modelpool import KvSlot
 
 # (arrival step, prompt length, max_tokens or None, tokens before stop, prefix family, text only)
 WorkloadRequest = tuple[int, int, int | None, int, int, bool]
+
+# The KV label sets the property tests draw from: one label, a fixed extra label, two growing.
+SLOTS = [
+    {"main": KvSlot(1, 1)},
+    {"main": KvSlot(1, 1), "cross": KvSlot(fixed=6)},
+    {"main": KvSlot(1, 1), "cfg": KvSlot(1, 1)},
+]
+
+request = st.tuples(
+    st.integers(0, 12),  # arrival step
+    st.integers(1, 30),  # prompt tokens
+    st.one_of(st.none(), st.integers(1, 20)),  # max_tokens
+    st.integers(1, 24),  # where the model would stop
+    st.sampled_from([0, 1, 2]),  # prompt family: shared prefixes make hits
+    st.booleans(),  # text only (the other labels go to the sink)
+)
 
 
 def drive(

@@ -8,25 +8,10 @@ import pytest
 from engine_builders import make_engine, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from random_workload import drive
+from random_workload import SLOTS, drive, request
 
 from kvbank.engine.request import FinishReason
 from kvbank.modelpool import KvSlot
-
-SLOTS = [
-    {"main": KvSlot(1, 1)},
-    {"main": KvSlot(1, 1), "cross": KvSlot(fixed=6)},
-    {"main": KvSlot(1, 1), "cfg": KvSlot(1, 1)},
-]
-
-request = st.tuples(
-    st.integers(0, 12),  # arrival step
-    st.integers(1, 30),  # prompt tokens
-    st.one_of(st.none(), st.integers(1, 20)),  # max_tokens
-    st.integers(1, 24),  # where the model would stop
-    st.sampled_from([0, 1, 2]),  # prompt family: shared prefixes make hits
-    st.booleans(),  # text only (the other labels go to the sink)
-)
 
 
 @pytest.mark.parametrize("policy", ["banker", "preempt", "no-evict", "ratio"])
