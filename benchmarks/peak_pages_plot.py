@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvbank.engine.bench import plot
-from kvbank.engine.scenario import load_scenario
-from kvbank.engine.simulate import run_policy
+from kvbank.engine.bench.cli import plot
+from kvbank.engine.bench.scenario import load_scenario
+from kvbank.engine.bench.simulate import run_policy
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "shared" / "scenarios"
 

@@ -20,8 +20,8 @@ import gc
 import statistics
 
 from kvbank.capacity import CapacityModel, RequestShape, count_pages
+from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig
-from kvbank.engine.virtual import VirtualRunner
 from kvbank.modelpool import KvSlot
 
 PROMPT, OUTPUT, PAGE = 200, 4000, 16

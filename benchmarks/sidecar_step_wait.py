@@ -26,9 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvbank.engine.bench.scenario import Scenario, load_scenario
+from kvbank.engine.bench.simulate import run_policy
 from kvbank.engine.engine import Engine
-from kvbank.engine.scenario import Scenario, load_scenario
-from kvbank.engine.simulate import run_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"serving on [\d.]+:(\d+)")
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=8.0)
     parser.add_argument("--policy", default="peak+backfill")
     args = parser.parse_args()
-    from kvbank.engine.admission import embedded
+    from kvbank.engine.admission.backend import embedded
     from kvbank.sidecar.backend import connect
 
     sc = load_scenario(args.scenario)

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 
 from kvbank.capacity import CapacityModel, RequestShape, count_pages, refusal
-from kvbank.engine.admission import AdmissionBackend, embedded
-from kvbank.engine.kv import KVCache
-from kvbank.engine.policy import make_policy
+from kvbank.engine.admission.backend import AdmissionBackend, embedded
+from kvbank.engine.admission.policy import make_policy
+from kvbank.engine.kv.cache import KVCache
 from kvbank.engine.request import FinishReason, Request, Status, make_request
 from kvbank.engine.runner import ModelRunner, SamplingParams, StepResult
 from kvbank.engine.scheduler import Scheduler

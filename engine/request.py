@@ -19,7 +19,7 @@ from kvbank.capacity import (
     label_terms,
     pages_for,
 )
-from kvbank.engine.pages import SINK_PAGE
+from kvbank.engine.kv.pages import SINK_PAGE
 from kvbank.engine.runner import SamplingParams
 
 

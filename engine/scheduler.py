@@ -19,9 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvbank.capacity import CapacityModel
-from kvbank.engine.kv import Chains, KVCache
-from kvbank.engine.pages import OutOfPages
-from kvbank.engine.policy import AdmissionPolicy
+from kvbank.engine.admission.policy import AdmissionPolicy
+from kvbank.engine.kv.cache import Chains, KVCache
+from kvbank.engine.kv.pages import OutOfPages
 from kvbank.engine.request import FinishReason, Request, Status
 from kvbank.engine.runner import RowInput, StepBatch, StepResult
 

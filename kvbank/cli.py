@@ -11,8 +11,8 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("kvbank.check", "check ModelPool manifests: can the pool hold what they promise?"),
-    "serve": ("kvbank.engine.serve", "run the engine with its OpenAI-compatible HTTP API"),
-    "bench": ("kvbank.engine.bench", "run a benchmark scenario under one or more policies"),
+    "serve": ("kvbank.engine.serve.command", "run the engine with its OpenAI-compatible HTTP API"),
+    "bench": ("kvbank.engine.bench.cli", "run a benchmark scenario under one or more policies"),
     "sidecar": ("kvbank.sidecar.server", "run the gRPC admission sidecar"),
     "status": ("kvbank.sidecar.status", "print a sidecar's pool, queue and reservations"),
     "operator": ("kvbank.operator.main", "run the Kubernetes operator"),

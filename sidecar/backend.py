@@ -1,4 +1,4 @@
-"""The engine's `AdmissionBackend` (kvbank.engine.admission) over gRPC: the same events the
+"""The engine's `AdmissionBackend` (kvbank.engine.admission.backend) over gRPC: the same events the
 embedded ledger gets, sent to the sidecar as one report per `poll`.
 
 Two modes. Blocking (`kvbank bench --sidecar`, virtual time): `poll` sends what happened since
@@ -115,7 +115,7 @@ class SidecarBackend(BackendWire):
         """A pin took `cost` pages of headroom (idle pages, and pages one request held alone)."""
         self._pin_cost_pending += cost
 
-    # ---- the peak-fit ledger (kvbank.engine.admission.PeakBackend) -----------------------------
+    # ---- the peak-fit ledger (kvbank.engine.admission.backend.PeakBackend) ------------------
 
     def configure(self, policy: str, peak: PeakPolicy) -> None:
         """The session this backend opens asks the sidecar for `policy`; a sidecar whose ledger

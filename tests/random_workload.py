@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
+from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, RequestOutput, RequestRejected
-from kvbank.engine.virtual import VirtualRunner
 from kvbank.modelpool import KvSlot
 
 # (arrival step, prompt length, max_tokens or None, tokens before stop, prefix family, text only)

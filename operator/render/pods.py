@@ -1,7 +1,7 @@
 """The pod every rank runs: the engine and its admission sidecar.
 
 Each pod's `kvbank serve` is one rank: it reads KVBANK_RANK, KVBANK_WORLD_SIZE, KVBANK_RANK0_ADDR
-and KVBANK_DIST_PORT (kvbank.engine.tp_pod), joins torch.distributed at rank 0's store, and
+and KVBANK_DIST_PORT (kvbank.engine.tp.pod), joins torch.distributed at rank 0's store, and
 follows rank 0's admission decisions over that process group, as the ranks of `kvbank serve --tp`
 do; a follower's own sidecar is not in that path yet (docs/operator.md says what it would take).
 Rank, world size and the rank-0 address reach both containers by environment (the contract is
@@ -82,7 +82,7 @@ def prelude(workload: Workload) -> list[str]:
 
 # The spec's admission policy and backfill, as `kvbank serve --policy` names them. The sidecar
 # runs each of these ledgers (it reads the same spec.admission from --pool), so every engine
-# keeps its ledger there, and none waits on it within a step (kvbank.engine.peak).
+# keeps its ledger there, and none waits on it within a step (kvbank.engine.admission.peak).
 
 
 def engine_args(pool: ModelPool, settings: RenderSettings) -> list[str]:

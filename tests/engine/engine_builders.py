@@ -4,11 +4,11 @@ runner, and a loop that drives it to the end with integrity checks after every s
 from __future__ import annotations
 
 from kvbank.capacity import CapacityModel
-from kvbank.engine.admission import AdmissionBackend
+from kvbank.engine.admission.backend import AdmissionBackend
+from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig, RequestOutput
 from kvbank.engine.request import Request
 from kvbank.engine.request import make_request as _make_request
-from kvbank.engine.virtual import VirtualRunner
 from kvbank.modelpool import KvSlot
 
 TEXT = {"main": KvSlot(prompt=1, output=1)}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvbank.cli import main
-from kvbank.engine.scenario import ScenarioError, parse_scenario
+from kvbank.engine.bench.scenario import ScenarioError, parse_scenario
 
 SCENARIOS = Path(__file__).resolve().parents[2].parent / "shared" / "scenarios"
 

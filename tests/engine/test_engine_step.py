@@ -6,9 +6,9 @@ import pytest
 from engine_builders import drain, make_engine, tiny_model
 
 from kvbank.capacity import RequestShape, count_pages, refusal
-from kvbank.engine.admission import EmbeddedBackend, embedded
+from kvbank.engine.admission.backend import EmbeddedBackend, embedded
 from kvbank.engine.engine import RequestRejected
-from kvbank.engine.pages import SINK_PAGE
+from kvbank.engine.kv.pages import SINK_PAGE
 from kvbank.engine.request import FinishReason
 from kvbank.ledger import Decision, InvalidPages
 from kvbank.modelpool import KvSlot

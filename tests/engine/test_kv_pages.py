@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from engine_builders import make_request
 
-from kvbank.engine.kv import KVCache
-from kvbank.engine.pages import SINK_PAGE, OutOfPages, PagePool
+from kvbank.engine.kv.cache import KVCache
+from kvbank.engine.kv.pages import SINK_PAGE, OutOfPages, PagePool
 from kvbank.ledger import InvariantBreach
 
 

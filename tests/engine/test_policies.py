@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from kvbank.capacity import SINK_PAGES, RequestShape, count_pages
-from kvbank.engine.policy import policy_names
-from kvbank.engine.scenario import Scenario, load_scenario
-from kvbank.engine.simulate import run_policy
+from kvbank.engine.admission.policy import policy_names
+from kvbank.engine.bench.scenario import Scenario, load_scenario
+from kvbank.engine.bench.simulate import run_policy
 
 # The shared scenarios sit beside the repository (../shared), in CI as on a workstation.
 SCENARIOS = Path(__file__).resolve().parents[2].parent / "shared" / "scenarios"

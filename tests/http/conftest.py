@@ -15,8 +15,8 @@ import httpx
 import pytest
 from starlette.types import ASGIApp
 
-from kvbank.engine.http.loop import EngineLoop
-from kvbank.engine.model.stack import ServeOptions, build_stack
+from kvbank.engine.serve.http.loop import EngineLoop
+from kvbank.engine.serve.stack import ServeOptions, build_stack
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +79,7 @@ def live_server(
     model_dir: Path, wrap: Callable[[ASGIApp], ASGIApp] | None = None
 ) -> Iterator[LiveServer]:
     """The small pool served on loopback; `wrap` puts an ASGI layer between uvicorn and the app."""
-    from kvbank.engine.serve import build_server
+    from kvbank.engine.serve.command import build_server
 
     stack = build_stack(SMALL_POOL, model_dir=model_dir)
     # Generation runs to max_tokens: a random model's end-of-text would make timing-based

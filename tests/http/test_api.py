@@ -185,7 +185,7 @@ def test_every_end_of_turn_id_of_the_config_stops_a_request() -> None:
     """Llama 3 lists three end ids; the engine stops at the tokenizer's, the API at the rest."""
     from types import SimpleNamespace
 
-    from kvbank.engine.serve import extra_stop_ids
+    from kvbank.engine.serve.command import extra_stop_ids
 
     stack = SimpleNamespace(
         tokenizer=SimpleNamespace(eos_token_id=128009),

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvbank.capacity import CapacityModel
-from kvbank.engine.admission import EmbeddedBackend
+from kvbank.engine.admission.backend import EmbeddedBackend
+from kvbank.engine.admission.peak import PeakFitPolicy
+from kvbank.engine.bench.scenario import load_scenario
+from kvbank.engine.bench.simulate import run_policy
+from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig
-from kvbank.engine.http.metrics import ServeMetrics
-from kvbank.engine.peak import PeakFitPolicy
-from kvbank.engine.scenario import load_scenario
-from kvbank.engine.simulate import run_policy
-from kvbank.engine.virtual import VirtualRunner
+from kvbank.engine.serve.http.metrics import ServeMetrics
 from kvbank.modelpool import KvSlot
 
 STALLED = "kvbank_peak_stalled_steps_total"

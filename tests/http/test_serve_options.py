@@ -4,7 +4,7 @@ anything."""
 import pytest
 
 from kvbank import cli
-from kvbank.engine.serve import options_from_args
+from kvbank.engine.serve.command import options_from_args
 
 
 def parse(*argv: str):
@@ -24,7 +24,7 @@ def test_a_sidecar_refuses_a_policy_that_keeps_its_own_books() -> None:
 
 
 def test_the_serve_list_of_sidecar_policies_is_the_sidecar_s() -> None:
-    from kvbank.engine.serve import SIDECAR_POLICIES
+    from kvbank.engine.serve.command import SIDECAR_POLICIES
     from kvbank.sidecar.peakpass import SIDECAR_MODES
 
     assert tuple(SIDECAR_MODES) == SIDECAR_POLICIES

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbank.engine.model.stack import ServeOptions, build_stack
+from kvbank.engine.serve.stack import ServeOptions, build_stack
 from tests.http.conftest import SMALL_POOL, LiveServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def sidecar() -> Iterator[str]:
 
 
 def _live(options: ServeOptions, model_dir: Path) -> tuple[LiveServer, object, object]:
-    from kvbank.engine.serve import build_server
+    from kvbank.engine.serve.command import build_server
 
     stack = build_stack(options, model_dir=model_dir)
     port = free_port()
@@ -81,7 +81,7 @@ def test_answers_through_the_sidecar_equal_the_embedded_ledger(
 
 
 def test_a_missing_sidecar_factory_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvbank.engine.model.stack as stack
+    import kvbank.engine.serve.stack as stack
 
     real = stack.importlib.import_module
 

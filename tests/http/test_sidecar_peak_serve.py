@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbank.engine.model.stack import ServeOptions, build_stack
+from kvbank.engine.serve.stack import ServeOptions, build_stack
 from kvbank.sidecar.client import SidecarClient
 from tests.http.conftest import SMALL_POOL, LiveServer, free_port
 
@@ -38,7 +38,7 @@ def _sidecar(policy: str) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def _answers(options: ServeOptions, model_dir: Path, prompts: list[str]) -> list[str]:
-    from kvbank.engine.serve import build_server
+    from kvbank.engine.serve.command import build_server
 
     stack = build_stack(options, model_dir=model_dir)
     port = free_port()

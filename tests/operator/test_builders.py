@@ -246,7 +246,7 @@ class TestPodTemplate:
         """Every policy keeps its ledger in the sidecar, which reads the same spec.admission
         from --pool and so runs the same ledger."""
         from kvbank import cli
-        from kvbank.engine.serve import options_from_args
+        from kvbank.engine.serve.command import options_from_args
 
         expected = {
             ("conservative", False): "banker",
@@ -301,7 +301,7 @@ class TestPodTemplate:
         one rank of its group: the rank, the group's size and rank 0's store."""
         import subprocess
 
-        from kvbank.engine.tp_pod import PodRank, pod_rank
+        from kvbank.engine.tp.pod import PodRank, pod_rank
 
         pool = _pool(tensorParallel=4)
         engine = pod_template(pool, SETTINGS, Workload.STATEFUL_SET, "h", TOKEN_SECRET)["spec"][
@@ -319,7 +319,7 @@ class TestPodTemplate:
     def test_a_leader_worker_set_renders_the_same_contract(self) -> None:
         import subprocess
 
-        from kvbank.engine.tp_pod import PodRank, pod_rank
+        from kvbank.engine.tp.pod import PodRank, pod_rank
 
         engine = pod_template(
             _pool(tensorParallel=2), SETTINGS, Workload.LEADER_WORKER_SET, "h", TOKEN_SECRET
@@ -472,14 +472,14 @@ class TestPodsStartWithoutAKubelet:
 
     def test_the_engine_reads_the_same_token(self, tmp_path: Path) -> None:
         from kvbank import cli
-        from kvbank.engine.serve import options_from_args
+        from kvbank.engine.serve.command import options_from_args
 
         engine, _ = self._containers(tmp_path, Workload.STATEFUL_SET)
         argv = engine[1:]
         options = options_from_args(cli.build_parser(argv).parse_args(argv))
         assert options.sidecar == "127.0.0.1:50051"
         assert options.sidecar_token_file is not None
-        # As kvbank.engine.model.stack reads it.
+        # As kvbank.engine.serve.stack reads it.
         assert Path(options.sidecar_token_file).read_text().strip() == SETTINGS.sidecar_token
 
     def test_the_check_catches_a_sidecar_rendered_without_its_token(self, tmp_path: Path) -> None:

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from random_workload import SLOTS, drive, request
 
 from kvbank.capacity import CapacityModel
+from kvbank.engine.admission.peak import PeakFitPolicy
+from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig
-from kvbank.engine.peak import PeakFitPolicy
-from kvbank.engine.virtual import VirtualRunner
 from kvbank.modelpool import KvSlot
 
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvbank.engine.bench.scenario import Scenario, load_scenario
+from kvbank.engine.bench.virtual import VirtualRunner
+from kvbank.engine.bench.workload import generate
 from kvbank.engine.engine import Engine, EngineConfig
-from kvbank.engine.scenario import Scenario, load_scenario
-from kvbank.engine.virtual import VirtualRunner
-from kvbank.engine.workload import generate
 from kvbank.ledger import Admitted
 
 # Copies of two benchmark scenarios, kept here so these tests do not depend on files outside the

@@ -17,8 +17,8 @@ from inprocess import InProcessSidecar
 from random_workload import drive
 
 from kvbank.capacity import CapacityModel
+from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig
-from kvbank.engine.virtual import VirtualRunner
 from kvbank.modelpool import KvSlot
 from kvbank.sidecar.backend import SidecarBackend
 from kvbank.sidecar.state import AdmissionState

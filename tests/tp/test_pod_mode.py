@@ -16,8 +16,8 @@ import httpx
 import pytest
 from tp_procs import PROMPTS, ROOT, answers, child_env, free_port, kill_all, stop, wait_healthy
 
-from kvbank.engine.model.stack import ServeOptions
-from kvbank.engine.tp_pod import PodRank, check_split, pod_rank
+from kvbank.engine.serve.stack import ServeOptions
+from kvbank.engine.tp.pod import PodRank, check_split, pod_rank
 from kvbank.modelpool import parse_modelpool
 from kvbank.operator.render.names import RenderSettings, Workload
 from kvbank.operator.render.pods import rank_env

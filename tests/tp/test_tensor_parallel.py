@@ -13,9 +13,9 @@ import httpx
 import pytest
 from tp_procs import PROMPTS, ROOT, answers, child_env, free_port, kill_all, stop, wait_healthy
 
-from kvbank.engine.model.stack import ServeOptions
-from kvbank.engine.tp import rank_command
-from kvbank.engine.tp_sync import FollowerBackend, Headroom, PeakFollowerBackend, TPDiverged
+from kvbank.engine.serve.stack import ServeOptions
+from kvbank.engine.tp.launch import rank_command
+from kvbank.engine.tp.sync import FollowerBackend, Headroom, PeakFollowerBackend, TPDiverged
 from kvbank.ledger import Admitted, Hit
 
 
@@ -83,7 +83,7 @@ DIVERGE = textwrap.dedent(
     import sys
     from datetime import timedelta
     import torch.distributed as dist
-    from kvbank.engine.tp_sync import Channel, TPDiverged
+    from kvbank.engine.tp.sync import Channel, TPDiverged
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", init_method="tcp://" + sys.argv[2], rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
@@ -136,7 +136,7 @@ def test_a_follower_refuses_a_decision_it_cannot_apply() -> None:
 def test_a_tp_size_the_heads_cannot_split_is_refused_before_any_rank_starts(
     builtin_model_dir: Path,
 ) -> None:
-    from kvbank.engine.tp import run_tp
+    from kvbank.engine.tp.launch import run_tp
 
     with pytest.raises(ValueError, match="num_attention_heads=8 is not divisible by --tp 3"):
         run_tp(ServeOptions(model=str(builtin_model_dir)), 3, "127.0.0.1", free_port())

@@ -22,7 +22,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-# What places a `kvbank serve` in a group across pods (kvbank.engine.tp_pod); a test runner that
+# What places a `kvbank serve` in a group across pods (kvbank.engine.tp.pod); a test runner that
 # happens to carry them must not turn every engine a test starts into one rank.
 PLACEMENT = ("KVBANK_RANK", "KVBANK_WORLD_SIZE", "KVBANK_RANK0_ADDR", "KVBANK_DIST_PORT")
 

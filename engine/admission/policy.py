@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvbank.engine.request import Request
 
 if TYPE_CHECKING:
-    from kvbank.engine.admission import AdmissionBackend
+    from kvbank.engine.admission.backend import AdmissionBackend
     from kvbank.engine.scheduler import Scheduler
 
 
@@ -90,6 +90,6 @@ def policy_names() -> list[str]:
 
 def _register_builtins() -> None:
     """Importing the policy modules registers them (banker first, then the baselines)."""
-    import kvbank.engine.banker
-    import kvbank.engine.baselines
-    import kvbank.engine.peak  # noqa: F401
+    import kvbank.engine.admission.banker
+    import kvbank.engine.admission.baselines
+    import kvbank.engine.admission.peak  # noqa: F401

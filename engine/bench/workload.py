@@ -7,8 +7,8 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvbank.engine.scenario import RequestClass, Workload
-from kvbank.engine.virtual import VOCAB
+from kvbank.engine.bench.scenario import RequestClass, Workload
+from kvbank.engine.bench.virtual import VOCAB
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 With no --model it serves the built-in random-weight Llama (built once into the user's cache);
 with --tp N it starts N ranks under torch.distributed, rank 0 serving HTTP and deciding admission.
 With KVBANK_WORLD_SIZE above 1 (or --world), as the operator renders for a tensor-parallel pool,
-this process is one rank of a group spread over pods (kvbank.engine.tp_pod).
+this process is one rank of a group spread over pods (kvbank.engine.tp.pod).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from kvbank.modelpool import DEFAULT_POLICY
 if TYPE_CHECKING:  # torch, uvicorn and the model load only when serve runs
     import uvicorn
 
-    from kvbank.engine.http.loop import EngineLoop
-    from kvbank.engine.model.stack import ServeOptions, Stack
+    from kvbank.engine.serve.http.loop import EngineLoop
+    from kvbank.engine.serve.stack import ServeOptions, Stack
 
 log = logging.getLogger("kvbank.serve")
 
@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
-    from kvbank.engine.model.stack import ServeOptions
+    from kvbank.engine.serve.stack import ServeOptions
 
     for name in ("pages", "page_size", "max_tokens", "max_waiting", "max_batch_tokens", "tp"):
         value = getattr(args, name)
@@ -119,7 +119,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.pages < 2:
         raise ValueError(f"--pages must be at least 2 (one is the sink page), got {args.pages}")
-    from kvbank.engine.policy import policy_names
+    from kvbank.engine.admission.policy import policy_names
 
     if args.policy not in policy_names():
         raise ValueError(
@@ -162,9 +162,9 @@ def build_server(
     """The HTTP server and the engine loop over `stack`; neither is started."""
     import uvicorn
 
-    from kvbank.engine.http.app import Served, create_app
-    from kvbank.engine.http.loop import EngineLoop
-    from kvbank.engine.http.metrics import ServeMetrics
+    from kvbank.engine.serve.http.app import Served, create_app
+    from kvbank.engine.serve.http.loop import EngineLoop
+    from kvbank.engine.serve.http.metrics import ServeMetrics
 
     metrics = ServeMetrics(stack.options.pages)
     loop = EngineLoop(
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         options = options_from_args(args)
-        from kvbank.engine.tp_pod import pod_rank
+        from kvbank.engine.tp.pod import pod_rank
 
         place = pod_rank(args.rank, args.world, args.master, os.environ)
         if place is not None:
@@ -253,15 +253,15 @@ def run(args: argparse.Namespace) -> int:
                     f"{place.world} makes this process one rank of a group across pods: "
                     f"drop --tp, or unset {place.world_source}"
                 )
-            from kvbank.engine.tp import DEFAULT_TIMEOUT_S
-            from kvbank.engine.tp_pod import run_pod_rank
+            from kvbank.engine.tp.launch import DEFAULT_TIMEOUT_S
+            from kvbank.engine.tp.pod import run_pod_rank
 
             return run_pod_rank(place, options, args.host, args.port, DEFAULT_TIMEOUT_S)
         if args.tp > 1:
-            from kvbank.engine.tp import run_tp
+            from kvbank.engine.tp.launch import run_tp
 
             return run_tp(options, args.tp, args.host, args.port)
-        from kvbank.engine.model.stack import build_stack
+        from kvbank.engine.serve.stack import build_stack
 
         stack = build_stack(options)
     except ValueError as exc:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from kvbank.engine.admission import AdmissionBackend, EmbeddedBackend
+from kvbank.engine.admission.backend import AdmissionBackend, EmbeddedBackend
 from kvbank.engine.runner import SamplingParams, StepBatch, StepResult
 from kvbank.ledger import Admitted, Decision, Hit, Ledger
 from kvbank.peakfit import PeakShape

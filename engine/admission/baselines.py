@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import math
 
-from kvbank.engine.admission import AdmissionBackend
-from kvbank.engine.kv import Chains
-from kvbank.engine.policy import AdmissionPolicy, register
+from kvbank.engine.admission.backend import AdmissionBackend
+from kvbank.engine.admission.policy import AdmissionPolicy, register
+from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
 from kvbank.ledger import InvariantBreach
 

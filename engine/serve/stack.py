@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvbank.capacity import CapacityModel
-from kvbank.engine.admission import AdmissionBackend
+from kvbank.engine.admission.backend import AdmissionBackend
 from kvbank.engine.engine import Engine, EngineConfig
 from kvbank.engine.model.attention import default_attention
 from kvbank.engine.model.builtin import builtin_model_dir

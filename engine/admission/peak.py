@@ -34,12 +34,12 @@ import logging
 from dataclasses import replace
 from typing import cast
 
-import kvbank.engine.banker
-import kvbank.engine.baselines  # noqa: F401  (registered first: `all` keeps banker first)
-from kvbank.engine.admission import AdmissionBackend, PeakBackend, embedded
-from kvbank.engine.decisions import DecisionReader, HeadPin, pinned_chains
-from kvbank.engine.kv import Chains
-from kvbank.engine.policy import AdmissionPolicy, register
+import kvbank.engine.admission.banker
+import kvbank.engine.admission.baselines  # noqa: F401  (registered first: `all` keeps banker first)
+from kvbank.engine.admission.backend import AdmissionBackend, PeakBackend, embedded
+from kvbank.engine.admission.decisions import DecisionReader, HeadPin, pinned_chains
+from kvbank.engine.admission.policy import AdmissionPolicy, register
+from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
 from kvbank.engine.scheduler import Scheduler
 from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, UnknownRequest

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import contextlib
 
-from kvbank.engine.admission import AdmissionBackend
-from kvbank.engine.decisions import DecisionReader, HeadPin, pinned_chains
-from kvbank.engine.policy import AdmissionPolicy, register
+from kvbank.engine.admission.backend import AdmissionBackend
+from kvbank.engine.admission.decisions import DecisionReader, HeadPin, pinned_chains
+from kvbank.engine.admission.policy import AdmissionPolicy, register
 from kvbank.engine.request import Request
 from kvbank.ledger import Decision, InvariantBreach, UnknownRequest
 

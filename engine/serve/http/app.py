@@ -16,18 +16,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvbank.engine.engine import RequestRejected
-from kvbank.engine.http.loop import EngineLoop, EngineStopped, QueueFull, Submission
-from kvbank.engine.http.metrics import ServeMetrics
-from kvbank.engine.http.schema import (
+from kvbank.engine.model.textstream import TextStream
+from kvbank.engine.model.tokenizer import ChatTemplateError, Tokenizer
+from kvbank.engine.request import FinishReason
+from kvbank.engine.serve.http.loop import EngineLoop, EngineStopped, QueueFull, Submission
+from kvbank.engine.serve.http.metrics import ServeMetrics
+from kvbank.engine.serve.http.schema import (
     BadRequest,
     Generation,
     parse_generation,
     parse_messages,
     parse_prompt,
 )
-from kvbank.engine.model.textstream import TextStream
-from kvbank.engine.model.tokenizer import ChatTemplateError, Tokenizer
-from kvbank.engine.request import FinishReason
 
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.5

@@ -37,9 +37,9 @@ class AdmissionBackend(Protocol):
 
     def report_hits(self, hits: Mapping[str, Hit]) -> None:
         """The cached hit of the waiting head, computed by peek. The engine has pinned these
-        pages (see `kvbank.engine.banker`), so they hold until a decision is applied; a hit
-        reported again for the same request only grows, and has no idle part (pinned pages
-        are held)."""
+        pages (see `kvbank.engine.admission.banker`), so they hold until a decision is
+        applied; a hit reported again for the same request only grows, and has no idle part
+        (pinned pages are held)."""
         ...
 
     def take(self, rid: str, pages: int) -> None:
@@ -82,8 +82,9 @@ class AdmissionBackend(Protocol):
 
 
 class PeakBackend(AdmissionBackend, Protocol):
-    """What the peak-fit policies (kvbank.engine.peak) need beyond the banker's events: the
-    ledger's mode, a step-by-step admission pass, and each running request's progress."""
+    """What the peak-fit policies (kvbank.engine.admission.peak) need beyond the banker's
+    events: the ledger's mode, a step-by-step admission pass, and each running request's
+    progress."""
 
     def submit(
         self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None

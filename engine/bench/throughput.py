@@ -1,6 +1,6 @@
 """CPU serving throughput of the built-in model through the real HTTP server.
 
-    python -m kvbank.engine.model_throughput --concurrency 1,8 --runs 5
+    python -m kvbank.engine.bench.throughput --concurrency 1,8 --runs 5
 
 Starts `kvbank serve`'s server in-process on loopback (built-in model, embedded banker ledger,
 torch attention), then for each concurrency sends that many streaming-free completions at once,
@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from kvbank.engine.model.stack import ServeOptions, build_stack
-from kvbank.engine.serve import build_server
+from kvbank.engine.serve.command import build_server
+from kvbank.engine.serve.stack import ServeOptions, build_stack
 
 
 def _free_port() -> int:

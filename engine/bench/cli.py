@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvbank.engine.policy import policy_names
-from kvbank.engine.scenario import Scenario, ScenarioError, load_scenario
-from kvbank.engine.simulate import RunResult, run_policy
+from kvbank.engine.admission.policy import policy_names
+from kvbank.engine.bench.scenario import Scenario, ScenarioError, load_scenario
+from kvbank.engine.bench.simulate import RunResult, run_policy
 
 # Columns of the table: (header, metric key, format)
 COLUMNS: tuple[tuple[str, str, str], ...] = (

@@ -18,7 +18,7 @@ import heapq
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from kvbank.engine.pages import OutOfPages, PagePool
+from kvbank.engine.kv.pages import OutOfPages, PagePool
 from kvbank.ledger import InvariantBreach
 
 Key = tuple[int, ...]

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from kvbank.capacity import CapacityModel
-from kvbank.engine.virtual import CostModel
+from kvbank.engine.bench.virtual import CostModel
 from kvbank.modelpool import KvSlot
 
 

@@ -1,13 +1,13 @@
 """`kvbank serve --tp N`: N ranks under torch.distributed, rank 0 serving HTTP and deciding.
 
-The launcher starts one process per rank (`python -m kvbank.engine.tp`), each with its own
+The launcher starts one process per rank (`python -m kvbank.engine.tp.launch`), each with its own
 shard of the weights and its own KV pool of the same page count. Rank 0 runs the HTTP API and
 admits through its ledger (embedded or its sidecar); followers replay rank 0's plan step by step
-(see kvbank.engine.tp_sync). The process group has a timeout, so a lost peer or a divergence ends
+(see kvbank.engine.tp.sync). The process group has a timeout, so a lost peer or a divergence ends
 every rank with a non-zero exit within seconds; the launcher then stops what is left.
 
 Across pods there is no launcher: each pod's `kvbank serve` runs one rank (`run_rank`, placed by
-kvbank.engine.tp_pod from the operator's environment), and a pod whose rank exits is restarted
+kvbank.engine.tp.pod from the operator's environment), and a pod whose rank exits is restarted
 by its workload.
 """
 
@@ -28,8 +28,8 @@ from datetime import timedelta
 from typing import Any
 
 from kvbank.engine.model.llama import Parallel
-from kvbank.engine.model.stack import ServeOptions
-from kvbank.engine.tp_sync import (
+from kvbank.engine.serve.stack import ServeOptions
+from kvbank.engine.tp.sync import (
     IDLE,
     NO_ROWS,
     Added,
@@ -65,7 +65,7 @@ def rank_command(
     timeout_s: float,
 ) -> list[str]:
     return [
-        sys.executable, "-m", "kvbank.engine.tp",
+        sys.executable, "-m", "kvbank.engine.tp.launch",
         "--rank", str(rank), "--world", str(world), "--master", master,
         "--host", host, "--port", str(port), "--timeout", str(timeout_s),
         "--options", json.dumps(dataclasses.asdict(options)),
@@ -78,7 +78,7 @@ def run_tp(
     """Start every rank and wait. Non-zero when any rank fails; the others are stopped. Raises
     ValueError, before starting anything, when the model's heads cannot be split `world` ways."""
     from kvbank.engine.model.config import load_config
-    from kvbank.engine.model.stack import resolve_model_dir
+    from kvbank.engine.serve.stack import resolve_model_dir
 
     # Resolving builds the built-in model once, here, before the ranks would race for it.
     _, model_dir = resolve_model_dir(options)
@@ -125,7 +125,7 @@ def wait_for_ranks(procs: list[subprocess.Popen[bytes]]) -> int:
 
 def rank_main(rank: int, world: int, master: str, options: ServeOptions, host: str, port: int,
               timeout_s: float, pod: bool = False) -> int:  # fmt: skip
-    """Run one rank until its group ends. `pod`: this rank has a pod (kvbank.engine.tp_pod) of
+    """Run one rank until its group ends. `pod`: this rank has a pod (kvbank.engine.tp.pod) of
     its own rather than a process beside the others, so it drives its pod's only GPU (cuda:0,
     not cuda:rank) and a follower serves /health on `host:port` itself."""
     import torch.distributed as dist
@@ -169,9 +169,9 @@ def _leader(
     port: int,
     device_index: int | None,
 ) -> int:
-    from kvbank.engine.admission import embedded
-    from kvbank.engine.model.stack import build_stack, options_sidecar_backend
-    from kvbank.engine.serve import serve_stack
+    from kvbank.engine.admission.backend import embedded
+    from kvbank.engine.serve.command import serve_stack
+    from kvbank.engine.serve.stack import build_stack, options_sidecar_backend
 
     # The followers replay rank 0's backend: the banker's always, a peak-fit one when it is in
     # the sidecar (deferred). An embedded peak-fit ledger runs on every rank alike instead.
@@ -252,7 +252,7 @@ def _follower(
 ) -> int:
     """Replay rank 0's plans. `http` (host, port, rank 0's host): serve /health there once
     loaded, as a pod's follower must for its readiness probe."""
-    from kvbank.engine.model.stack import build_stack
+    from kvbank.engine.serve.stack import build_stack
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: rank 0 says when to stop
     backend: Any = None
@@ -266,7 +266,7 @@ def _follower(
     stack = build_stack(follower_options, parallel, backend, device_index=device_index)
     channel.startup_barrier()
     if http is not None:
-        from kvbank.engine.tp_pod import serve_follower_http
+        from kvbank.engine.tp.pod import serve_follower_http
 
         serve_follower_http(http[0], http[1], parallel.rank, parallel.world, http[2])
     engine = stack.engine

@@ -6,7 +6,7 @@ run in separate pods, placed by the environment the operator renders.
     KVBANK_RANK0_ADDR  host name of the group's rank-0 pod (`--master HOST:PORT` overrides it
     KVBANK_DIST_PORT   and this port, default 29500, together)
 
-Every rank joins torch.distributed at rank 0's address and runs `kvbank.engine.tp.rank_main`,
+Every rank joins torch.distributed at rank 0's address and runs `kvbank.engine.tp.launch.rank_main`,
 exactly as `kvbank serve --tp N` runs its in-process ranks: rank 0 serves the API and decides
 admission, followers replay its plans over the process group. A follower also listens on its own
 HTTP port, because the operator's readiness probe asks every engine container for /health; every
@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch loads only once a rank runs
-    from kvbank.engine.model.stack import ServeOptions
+    from kvbank.engine.serve.stack import ServeOptions
 
 ENV_RANK = "KVBANK_RANK"
 ENV_WORLD = "KVBANK_WORLD_SIZE"
@@ -119,7 +119,7 @@ def check_split(place: PodRank, options: ServeOptions) -> None:
     config is read; loading weights first would make every rank wait for a group that fails."""
     from kvbank.engine.model.config import load_config
     from kvbank.engine.model.llama import Parallel
-    from kvbank.engine.model.stack import resolve_model_dir
+    from kvbank.engine.serve.stack import resolve_model_dir
 
     _, model_dir = resolve_model_dir(options)
     try:
@@ -137,8 +137,9 @@ def run_pod_rank(
     place: PodRank, options: ServeOptions, host: str, port: int, timeout_s: float
 ) -> int:
     """Check the placement, then run this rank until the group ends. Does not return once the
-    group has started: the rank's process exits with its code (see kvbank.engine.tp.run_rank)."""
-    from kvbank.engine.tp import run_rank
+    group has started: the rank's process exits with its code (see
+    kvbank.engine.tp.launch.run_rank)."""
+    from kvbank.engine.tp.launch import run_rank
 
     check_split(place, options)
     logging.basicConfig(

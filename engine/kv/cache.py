@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 from kvbank.capacity import pages_for
-from kvbank.engine.pages import OutOfPages, PagePool
-from kvbank.engine.prefix import PrefixIndex
+from kvbank.engine.kv.pages import OutOfPages, PagePool
+from kvbank.engine.kv.prefix import PrefixIndex
 from kvbank.engine.request import Request
 from kvbank.ledger import InvariantBreach
 

@@ -1,20 +1,19 @@
 """Applying a backend's decisions in the engine: once each, in sequence order; and pinning the
 waiting head's hit for a backend that decides later.
 
-Both ledger policies (kvbank.engine.banker, and kvbank.engine.peak when its backend defers) read
-decisions that may arrive late, twice, or for a request that left meanwhile. What they share is
-here: a decision at or below the last applied sequence number is skipped (a backend that resends
-is harmless); an admission of a request that is gone is released at once; a refusal finishes its
-request as rejected; an admission must reserve what the engine counts and lease no more than is
-pinned for it, and its pins past the hit are dropped. Starting the request is the caller's (the
-policies start it differently), one admission at a time, in order.
-"""
+Both ledger policies (kvbank.engine.admission.banker, and kvbank.engine.admission.peak when its
+backend defers) read decisions that may arrive late, twice, or for a request that left meanwhile.
+What they share is here: a decision at or below the last applied sequence number is skipped (a
+backend that resends is harmless); an admission of a request that is gone is released at once; a
+refusal finishes its request as rejected; an admission must reserve what the engine counts and lease
+no more than is pinned for it, and its pins past the hit are dropped. Starting the request is the
+caller's (the policies start it differently), one admission at a time, in order."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from kvbank.engine.admission import AdmissionBackend
+from kvbank.engine.admission.backend import AdmissionBackend
 from kvbank.engine.request import FinishReason, Request
 from kvbank.engine.scheduler import Scheduler
 from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach
@@ -69,10 +68,11 @@ def pinned_chains(req: Request) -> dict[str, list[int]]:
 
 
 class HeadPin:
-    """The waiting head's cached hit, pinned for a backend that may decide later and reported
-    to it (kvbank.engine.banker explains why only the head). A pin only grows while its request
-    waits, within the budget the caller gives; with the head, the index and the budget as they
-    were at the last pin, it cannot grow, so the busy step costs one comparison, not a peek."""
+    """The waiting head's cached hit, pinned for a backend that may decide later and reported to it
+    (kvbank.engine.admission.banker explains why only the head). A pin only grows while its
+    request waits, within the budget the caller gives; with the head, the index and the budget
+    as they were at the last pin, it cannot grow, so the busy step costs one comparison, not a
+    peek."""
 
     def __init__(self) -> None:
         self._reported: dict[str, int] = {}  # rid -> pinned pages last reported

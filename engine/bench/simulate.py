@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbank.engine.admission import AdmissionBackend
+from kvbank.engine.admission.backend import AdmissionBackend
+from kvbank.engine.bench.scenario import Scenario
+from kvbank.engine.bench.virtual import VirtualRunner
+from kvbank.engine.bench.workload import RequestSpec, generate
 from kvbank.engine.engine import Engine, EngineConfig, RequestRejected
 from kvbank.engine.request import FinishReason
-from kvbank.engine.scenario import Scenario
-from kvbank.engine.virtual import VirtualRunner
-from kvbank.engine.workload import RequestSpec, generate
 from kvbank.ledger import InvariantBreach, LedgerError
 
 DEADLOCK_S = 30.0

@@ -1,0 +1,3 @@
+"""Who may start: the policy interface and registry (`policy`), the banker (`banker`), peak-fit
+(`peak`), the baseline policies (`baselines`), the ledger backends, embedded or a sidecar's
+(`backend`), and the one reader of a backend's decisions (`decisions`)."""
