@@ -72,6 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sidecar-token-file", help="file holding the token the sidecar expects (--sidecar)"
     )
+    parser.add_argument(
+        "--sidecar-ca-file",
+        metavar="PATH",
+        help="PEM CA bundle that signed the sidecar's certificate: reach it over TLS",
+    )
+    parser.add_argument(
+        "--sidecar-tls-server-name",
+        metavar="NAME",
+        help="the name the sidecar's certificate must carry (default: the --sidecar host)",
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument(
         "--world",
@@ -147,6 +157,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         threads=args.threads or None,
         sidecar=args.sidecar,
         sidecar_token_file=args.sidecar_token_file,
+        sidecar_ca_file=args.sidecar_ca_file,
+        sidecar_tls_server_name=args.sidecar_tls_server_name,
         debug=args.debug,
         seed=args.seed,
     )
