@@ -36,7 +36,7 @@ SIDECAR_POLICIES = ("banker", "peak", "peak+backfill", "banker+backfill")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model folder (default: the built-in model)")
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--pages", type=int, default=1024, help="KV pages per rank, sink included")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--max-seq-len", type=int, help="prompt + output limit (default: model's)")
