@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 QUOTE_LIMIT = 80  # characters of a bad value an error message repeats
+# What a manifest may hold: a ModelPool has a few dozen values a few levels deep. Whatever reads
+# it (the webhook's JSON, a YAML file with aliases) is refused past these before it is walked.
+MAX_DEPTH = 64
+MAX_VALUES = 100_000
 
 
 class _ShortRepr(reprlib.Repr):
@@ -62,6 +66,36 @@ class SpecError(ValueError):
     def __init__(self, errors: list[FieldError]):
         self.errors = errors
         super().__init__("; ".join(str(e) for e in errors))
+
+
+def check_size(doc: object, path: str = "manifest") -> FieldError | None:
+    """Why `doc` is too big or too deep to read (None: it is not), at a cost bounded by
+    MAX_VALUES whatever `doc` holds: a value shared many times (a YAML alias) counts each time,
+    as every reader that walks it would pay."""
+    stack: list[tuple[object, int]] = [(doc, 1)]
+    values = 1
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, Mapping):
+            size = 2 * len(value)
+        elif isinstance(value, list | tuple):
+            size = len(value)
+        else:
+            continue
+        if depth >= MAX_DEPTH:
+            return FieldError(path, f"nests deeper than {MAX_DEPTH} levels; a manifest needs few")
+        values += size
+        if values > MAX_VALUES:
+            return FieldError(
+                path,
+                f"holds more than {MAX_VALUES} values (a value an alias repeats counts each "
+                f"time); a ModelPool holds a few dozen",
+            )
+        if isinstance(value, Mapping):
+            stack.extend((child, depth + 1) for child in (*value.keys(), *value.values()))
+        else:
+            stack.extend((child, depth + 1) for child in value)
+    return None
 
 
 class FieldReader:

@@ -24,10 +24,11 @@ from typing import Any, BinaryIO
 
 import yaml
 
+from kvbank.fields import MAX_DEPTH, MAX_VALUES
+
 MAX_FILE_BYTES = 2 * 1024 * 1024
 MAX_DOCUMENTS = 256
-MAX_DEPTH = 64
-MAX_NODES = 100_000
+MAX_NODES = MAX_VALUES  # the parser refuses a bigger document anyway (kvbank.fields.check_size)
 
 _UTF16_32_BOMS = {
     b"\xff\xfe\x00\x00": "UTF-32",

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbank.fields import FieldError, FieldReader, SpecError, key_path, quote
+from kvbank.fields import FieldError, FieldReader, SpecError, check_size, key_path, quote
 
 __all__ = ["FieldError", "FieldReader", "SpecError"]  # re-exported: readers of specs use them
 
@@ -214,6 +214,9 @@ def _kv_slots(r: FieldReader, obj: Any) -> dict[str, KvSlot]:
 
 def parse_modelpool(doc: Any) -> ModelPool:
     """Read a ModelPool manifest (a dict as from YAML). Raises SpecError listing every problem."""
+    too_big = check_size(doc)
+    if too_big is not None:  # before anything walks it
+        raise SpecError([too_big])
     r = FieldReader()
     top = r.mapping(doc, "manifest")
     if top is None:

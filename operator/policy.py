@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbank.fields import FieldReader, SpecError, key_path, quote
+from kvbank.fields import FieldReader, SpecError, check_size, key_path, quote
 from kvbank.modelpool import (
     API_GROUP,
     API_VERSION,
@@ -139,6 +139,9 @@ def _selector(r: FieldReader, obj: Any) -> NamespaceSelector | None:
 
 def parse_capacity_policy(doc: Any) -> CapacityPolicy:
     """Read a CapacityPolicy manifest. Raises SpecError listing every problem."""
+    too_big = check_size(doc)
+    if too_big is not None:
+        raise SpecError([too_big])
     r = FieldReader()
     top = r.mapping(doc, "manifest")
     if top is None:

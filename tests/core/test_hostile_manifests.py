@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvbank.fields import QUOTE_LIMIT, quote
+from kvbank.fields import MAX_VALUES, QUOTE_LIMIT, quote
 from kvbank.manifests import MAX_DEPTH, MAX_DOCUMENTS, MAX_FILE_BYTES, BoundedLoader
 from kvbank.modelpool import SpecError, parse_modelpool
 
@@ -79,11 +79,11 @@ class TestAliasBomb:
         assert "Traceback" not in out.stderr
 
     def test_a_shared_value_is_quoted_within_the_limit(self) -> None:
-        """The parser itself (the webhook's and the sidecar's too) quotes a bad value at a cost
-        bounded by the quote, whatever reached it: here 9**9 values built by sharing lists."""
+        """The parser (the webhook's and the sidecar's too) quotes a bad value at a cost bounded
+        by the quote: here 9**5 strings reached by sharing lists, under the size limit."""
         doc = yaml.load(POOL, Loader=BoundedLoader)
         value: object = ["lol"] * 9
-        for _ in range(8):
+        for _ in range(4):
             value = [value] * 9
         doc["spec"]["limits"]["maxTokens"] = value
         with pytest.raises(SpecError) as info:
@@ -91,6 +91,26 @@ class TestAliasBomb:
         message = str(info.value)
         assert "spec.limits.maxTokens: must be an integer from 1 to" in message
         assert len(message) < 200, message
+
+    def test_the_parser_refuses_a_bomb_it_is_handed_before_walking_it(self) -> None:
+        """What the webhook hands the parser never went through the YAML reader's limits."""
+        doc = yaml.load(POOL, Loader=BoundedLoader)
+        value: object = ["lol"] * 9
+        for _ in range(8):
+            value = [value] * 9
+        doc["spec"]["limits"]["maxTokens"] = value
+        with pytest.raises(SpecError) as info:
+            parse_modelpool(doc)
+        assert f"manifest: holds more than {MAX_VALUES} values" in str(info.value)
+
+    def test_the_parser_refuses_deep_nesting_it_is_handed(self) -> None:
+        doc = yaml.load(POOL, Loader=BoundedLoader)
+        deep: object = 1
+        for _ in range(5000):
+            deep = [deep]
+        doc["spec"]["extra"] = deep
+        with pytest.raises(SpecError, match=f"nests deeper than {MAX_DEPTH} levels"):
+            parse_modelpool(doc)
 
     def test_an_unknown_key_of_a_megabyte_is_cut_short(self) -> None:
         doc = yaml.load(POOL, Loader=BoundedLoader)
