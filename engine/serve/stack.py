@@ -128,6 +128,15 @@ def options_sidecar_backend(options: ServeOptions) -> AdmissionBackend:
     )
 
 
+def check_sidecar(options: ServeOptions) -> None:
+    """Ask `--sidecar` once, as `options_sidecar_backend` does, and let it go: for a launcher
+    whose rank 0 connects later. Raises ValueError saying what to fix."""
+    backend = options_sidecar_backend(options)
+    client = getattr(backend, "client", None)
+    if client is not None:
+        client.close()
+
+
 def build_stack(
     options: ServeOptions,
     parallel: Parallel | None = None,

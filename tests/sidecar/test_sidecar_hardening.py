@@ -114,13 +114,14 @@ def test_a_pool_kvbank_check_refuses_is_not_served() -> None:
     assert "Raise kv.pages to at least 514" in refused.stderr
 
 
-def test_an_engine_with_the_wrong_token_exits_at_start_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [[], ["--tp", "2"]], ids=["one-rank", "tp2"])
+def test_an_engine_with_the_wrong_token_exits_at_start_up(tmp_path: Path, ranks: list[str]) -> None:
     right, wrong = tmp_path / "right", tmp_path / "wrong"
     right.write_text("the-token\n")
     wrong.write_text("not-the-token\n")
     proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--token-file", str(right))
     try:
-        serve = [sys.executable, "-m", "kvbank.cli", "serve", "--port", "0"]
+        serve = [sys.executable, "-m", "kvbank.cli", "serve", "--port", "0", *ranks]
         serve += ["--sidecar", f"127.0.0.1:{port}", "--sidecar-token-file", str(wrong)]
         engine = subprocess.Popen(
             serve, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
