@@ -4,6 +4,7 @@ refuses, and an engine started with the wrong token."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -138,3 +139,17 @@ def test_an_engine_with_the_wrong_token_exits_at_start_up(tmp_path: Path, ranks:
         assert "Traceback" not in err
     finally:
         stop_process(proc)
+
+
+def test_status_json_prints_counts_as_numbers() -> None:
+    proc, port, _ = spawn_sidecar(
+        "--metrics-port", "-1", "--pool", str(ROOT / "examples" / "modelpool-llama-8b.yaml")
+    )
+    try:
+        shown = kvbank("status", f"127.0.0.1:{port}", "--json")
+    finally:
+        stop_process(proc)
+    assert shown.returncode == 0, shown.stderr
+    pool = json.loads(shown.stdout)["pool"]
+    assert pool["totalPages"] == 20000 and pool["usablePages"] == 19999  # ints, not "20000"
+    assert pool["outstanding"] == 0
