@@ -20,7 +20,7 @@ Races, and why they are safe:
   only slack no decision has counted: the engine pins only while no report is in flight, within
   the `headroom` of the last reply less what pins took since (banker: supply - outstanding).
 - Under peak-fit a decision starts some steps after it was made: the sidecar's ledger keeps it
-  open-ended (kvbank.peaktimeline.open_ended) until the engine's `start` event arrives.
+  open-ended (kvbank.ledger.open_ended) until the engine's `start` event arrives.
 - A cancel crossing an admission: `cancel` of a request this backend already saw decided sends
   nothing (the engine releases the admitted request when it applies the decision), and a cancel
   queued while the deciding report was in flight is dropped when that reply arrives.
@@ -35,9 +35,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from kvbank.ledger import Admitted, Decision, Hit, InvalidPages, InvariantBreach, UnknownRequest
-from kvbank.peakfit import PeakShape
-from kvbank.peaktimeline import PeakPolicy
+from kvbank.ledger import (
+    Admitted,
+    Decision,
+    Hit,
+    InvalidPages,
+    InvariantBreach,
+    PeakPolicy,
+    PeakShape,
+    UnknownRequest,
+)
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.backend_wire import BackendWire, as_ledger_error, submit_to_wire
 from kvbank.sidecar.client import SessionLost, SidecarClient, SidecarError

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger
-from kvbank.peakfit import PeakShape
-from kvbank.peaktimeline import PeakPolicy
+from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger, PeakPolicy, PeakShape
 from kvbank.proto import admission_pb2 as pb
 
 # The policies whose ledger the sidecar runs: (peak, backfill) for each.

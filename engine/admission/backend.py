@@ -16,9 +16,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Protocol
 
-from kvbank.ledger import NO_HIT, Admitted, Decision, Hit, InvariantBreach, Ledger, Refused
-from kvbank.peakfit import PeakShape
-from kvbank.peaktimeline import PeakPolicy
+from kvbank.ledger import (
+    NO_HIT,
+    Admitted,
+    Decision,
+    Hit,
+    InvariantBreach,
+    Ledger,
+    PeakPolicy,
+    PeakShape,
+    Refused,
+)
 
 # A peak-fit admission pass asks the engine for each candidate's hit in turn (None: that
 # request cannot start now), and tells it of each admission before the next question.
@@ -90,7 +98,7 @@ class PeakBackend(AdmissionBackend, Protocol):
         self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None
     ) -> None:
         """As AdmissionBackend.submit, with `shape` the request's growth per label
-        (kvbank.peakfit.peak_shape, from the engine's own count) for a peak-fit ledger."""
+        (kvbank.ledger.peak_shape, from the engine's own count) for a peak-fit ledger."""
         ...
 
     def configure(self, policy: str, peak: PeakPolicy) -> None:

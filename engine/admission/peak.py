@@ -1,7 +1,7 @@
 """Peak-fit admission in the engine: `peak`, `peak+backfill` and `banker+backfill` (the
 conservative reading with EASY backfill).
 
-The ledger (kvbank.ledger with a kvbank.peaktimeline.PeakPolicy) sits behind a `PeakBackend`,
+The ledger (kvbank.ledger with a kvbank.ledger.PeakPolicy) sits behind a `PeakBackend`,
 reached one of two ways.
 
 - In step (the embedded ledger, and `kvbank bench --sidecar`'s blocking sidecar): one pass asks
@@ -11,7 +11,7 @@ reached one of two ways.
   engine pins the head's cached hit and reports it; the sidecar decides when the report reaches
   it and the engine applies the decisions a step or more later, reporting each `start`. Until
   then the ledger keeps the admission open-ended (it may start at any later step; see
-  kvbank.peaktimeline.open_ended), so the delay cannot break a promise. A pin takes pages off
+  kvbank.ledger.open_ended), so the delay cannot break a promise. A pin takes pages off
   the supply (its idle pages) and off the returns of a request that held a page alone, so it
   spends at most the ledger's headroom (`PeakBackend.headroom`), and the holders' exact
   exclusive counts go with the same report as the hit. Requests admitted behind the head (a
@@ -42,9 +42,16 @@ from kvbank.engine.admission.policy import AdmissionPolicy, register
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
 from kvbank.engine.scheduler import Scheduler
-from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, UnknownRequest
-from kvbank.peakfit import PeakShape, peak_shape
-from kvbank.peaktimeline import PeakPolicy
+from kvbank.ledger import (
+    Admitted,
+    Decision,
+    Hit,
+    InvariantBreach,
+    PeakPolicy,
+    PeakShape,
+    UnknownRequest,
+    peak_shape,
+)
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,7 @@ import torch.distributed as dist
 
 from kvbank.engine.admission.backend import AdmissionBackend, EmbeddedBackend
 from kvbank.engine.runner import SamplingParams, StepBatch, StepResult
-from kvbank.ledger import Admitted, Decision, Hit, Ledger
-from kvbank.peakfit import PeakShape
+from kvbank.ledger import Admitted, Decision, Hit, Ledger, PeakShape
 
 IDLE = "idle"
 NO_ROWS = "no rows"

@@ -1,4 +1,5 @@
-"""Peak-fit admission: the pages admitted requests may hold at each future step, and its peak.
+"""Peak-fit admission: the pages admitted requests may hold at each future step, and its peak;
+a waiting request's `PeakShape` and a running one's `Track`.
 
 Every running request advances at least one token per step (the scheduler's promise, checked
 each step by `Timeline.end_step`) and at most `advance` (1 + spec when every draft token may be
@@ -17,7 +18,7 @@ step chunks + remaining - 1. Summed over the running
 requests, extra demand (pages beyond what each holds now, minus what finished ones return) only
 rises between two finishes, so its peak is at the step before a finish: one candidate step per
 running request. The timeline keeps that demand at the candidates (the profile,
-kvbank/peakprofile.py: carried from step to step, re-evaluating only the requests whose curve
+kvbank/ledger/profile.py: carried from step to step, re-evaluating only the requests whose curve
 changed), and an admission test evaluates only the newcomer's curve at them.
 
 Why this keeps the promise, and where each assumption is kept: docs/admission.md.
@@ -144,12 +145,6 @@ def track_for(shape: PeakShape, held: int, exclusive: int, peak: bool) -> Track:
         shape.base,
         shape.labels,
     )
-
-
-def flat_track(pages: int, page_size: int, held: int) -> Track:
-    """A request whose shape the ledger was not given: its worst case, until it is released."""
-    worst = (pages * page_size,)
-    return Track(list(worst), (0,), worst, 0, NEVER, held, 0, NEVER, (0,))
 
 
 def newcomer(
