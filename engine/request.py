@@ -21,6 +21,7 @@ from kvbank.capacity import (
 )
 from kvbank.engine.kv.pages import SINK_PAGE
 from kvbank.engine.runner import SamplingParams
+from kvbank.ledger import PeakShape, peak_shape
 
 
 class Status(enum.Enum):
@@ -74,6 +75,9 @@ class Request:
     shape: RequestShape
     count: PageCount  # worst case, from the one capacity function
     layout: tuple[LabelLayout, ...]
+    # Its growth per label as the peak-fit ledger reads it (its prefill bound is set when it is
+    # tried for admission); made with `count` at ingest, never recounted.
+    peak_shape: PeakShape
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival: int = 0  # arrival order
     output: list[int] = field(default_factory=list)
@@ -139,6 +143,33 @@ class Request:
         return min(len(self.prompt), self.num_tokens - 1) // self.page_size
 
 
+def build_request(
+    model: CapacityModel,
+    rid: str,
+    prompt: list[int],
+    shape: RequestShape,
+    count: PageCount,
+    sampling: SamplingParams | None = None,
+    arrival: int = 0,
+) -> Request:
+    """A request from its shape and the capacity function's count of it, made once at ingest
+    (engine.py) and carried: nothing on the serving path counts its pages again."""
+    req = Request(
+        rid=rid,
+        prompt=prompt,
+        shape=shape,
+        count=count,
+        layout=layout_for(model, shape),
+        peak_shape=peak_shape(model, shape, count=count),
+        sampling=sampling or SamplingParams(),
+        arrival=arrival,
+        page_size=model.page_size,
+    )
+    req.worst = count.total
+    req.cacheable = all(label.keyed for label in req.layout)
+    return req
+
+
 def make_request(
     model: CapacityModel,
     rid: str,
@@ -149,17 +180,8 @@ def make_request(
     sampling: SamplingParams | None = None,
     arrival: int = 0,
 ) -> Request:
+    """A request counted here (for callers that hold no count: tests and tools)."""
     shape = RequestShape(len(prompt), max_tokens, dict(extra_tokens or {}), labels)
-    req = Request(
-        rid=rid,
-        prompt=list(prompt),
-        shape=shape,
-        count=count_pages(model, shape),
-        layout=layout_for(model, shape),
-        sampling=sampling or SamplingParams(),
-        arrival=arrival,
-        page_size=model.page_size,
+    return build_request(
+        model, rid, list(prompt), shape, count_pages(model, shape), sampling, arrival
     )
-    req.worst = req.count.total
-    req.cacheable = all(label.keyed for label in req.layout)
-    return req

@@ -25,12 +25,12 @@ from prometheus_client import start_http_server
 
 from kvbank.capacity import pool_pages
 from kvbank.check import ManifestError, load_documents
+from kvbank.mode import LEDGER_MODE_NAMES
 from kvbank.modelpool import SpecError, parse_modelpool
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.auth import TokenInterceptor
 from kvbank.sidecar.decision_log import DecisionLog
-from kvbank.sidecar.peakpass import SIDECAR_MODES
 from kvbank.sidecar.service import AdmissionService
 from kvbank.sidecar.state import AdmissionState
 
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool", metavar="FILE", help="ModelPool manifest this sidecar serves")
     parser.add_argument(
         "--policy",
-        choices=sorted(SIDECAR_MODES),
+        choices=sorted(LEDGER_MODE_NAMES),
         help="the ledger's admission policy (default: the --pool's spec.admission, else the "
         "policy the engine asks for); an engine that asks for another gets FAILED_PRECONDITION",
     )
@@ -97,7 +97,7 @@ def _read_pool(path: str) -> tuple[int, str]:
         pool = parse_modelpool(doc)
     except SpecError as exc:
         raise ConfigError(f"{where}: " + "; ".join(str(e) for e in exc.errors)) from exc
-    return pool_pages(pool), pool.admission.ledger_policy
+    return pool_pages(pool), pool.admission.mode.name
 
 
 def _is_loopback(listen: str) -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
-from kvbank.capacity import SINK_PAGES
+from kvbank.capacity import SINK_PAGES, refusal_message
 from kvbank.ledger import backfill
 from kvbank.ledger.books import Books, Waiting
 from kvbank.ledger.conservative import ConservativeTimeline
@@ -177,11 +177,8 @@ class Ledger:
                 f"{pages} were given; build both from the same count_pages"
             )
         if pages > books.usable_pages:
-            message = refusal or (
-                f"this request needs {pages} KV pages but the pool holds {books.usable_pages} "
-                f"pages for requests; lower max_tokens or raise the pool to at least "
-                f"{pages + SINK_PAGES} pages"
-            )
+            advice = f"lower max_tokens or raise the pool to at least {pages + SINK_PAGES} pages"
+            message = refusal or refusal_message(pages, books.usable_pages, advice)
             return self._decide(Refused(rid, books.next_seq, message))
         books.waiting[rid] = Waiting(pages, shape)
         return None

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvbank.capacity import CapacityModel, RequestShape, label_growth, pages_for
+from kvbank.capacity import CapacityModel, PageCount, RequestShape, label_growth, pages_for
 
 Steps = npt.NDArray[np.int64]
 NEVER = 1 << 40  # the finish step of a request whose progress the ledger is not told
@@ -65,9 +65,15 @@ class PeakShape:
             )
 
 
-def peak_shape(model: CapacityModel, request: RequestShape, prefill_chunks: int = 1) -> PeakShape:
-    """The shape of a request, read off the capacity function (never recounted here)."""
-    growth, count = label_growth(model, request)
+def peak_shape(
+    model: CapacityModel,
+    request: RequestShape,
+    prefill_chunks: int = 1,
+    count: PageCount | None = None,
+) -> PeakShape:
+    """The shape of a request, read off the capacity function (or `count`, its result for this
+    request: never recounted here)."""
+    growth, count = label_growth(model, request, count)
     labels = list(growth.values())
     return PeakShape(
         tuple(g.base for g in labels),

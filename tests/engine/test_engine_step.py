@@ -113,7 +113,8 @@ def test_bad_requests_are_rejected_with_a_reason_and_change_nothing() -> None:
     assert expected is not None
     with pytest.raises(RequestRejected) as caught:
         engine.add_request("big", list(range(30)), max_tokens=16)
-    assert expected in str(caught.value)
+    assert expected.message in str(caught.value)
+    assert caught.value.refusal == expected and caught.value.param == expected.param
     assert not engine.has_work() and engine.sched.stats.rejected == 1
     engine.add_request("a", [1, 2])
     with pytest.raises(RequestRejected, match="already in use"):
