@@ -9,8 +9,9 @@ records and errors callers pass, get back and catch).
 
 from kvbank.ledger.books import usable_pages
 from kvbank.ledger.ledger import Ledger, Peek
+from kvbank.ledger.policy import PeakPolicy
 from kvbank.ledger.shape import NEVER, PeakShape, peak_shape
-from kvbank.ledger.timeline import PeakPolicy, Timeline, open_ended
+from kvbank.ledger.timeline import Timeline, open_ended
 from kvbank.ledger.types import (
     NO_HIT,
     Admitted,

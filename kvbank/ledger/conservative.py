@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvbank.ledger.books import Books, Waiting
+from kvbank.ledger.policy import PeakPolicy
 from kvbank.ledger.shape import PeakShape, flat_shape
-from kvbank.ledger.timeline import PeakPolicy
 from kvbank.ledger.types import Hit
 
 

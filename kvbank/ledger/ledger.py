@@ -12,14 +12,11 @@ and a head with cached hit `hit` (of which `idle` pages only the index holds) is
 
     outstanding + (reserved - hit) <= supply - idle
 
-because leasing the idle part takes it out of the evictable supply. The ledger is pure Python and
-does no I/O: the engine (or the sidecar on its behalf) reports what the pool did.
-
-A ledger is two parts: its books (kvbank/ledger/books.py: reservations, totals, checks) and a
-timeline of the running requests (kvbank/ledger/timeline.py under a `PeakPolicy`, else the
-trivial one of kvbank/ledger/conservative.py). EASY backfill is a function over both
-(kvbank/ledger/backfill.py). This class keeps arrivals, admission and the running requests'
-page counts and progress, and tells each part what changed.
+because leasing the idle part takes it out of the evictable supply. Pure Python, no I/O: the
+engine (or the sidecar on its behalf) reports what the pool did. Two parts: the books
+(kvbank/ledger/books.py) and a timeline of the running requests (kvbank/ledger/timeline.py,
+else the trivial kvbank/ledger/conservative.py); backfill is a function over both
+(kvbank/ledger/backfill.py).
 """
 
 from __future__ import annotations
@@ -31,8 +28,9 @@ from kvbank.capacity import SINK_PAGES, refusal_message
 from kvbank.ledger import backfill
 from kvbank.ledger.books import Books, Waiting
 from kvbank.ledger.conservative import ConservativeTimeline
+from kvbank.ledger.policy import PeakPolicy
 from kvbank.ledger.shape import PeakShape
-from kvbank.ledger.timeline import PeakPolicy, Timeline
+from kvbank.ledger.timeline import Timeline
 from kvbank.ledger.types import (
     NO_HIT,
     Admitted,
@@ -50,14 +48,10 @@ _D = TypeVar("_D", Admitted, Refused)
 
 
 class Ledger:
-    """FIFO, head-only admission against running totals. `debug` checks the safe-state invariant
-    after every change (tests run with it on).
-
-    With a `policy`, the ledger also keeps each running request's progress (a timeline) and
-    admits the head when the peak of the timeline fits rather than the sum of worst cases
-    (`policy.peak`), and lets a later request start past a blocked head when that cannot delay
-    the head's promised step (`policy.backfill`). The conservative test is tried first: what it
-    admits, the peak test admits too."""
+    """FIFO, head-only admission against running totals; `debug` checks the safe-state invariant
+    after every change. With a `policy` it follows each running request's progress and admits
+    when the timeline's peak fits (`peak`), and lets a later request past a blocked head that it
+    cannot delay (`backfill`). The conservative test is tried first."""
 
     def __init__(
         self,
