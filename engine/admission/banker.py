@@ -21,36 +21,27 @@ applied one is skipped, so a backend that resends is harmless.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Generator, Iterator
 
-from kvbank.engine.admission.actions import Action, Preempt, Reject, Start
+from kvbank.engine.admission.actions import Action, Reject, Start
 from kvbank.engine.admission.backend import AdmissionBackend
-from kvbank.engine.admission.decisions import DecisionReader, HeadPin
-from kvbank.engine.admission.policy import AdmissionPolicy
+from kvbank.engine.admission.decisions import LedgerPolicy
 from kvbank.engine.request import Request
-from kvbank.ledger import Decision, InvariantBreach, UnknownRequest
+from kvbank.ledger import Decision
 
 
-class BankerPolicy(AdmissionPolicy):
+class BankerPolicy(LedgerPolicy):
     name = "banker"
     protects_head = False  # the head's hit is pinned, not merely protected
 
     def __init__(self, backend: AdmissionBackend) -> None:
+        super().__init__()
         self.backend = backend
         self._take = backend.take  # bound once: a busy step takes pages for many requests
-        self._reader = DecisionReader()
-        self._pin = HeadPin()
 
     def on_arrival(self, req: Request) -> None:
         # The page need is the engine's own count_pages result, never a client's number.
         self.backend.submit(req.rid, req.count.total)
-
-    def on_cancel(self, req: Request) -> None:
-        self._pin.forget(req.rid)
-        # A remote ledger may have admitted it already: `_apply` releases that Admitted.
-        with contextlib.suppress(UnknownRequest):
-            self.backend.cancel(req.rid)
 
     def admit(self) -> Iterator[Action]:
         view, backend = self.view, self.backend
@@ -79,13 +70,6 @@ class BankerPolicy(AdmissionPolicy):
             admitted = True
         return admitted
 
-    def on_shortage(self, req: Request) -> Preempt | None:
-        raise InvariantBreach(
-            f"request {req.rid!r} could not grow: it holds {req.held} of its {req.count.total} "
-            f"reserved pages, supply is {self.view.kv.supply}, ledger outstanding "
-            f"{self.backend.outstanding()}"
-        )
-
     def on_take(self, req: Request, pages: int) -> None:
         self._take(req.rid, pages)  # raises if past the reservation: a bug, never absorbed
 
@@ -95,7 +79,3 @@ class BankerPolicy(AdmissionPolicy):
     def end_step(self) -> None:
         kv = self.view.kv
         self.backend.set_supply(kv.free, kv.evictable)
-
-    def check_integrity(self) -> None:
-        kv = self.view.kv
-        self.backend.check_integrity(kv.free, kv.evictable)

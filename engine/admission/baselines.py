@@ -2,7 +2,7 @@
 compares them). Each admits FIFO from the head and differs in what it counts and what it does
 when a running request cannot grow:
 
-- optimistic   (the seed's main) admit when the prompt's uncached pages fit; grow on demand;
+- optimistic   (a plain engine) admit when the prompt's uncached pages fit; grow on demand;
                a request that cannot grow stalls. Can deadlock.
 - preempt      (vLLM, recompute) admit like optimistic; on a shortage preempt the most recently
                admitted running request and requeue it at the head.

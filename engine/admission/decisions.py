@@ -1,5 +1,6 @@
-"""Reading a backend's decisions in the engine: once each, in sequence order; and pinning the
-waiting head's hit for a backend that decides later.
+"""What the two ledger policies share (`LedgerPolicy`): reading a backend's decisions in the
+engine, once each, in sequence order; and pinning the waiting head's hit for a backend that
+decides later.
 
 Both ledger policies (engine/admission/banker.py, and engine/admission/peak.py when its backend
 defers) read decisions that may arrive late, twice, or for a request that left meanwhile. What
@@ -12,15 +13,17 @@ time, in order."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
-from kvbank.engine.admission.actions import Action, Pin, Reject
+from kvbank.engine.admission.actions import Action, Pin, Preempt, Reject
 from kvbank.engine.admission.backend import AdmissionBackend
+from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
-from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach
+from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, UnknownRequest
 
 
 @dataclass(frozen=True)
@@ -115,3 +118,32 @@ class HeadPin:
         backend.set_supply(kv.free, kv.evictable)
         backend.report_hits({head.rid: Hit(pinned, 0, 0)})
         return [page for chain in head.pinned.values() for page in chain[depth:]]
+
+
+class LedgerPolicy(AdmissionPolicy):
+    """A policy that admits by the ledger behind `backend` (engine/admission/banker.py,
+    engine/admission/peak.py): it never preempts, and what it does as a request leaves the
+    queue or the pool is checked is the same for both."""
+
+    backend: AdmissionBackend
+
+    def __init__(self) -> None:
+        self._reader = DecisionReader()
+        self._pin = HeadPin()
+
+    def on_cancel(self, req: Request) -> None:
+        self._pin.forget(req.rid)
+        # A remote ledger may have admitted it already: the reader releases that admission.
+        with contextlib.suppress(UnknownRequest):
+            self.backend.cancel(req.rid)
+
+    def on_shortage(self, req: Request) -> Preempt | None:
+        raise InvariantBreach(
+            f"request {req.rid!r} could not grow under {self.name}: it holds {req.held} of its "
+            f"{req.count.total} reserved pages, supply is {self.view.kv.supply}, ledger "
+            f"outstanding {self.backend.outstanding()}"
+        )
+
+    def check_integrity(self) -> None:
+        kv = self.view.kv
+        self.backend.check_integrity(kv.free, kv.evictable)

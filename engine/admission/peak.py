@@ -29,26 +29,25 @@ the ledger; one that made none (or a prefill past its bound) is reported as stal
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Generator, Iterator
 from dataclasses import replace
 
-from kvbank.engine.admission.actions import Action, Preempt, Reject, Start
+from kvbank.engine.admission.actions import Action, Reject, Start
 from kvbank.engine.admission.backend import PeakBackend, embedded
-from kvbank.engine.admission.decisions import DecisionReader, HeadPin
-from kvbank.engine.admission.policy import AdmissionPolicy
+from kvbank.engine.admission.decisions import LedgerPolicy
 from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
-from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, PeakPolicy, UnknownRequest
+from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, PeakPolicy
 from kvbank.mode import AdmissionMode
 
 log = logging.getLogger(__name__)
 
 
-class PeakFitPolicy(AdmissionPolicy):
+class PeakFitPolicy(LedgerPolicy):
     def __init__(self, mode: AdmissionMode, backend: PeakBackend | None = None) -> None:
+        super().__init__()
         self.name = mode.name
         self.mode = mode
         self._given = backend  # None: an embedded ledger, built once the pool is known
@@ -58,8 +57,6 @@ class PeakFitPolicy(AdmissionPolicy):
         # Set when pages changed hands between requests (a shared hit leased, or a co-holder
         # left); the next end_step then counts every request's exclusive pages afresh.
         self._sharing_changed = False
-        self._pin = HeadPin()  # deferred: the head's hit, pinned and reported
-        self._reader = DecisionReader()  # deferred: decisions applied once, in order
 
     def bind(self, view: AdmissionView) -> None:
         super().bind(view)
@@ -89,12 +86,6 @@ class PeakFitPolicy(AdmissionPolicy):
     def on_arrival(self, req: Request) -> None:
         # The shape is the engine's own count, made once at ingest (kvbank.engine.request).
         self.backend.submit(req.rid, req.count.total, shape=req.peak_shape)
-
-    def on_cancel(self, req: Request) -> None:
-        self._pin.forget(req.rid)
-        # A deferred ledger may have admitted it already: `_apply` releases that admission.
-        with contextlib.suppress(UnknownRequest):
-            self.backend.cancel(req.rid)
 
     def _prefill_bound(self, req: Request) -> int:
         """Steps the request's prefill may take if admitted now: every prefill token ahead of
@@ -189,12 +180,6 @@ class PeakFitPolicy(AdmissionPolicy):
 
     # ---- pages ---------------------------------------------------------------------------------
 
-    def on_shortage(self, req: Request) -> Preempt | None:
-        raise InvariantBreach(
-            f"request {req.rid!r} could not grow under {self.name}: it holds {req.held} of its "
-            f"{req.count.total} reserved pages, supply is {self.view.kv.supply}"
-        )
-
     def on_take(self, req: Request, pages: int) -> None:
         self.backend.take(req.rid, pages)
 
@@ -243,7 +228,3 @@ class PeakFitPolicy(AdmissionPolicy):
     def _sync_supply(self) -> None:
         kv = self.view.kv
         self.backend.set_supply(kv.free, kv.evictable)  # a no-op when the figures are unchanged
-
-    def check_integrity(self) -> None:
-        kv = self.view.kv
-        self.backend.check_integrity(kv.free, kv.evictable)

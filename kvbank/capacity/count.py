@@ -77,18 +77,37 @@ def output_budget(model: CapacityModel, prompt_tokens: int, max_tokens: int | No
 class LabelTerms:
     """What one request writes into one label: tokens per prompt token, per output position,
     and its own tokens (the label's fixed tokens plus the model's extra tokens for this
-    request), which are reserved whole."""
+    request), which are reserved whole and written with its first chunk. The engine lays out a
+    request's page tables from these, so it writes exactly what count_pages counts."""
 
+    name: str
     per_prompt: int
     per_output: int
     own: int
 
+    @property
+    def keyed(self) -> bool:
+        """Whether the label's tokens are exactly the prompt tokens, so the prefix cache may key
+        it: anything else (an image's tokens, an encoder window) is not described by the prompt,
+        so two equal prompts do not mean equal KV there."""
+        return self.per_prompt == 1 and self.own == 0
+
+    def tokens_at(self, positions: int, prompt_tokens: int) -> int:
+        """Label tokens once `positions` positions (prompt first, then output) are written."""
+        if positions <= 0:
+            return 0
+        prompt_part = min(positions, prompt_tokens)
+        return (
+            self.per_prompt * prompt_part + self.own + self.per_output * (positions - prompt_part)
+        )
+
 
 def label_terms(model: CapacityModel, request: RequestShape) -> dict[str, LabelTerms]:
-    """The labels a request writes, in the model's order; the others go to the sink page. The
-    engine lays out its page tables from this, so it writes exactly what count_pages counts."""
+    """The labels a request writes, in the model's order; the others go to the sink page."""
     return {
-        label: LabelTerms(slot.prompt, slot.output, slot.fixed + request.extra_tokens.get(label, 0))
+        label: LabelTerms(
+            label, slot.prompt, slot.output, slot.fixed + request.extra_tokens.get(label, 0)
+        )
         for label, slot in model.kv_slots.items()
         if request.labels is None or label in request.labels
     }

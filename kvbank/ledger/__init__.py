@@ -7,7 +7,7 @@ and the curves the timeline adds up), `profile` (the timeline's cached demand), 
 records and errors callers pass, get back and catch).
 """
 
-from kvbank.ledger.books import usable_pages
+from kvbank.ledger.books import pool_usable_pages
 from kvbank.ledger.ledger import Ledger, Peek
 from kvbank.ledger.policy import PeakPolicy
 from kvbank.ledger.shape import NEVER, PeakShape, peak_shape
@@ -50,5 +50,5 @@ __all__ = [
     "UnknownRequest",
     "open_ended",
     "peak_shape",
-    "usable_pages",
+    "pool_usable_pages",
 ]

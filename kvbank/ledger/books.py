@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvbank.capacity import SINK_PAGES
+from kvbank.capacity import SINK_PAGES, usable_pages
 from kvbank.ledger.shape import PeakShape
 from kvbank.ledger.types import (
     DuplicateRequest,
@@ -25,14 +25,14 @@ from kvbank.ledger.types import (
 )
 
 
-def usable_pages(total_pages: int) -> int:
-    """The pages of a pool of `total_pages` that requests can hold (all but the sink); the one
-    check that a pool has any (the ledger's and the page pool's)."""
+def pool_usable_pages(total_pages: int) -> int:
+    """The pages of a pool of `total_pages` that requests can hold, checking that there are
+    any: the one guard of the ledger's pool and the engine's page pool."""
     if total_pages <= SINK_PAGES:
         raise InvalidPages(
             f"a pool needs at least {SINK_PAGES + 1} pages (one is the sink), got {total_pages}"
         )
-    return total_pages - SINK_PAGES
+    return usable_pages(total_pages)
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Books:
         self, total_pages: int, free: int = -1, evictable: int = 0, next_seq: int = 0
     ) -> None:
         self.total_pages = total_pages
-        self.usable_pages = usable_pages(total_pages)
+        self.usable_pages = pool_usable_pages(total_pages)
         self.free = self.usable_pages if free < 0 else free  # -1: every usable page starts free
         self.evictable = evictable
         self.next_seq = next_seq
