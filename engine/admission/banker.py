@@ -23,19 +23,21 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterator
 
-from kvbank.engine.admission.actions import Action, Reject, Start
+from kvbank.engine.admission.actions import Action, Preempt, Reject, Start
 from kvbank.engine.admission.backend import AdmissionBackend
-from kvbank.engine.admission.decisions import LedgerPolicy
+from kvbank.engine.admission.decisions import LedgerParts
+from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.engine.request import Request
 from kvbank.ledger import Decision
 
 
-class BankerPolicy(LedgerPolicy):
+class BankerPolicy(AdmissionPolicy):
     name = "banker"
     protects_head = False  # the head's hit is pinned, not merely protected
 
     def __init__(self, backend: AdmissionBackend) -> None:
-        super().__init__()
+        self._parts = LedgerParts()
+        self._reader, self._pin = self._parts.reader, self._parts.pin
         self.backend = backend
         self._take = backend.take  # bound once: a busy step takes pages for many requests
 
@@ -79,3 +81,12 @@ class BankerPolicy(LedgerPolicy):
     def end_step(self) -> None:
         kv = self.view.kv
         self.backend.set_supply(kv.free, kv.evictable)
+
+    def on_cancel(self, req: Request) -> None:
+        self._parts.cancel(self.backend, req)
+
+    def on_shortage(self, req: Request) -> Preempt | None:
+        self._parts.shortage(self.name, self.view, self.backend, req)
+
+    def check_integrity(self) -> None:
+        self._parts.check(self.view, self.backend)

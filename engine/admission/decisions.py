@@ -1,4 +1,4 @@
-"""What the two ledger policies share (`LedgerPolicy`): reading a backend's decisions in the
+"""What the two ledger policies share (`LedgerParts`): reading a backend's decisions in the
 engine, once each, in sequence order; and pinning the waiting head's hit for a backend that
 decides later.
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
+from typing import NoReturn
 
-from kvbank.engine.admission.actions import Action, Pin, Preempt, Reject
+from kvbank.engine.admission.actions import Action, Pin, Reject
 from kvbank.engine.admission.backend import AdmissionBackend
-from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
@@ -120,30 +120,32 @@ class HeadPin:
         return [page for chain in head.pinned.values() for page in chain[depth:]]
 
 
-class LedgerPolicy(AdmissionPolicy):
-    """A policy that admits by the ledger behind `backend` (engine/admission/banker.py,
-    engine/admission/peak.py): it never preempts, and what it does as a request leaves the
-    queue or the pool is checked is the same for both."""
-
-    backend: AdmissionBackend
+class LedgerParts:
+    """What the two ledger policies (engine/admission/banker.py, engine/admission/peak.py) hold
+    alike and do alike: the decision reader, the head's pin, and what they do as a request
+    leaves the queue, cannot grow, or the pool is checked. Each policy holds one."""
 
     def __init__(self) -> None:
-        self._reader = DecisionReader()
-        self._pin = HeadPin()
+        self.reader = DecisionReader()
+        self.pin = HeadPin()
 
-    def on_cancel(self, req: Request) -> None:
-        self._pin.forget(req.rid)
+    def cancel(self, backend: AdmissionBackend, req: Request) -> None:
+        self.pin.forget(req.rid)
         # A remote ledger may have admitted it already: the reader releases that admission.
         with contextlib.suppress(UnknownRequest):
-            self.backend.cancel(req.rid)
+            backend.cancel(req.rid)
 
-    def on_shortage(self, req: Request) -> Preempt | None:
+    @staticmethod
+    def shortage(
+        name: str, view: AdmissionView, backend: AdmissionBackend, req: Request
+    ) -> NoReturn:
+        """A ledger policy never preempts: a request that cannot grow is a broken promise."""
         raise InvariantBreach(
-            f"request {req.rid!r} could not grow under {self.name}: it holds {req.held} of its "
-            f"{req.count.total} reserved pages, supply is {self.view.kv.supply}, ledger "
-            f"outstanding {self.backend.outstanding()}"
+            f"request {req.rid!r} could not grow under {name}: it holds {req.held} of its "
+            f"{req.count.total} reserved pages, supply is {view.kv.supply}, ledger "
+            f"outstanding {backend.outstanding()}"
         )
 
-    def check_integrity(self) -> None:
-        kv = self.view.kv
-        self.backend.check_integrity(kv.free, kv.evictable)
+    @staticmethod
+    def check(view: AdmissionView, backend: AdmissionBackend) -> None:
+        backend.check_integrity(view.kv.free, view.kv.evictable)

@@ -33,9 +33,10 @@ import logging
 from collections.abc import Generator, Iterator
 from dataclasses import replace
 
-from kvbank.engine.admission.actions import Action, Reject, Start
+from kvbank.engine.admission.actions import Action, Preempt, Reject, Start
 from kvbank.engine.admission.backend import PeakBackend, embedded
-from kvbank.engine.admission.decisions import LedgerPolicy
+from kvbank.engine.admission.decisions import LedgerParts
+from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
@@ -45,9 +46,10 @@ from kvbank.mode import AdmissionMode
 log = logging.getLogger(__name__)
 
 
-class PeakFitPolicy(LedgerPolicy):
+class PeakFitPolicy(AdmissionPolicy):
     def __init__(self, mode: AdmissionMode, backend: PeakBackend | None = None) -> None:
-        super().__init__()
+        self._parts = LedgerParts()
+        self._reader, self._pin = self._parts.reader, self._parts.pin
         self.name = mode.name
         self.mode = mode
         self._given = backend  # None: an embedded ledger, built once the pool is known
@@ -228,3 +230,12 @@ class PeakFitPolicy(LedgerPolicy):
     def _sync_supply(self) -> None:
         kv = self.view.kv
         self.backend.set_supply(kv.free, kv.evictable)  # a no-op when the figures are unchanged
+
+    def on_cancel(self, req: Request) -> None:
+        self._parts.cancel(self.backend, req)
+
+    def on_shortage(self, req: Request) -> Preempt | None:
+        self._parts.shortage(self.name, self.view, self.backend, req)
+
+    def check_integrity(self) -> None:
+        self._parts.check(self.view, self.backend)
