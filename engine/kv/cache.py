@@ -23,9 +23,6 @@ class KVCache:
         self.pool = PagePool(total_pages)
         self.index = PrefixIndex(self.pool, page_size)
         self.page_size = page_size
-        # Pages the waiting head will reuse; eviction takes them only after every other idle
-        # page. Called only when an eviction happens, so the common step pays nothing for it.
-        self.protected: Callable[[], Collection[int]] = frozenset
 
     @property
     def free(self) -> int:
@@ -99,7 +96,9 @@ class KVCache:
 
     def lease(self, req: Request, chains: Chains) -> int:
         """Give an admitted request its cached prefix: it skips those positions. Pages already
-        pinned for it keep their reference; the rest are held now. Returns pages leased."""
+        pinned for it keep their reference (pins past the leased depth are dropped); the rest
+        are held now. Returns pages leased."""
+        self.unpin(req, keep=len(next(iter(chains.values()), ())))
         pinned = req.pinned
         leased = 0
         for name, chain in chains.items():
@@ -133,9 +132,15 @@ class KVCache:
                 missing += want - have
         return missing
 
-    def grow(self, req: Request, positions: int) -> int:
+    def grow(
+        self,
+        req: Request,
+        positions: int,
+        protected: Callable[[], Collection[int]] = frozenset,
+    ) -> int:
         """Allocate room for `positions` positions, evicting idle cached pages if the free list
-        runs out. All or nothing: raises OutOfPages, changing nothing, when supply is short."""
+        runs out, the `protected` ones last (asked only when an eviction happens). All or
+        nothing: raises OutOfPages, changing nothing, when supply is short."""
         if positions <= req.room:
             return 0
         missing = self.need(req, positions)
@@ -145,15 +150,15 @@ class KVCache:
         if missing > self.supply:
             raise OutOfPages(f"request {req.rid!r} needs {missing} pages, supply is {self.supply}")
         prompt_len = len(req.prompt)
-        protected: Collection[int] | None = None
+        spared: Collection[int] | None = None
         for lay in req.layout:
             want = pages_for(lay.tokens_at(positions, prompt_len), self.page_size)
             table = req.pages.setdefault(lay.name, [])
             while len(table) < want:
                 if not self.pool.free:
-                    if protected is None:
-                        protected = self.protected()
-                    self.index.evict(protected)
+                    if spared is None:
+                        spared = protected()
+                    self.index.evict(spared)
                 table.append(self.pool.allocate())
         req.held += missing
         req.room = self._room(req)
