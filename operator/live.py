@@ -23,6 +23,7 @@ from kvbank.operator.pruning import prune_config_maps
 from kvbank.operator.ranks import RankedPod, leaders, rank_labels, ready_groups
 from kvbank.operator.render.names import LABEL_POOL, config_name
 from kvbank.operator.render.status import DEGRADED, READY, Condition, conditions
+from kvbank.operator.weights_status import check_condition
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,18 @@ class SidecarClientSource:
 
     def __init__(self, token: str | None = None) -> None:
         self._token = token
+        # The CA that signs the pools' sidecar certificates (set once the operator holds it):
+        # with it, status reads are TLS to the name the certificate covers.
+        self.ca_bundle: bytes | None = None
 
     def _read(self, address: str, timeout: float) -> PoolFigures:
         client_module = importlib.import_module("kvbank.sidecar.client")
         with client_module.SidecarClient(
-            address, token=self._token, deadline_s=timeout, retry_budget_s=timeout
+            address,
+            token=self._token,
+            tls_ca=self.ca_bundle,
+            deadline_s=timeout,
+            retry_budget_s=timeout,
         ) as client:
             pool = client.status()
         return PoolFigures(
@@ -83,13 +91,17 @@ async def poll_sidecars(
     *,
     concurrency: int,
     timeout: float,
+    by_name: bool = False,
 ) -> Poll:
+    """`by_name`: dial each sidecar by its DNS name, which its TLS certificate covers, rather
+    than its IP."""
     gate = asyncio.Semaphore(max(1, concurrency))
 
     async def one(pod: RankedPod) -> PoolFigures | str:
+        host = pod.dns if by_name and pod.dns else pod.ip
         async with gate:
             try:
-                return await asyncio.wait_for(source.status(f"{pod.ip}:{port}", timeout), timeout)
+                return await asyncio.wait_for(source.status(f"{host}:{port}", timeout), timeout)
             except TimeoutError:
                 return f"{pod.name}: no answer within {timeout:g}s"
             except Exception as exc:  # any failure of one sidecar is that sidecar's, reported
@@ -147,6 +159,8 @@ async def refresh(
     meta, spec = doc["metadata"], doc.get("spec") or {}
     name, namespace = meta["name"], meta.get("namespace") or "default"
     replicas, tp = int(spec.get("replicas", 1)), int(spec.get("tensorParallel", 1))
+    if (spec.get("engine") or {}).get("kind") == "vllm":
+        tp = 1  # vLLM runs a group's ranks in one pod (render.engines)
     pods = await cluster.list("v1", "Pod", namespace, label_selector=f"{LABEL_POOL}={name}")
     await label_ranks(cluster, pods)
     config_hash = (doc.get("status") or {}).get("configHash")
@@ -154,7 +168,10 @@ async def refresh(
         await prune_config_maps(cluster, namespace, name, config_name(name, config_hash), pods)
     ready = ready_groups(pods, tp)
     ranks = [p for p in leaders(pods) if p.ready]
-    poll = await poll_sidecars(source, ranks, port, concurrency=concurrency, timeout=timeout)
+    tls = bool((doc.get("status") or {}).get("sidecarTLS"))
+    poll = await poll_sidecars(
+        source, ranks, port, concurrency=concurrency, timeout=timeout, by_name=tls
+    )
     problems = list(poll.failures)
     if ready < replicas:
         problems.insert(0, f"{ready} of {replicas} groups have every rank ready")
@@ -177,6 +194,9 @@ async def refresh(
             "; ".join(problems),
         ),
     ]
+    weights = check_condition(pods)
+    if weights is not None:
+        updates.append(weights)
     live = {
         "pagesTotal": poll.figures["pages_total"],
         "freePages": poll.figures["free_pages"],

@@ -67,7 +67,7 @@ class TestRegistration:
     def test_handler_ids_are_the_webhook_paths(self) -> None:
         registry, _, _ = _setup(tls=True)
         ids = sorted(str(h.id) for h in registry._webhooks.get_all_handlers())
-        assert ids == ["validate-capacitypolicy", "validate-modelpool"]
+        assert ids == ["validate-capacitypolicy", "validate-modelpool", "validate-modelpool-scale"]
 
     def test_kopf_can_log_in(self) -> None:
         """A fresh registry has no login handler of kopf's; without one kopf cannot start."""
@@ -193,4 +193,9 @@ class TestStatusTimer:
         asyncio.run(_handler(registry, "pool_status")(body=cluster.one("ModelPool", "llama")))
         status = cluster.one("ModelPool", "llama")["status"]
         assert status["readyReplicas"] == 0
-        assert {c["type"] for c in status["conditions"]} == {"Accepted", "Ready", "Degraded"}
+        assert {c["type"] for c in status["conditions"]} == {
+            "Accepted",
+            "Ready",
+            "Degraded",
+            "WeightsAvailable",
+        }

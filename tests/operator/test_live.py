@@ -162,6 +162,7 @@ class TestRefresh:
             "Accepted": ("True", "Holdable"),
             "Ready": ("True", "GroupsReady"),
             "Degraded": ("False", "AsExpected"),
+            "WeightsAvailable": ("True", "InImage"),
         }
         labels = cluster.one("Pod", "llama-3")["metadata"]["labels"]
         assert labels["kvbank.dev/rank"] == "1" and labels["kvbank.dev/group"] == "1"
