@@ -34,10 +34,8 @@ def quantity(description: str) -> Schema:
     """Kubernetes' own shape for a quantity: `8`, `500m` and `16Gi` alike."""
     return {
         "x-kubernetes-int-or-string": True,
-        "anyOf": [
-            {"type": "integer", "minimum": 0},
-            {"type": "string", "pattern": QUANTITY.pattern},
-        ],
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "pattern": QUANTITY.pattern,
         "description": description,
     }
 

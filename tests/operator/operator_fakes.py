@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
-from kvbank.operator.cluster import KubeConflict, KubeUnavailable, identity
+from kvbank.operator.cluster import KubeConflict, KubeError, KubeUnavailable, identity
 
 Key = tuple[str, str, str | None, str]  # apiVersion, kind, namespace, name
 
@@ -128,7 +128,10 @@ class FakeCluster:
         self._tick("replace", f"{key[1]}/{key[3]}")
         current = self.objects.get(key)
         version = (manifest.get("metadata") or {}).get("resourceVersion")
-        if current is None or version != current["metadata"]["resourceVersion"]:
+        if current is None:
+            raise KubeError(404, f"{key[1]}/{key[3]} not found")
+        # No resourceVersion: an unconditional update, as the apiserver takes for a Secret.
+        if version is not None and version != current["metadata"]["resourceVersion"]:
             raise KubeConflict(409, f"{key[1]}/{key[3]} changed")
         return self.put(manifest)
 
