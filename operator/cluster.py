@@ -29,6 +29,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("v1", "Service"): ("services", True),
     ("v1", "Secret"): ("secrets", True),
     ("v1", "Pod"): ("pods", True),
+    ("v1", "PersistentVolumeClaim"): ("persistentvolumeclaims", True),
     ("v1", "Namespace"): ("namespaces", False),
     ("apps/v1", "StatefulSet"): ("statefulsets", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),

@@ -93,6 +93,7 @@ def test_the_operator_mounts_the_weights_where_the_engine_looks(
         "name": "weights",
         "mountPath": "/models/llama-3.1-8b-instruct",
         "readOnly": True,
+        "subPath": "llama-3.1-8b-instruct",
     }
     assert engine["args"][engine["args"].index("--model") + 1] == mount["mountPath"]
     [check] = pod["initContainers"]
