@@ -45,7 +45,7 @@ from kvbank.operator.render.names import (
     selector_labels,
 )
 from kvbank.operator.render.status import ACCEPTED, READY, Condition, conditions
-from kvbank.operator.render.token import MissingSidecarToken
+from kvbank.operator.render.token import MissingSidecarToken, token_secret
 from kvbank.operator.repair import why_repair
 from kvbank.operator.weights_status import WEIGHTS, source_condition
 
@@ -175,20 +175,21 @@ async def converge(
     those missing or drifted (`repair_only`, the timer). Then the status."""
     owner = owner_of(doc)
     status_now = doc.get("status") or {}
-    tls, tls_record = await ensure_pool_tls(cluster, owner, status_now, issuer, _moment(now))
-    try:
-        rendered = render_pool(
-            accepted.pool,
-            accepted.held,
-            owner,
-            doc["spec"],
-            settings,
-            accepted.kind,
-            accepted.deployment,
-            tls,
-        )
+    try:  # before anything is made for pods that could not start
+        token_secret(owner, settings.sidecar_token)
     except MissingSidecarToken as exc:
         return await _refuse_untokened(cluster, owner, exc, doc, now)
+    tls, tls_record = await ensure_pool_tls(cluster, owner, status_now, issuer, _moment(now))
+    rendered = render_pool(
+        accepted.pool,
+        accepted.held,
+        owner,
+        doc["spec"],
+        settings,
+        accepted.kind,
+        accepted.deployment,
+        tls,
+    )
     secret = rendered.token_secret
     restored = await cluster.create(secret) is not None and repair_only
     applied = (

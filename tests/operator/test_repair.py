@@ -266,6 +266,14 @@ class TestPoolCertificates:
             "a third of its life is left"
         )
 
+    def test_an_operator_without_a_token_issues_nothing(self) -> None:
+        cluster = _setup(stored(pool_doc()))
+        doc = cluster.one("ModelPool", "llama")
+        untokened = RenderSettings(image="registry.example/kvbank:1.2.3")
+        outcome = asyncio.run(reconcile(cluster, untokened, doc, now=NOW, issuer=_issuer()))
+        assert not outcome.accepted
+        assert cluster.kinds("Secret") == [] and cluster.kinds("StatefulSet") == []
+
     def test_without_a_ca_the_pods_run_on_a_trusted_network(self) -> None:
         cluster = _setup(stored(pool_doc()))
         _reconcile(cluster, None)
