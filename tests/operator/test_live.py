@@ -112,6 +112,24 @@ class TestPoll:
         assert poll.failures == ("p1: no answer within 0.5s", "p2: RuntimeError: reset")
         assert source.most_active == 2
 
+    def test_with_tls_each_sidecar_is_dialled_by_the_name_its_certificate_covers(self) -> None:
+        pod = sts_pod(0, 1)
+        pod["spec"].update(hostname="llama-0", subdomain="llama-ranks")
+        rank = ranked(pod)
+        assert rank is not None and rank.dns == "llama-0.llama-ranks.team-a.svc"
+
+        asked: list[str] = []
+
+        class Recording(FakeSource):
+            async def status(self, address: str, timeout: float) -> PoolFigures:
+                asked.append(address)
+                return FIGURES
+
+        source = Recording({})
+        asyncio.run(poll_sidecars(source, [rank], 50051, concurrency=1, timeout=1, by_name=True))
+        asyncio.run(poll_sidecars(source, [rank], 50051, concurrency=1, timeout=1))
+        assert asked == ["llama-0.llama-ranks.team-a.svc:50051", "10.0.0.0:50051"]
+
     def test_concurrency_is_bounded(self) -> None:
         ranks = [RankedPod(f"p{i}", i, 0, True, f"10.0.1.{i}") for i in range(20)]
         source = FakeSource({})
