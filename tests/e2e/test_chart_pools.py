@@ -17,6 +17,7 @@ from e2e_kube import example as load_example
 from test_chart import by_kind, env_of, helm, one, parsed_operator_config, render
 
 from kvbank.capacity import holdability
+from kvbank.check import load_documents
 from kvbank.modelpool import parse_modelpool
 from kvbank.operator.deployment import parse_deployment
 from kvbank.operator.render.bundle import render_pool
@@ -193,3 +194,26 @@ def test_the_metric_check_notices_a_misspelt_name() -> None:
     assert unexported(dashboard_metrics(bad), exported_metrics()) == {"kvbank_pages_reservd"}
     good = {"panels": [{"targets": [{"expr": 'rate(kvbank_admissions_total{pool="x"}[5m])'}]}]}
     assert unexported(dashboard_metrics(good), exported_metrics()) == set()
+
+
+def test_the_keda_example_scales_a_modelpool_on_a_metric_the_monitor_labels(helm: Tools) -> None:
+    from kvbank.operator.crd.modelpool_crd import modelpool_crd
+
+    [(_, scaled)] = load_documents(str(ROOT / "examples" / "keda-scaledobject.yaml"))
+    target = scaled["spec"]["scaleTargetRef"]
+    crd = modelpool_crd()
+    assert (target["apiVersion"], target["kind"]) == (
+        f"{crd['spec']['group']}/{crd['spec']['versions'][0]['name']}",
+        crd["spec"]["names"]["kind"],
+    )
+    assert "scale" in crd["spec"]["versions"][0]["subresources"]
+    [trigger] = scaled["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
+    names = set(re.findall(r"\b(kvbank_[a-z_]+)\{", query))
+    assert names and unexported(names, exported_metrics()) == set()
+    # The pool label the query filters on is the one the PodMonitor writes.
+    monitor = one(with_example(helm), "PodMonitor")
+    labels = {
+        r["targetLabel"] for e in monitor["spec"]["podMetricsEndpoints"] for r in e["relabelings"]
+    }
+    assert 'pool="llama-8b"' in query and "pool" in labels
