@@ -17,6 +17,7 @@ import yaml
 
 from kvbank.capacity import holdability
 from kvbank.modelpool import KIND, SpecError, parse_modelpool
+from kvbank.operator.deployment import parse_deployment
 
 
 class ManifestError(Exception):
@@ -76,11 +77,18 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: {where}: kind {doc.get('kind')!r} is not {KIND}", file=sys.stderr)
                 worst_exit = 2
                 continue
+            errors = []
             try:
                 pool = parse_modelpool(doc)
             except SpecError as exc:
+                errors += exc.errors
+            try:  # the pod-facing fields, as the webhook reads them
+                parse_deployment(doc)
+            except SpecError as exc:
+                errors += exc.errors
+            if errors:
                 print(f"error: {where}: not a valid {KIND}:", file=sys.stderr)
-                for err in exc.errors:
+                for err in errors:
                     print(f"  - {err}", file=sys.stderr)
                 worst_exit = 2
                 continue

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e_kube import FIRST_USE_TIMEOUT, condition, example, wait_for
-from test_cluster import POOL_SELECTOR, SETTLE_TIMEOUT, Cluster, cluster
+from e2e_kube import CHART, FIRST_USE_TIMEOUT, ROOT, condition, example, wait_for
+from test_cluster import POOL_SELECTOR, RELEASE, SETTLE_TIMEOUT, SYSTEM, Cluster, cluster
 
 __all__ = ["cluster"]  # the fixture, shared with test_cluster
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(FIRST_USE_TIMEOUT)]
@@ -266,3 +266,27 @@ def test_vllm_and_an_api_key_render_as_the_interfaces_say(cluster: Cluster) -> N
         "key": "api-key",
     }
     assert engine["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+
+
+def test_helm_upgrade_with_the_example_values_installs_the_example_pool(cluster: Cluster) -> None:
+    cluster.admin.ok("create", "namespace", "team-a")
+    out = cluster.admin.helm(
+        "upgrade", RELEASE, str(CHART), "-n", SYSTEM, "--reuse-values",
+        "-f", str(ROOT / "examples" / "values-llama-8b.yaml"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    cluster.accepted("team-a", POOL)
+    claim = cluster.admin.get("pvc", "llama-3-1-8b-weights", "team-a")
+    assert claim is not None and claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+    # No volume binds it here (no controller-manager): the pool says so.
+    wait_for("ClaimNotBound", lambda: weights_reason(cluster, "team-a") == "ClaimNotBound", 30)
+    sts = wait_for("the StatefulSet", lambda: cluster.admin.get("statefulset", POOL, "team-a"), 30)
+    pod = sts["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["weights"]["persistentVolumeClaim"]["claimName"] == "llama-3-1-8b-weights"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert config_map_of_dashboard(cluster) is not None
+
+
+def config_map_of_dashboard(cluster: Cluster) -> dict[str, Any] | None:
+    return cluster.admin.get("configmap", "kvbank-dashboard", SYSTEM)
