@@ -140,7 +140,9 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
             reconcile.repair(rt.cluster, rt.config.render, body, issuer=issuer(rt))
         )
         if outcome is not None and outcome.applied:
-            logger.warning("restored %s", ", ".join(outcome.applied))
+            # The pool in the message itself: the log's format may not name the object.
+            where = f"{body['metadata'].get('namespace')}/{body['metadata']['name']}"
+            logger.warning("%s: restored %s", where, ", ".join(outcome.applied))
 
     @kopf.timer(*POOLS, id="status", interval=rt.config.status_interval, registry=registry)
     async def pool_status(body: kopf.Body, **_: Any) -> None:

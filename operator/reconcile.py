@@ -46,7 +46,7 @@ from kvbank.operator.render.names import (
 )
 from kvbank.operator.render.status import ACCEPTED, READY, Condition, conditions
 from kvbank.operator.render.token import MissingSidecarToken, token_secret
-from kvbank.operator.repair import why_repair
+from kvbank.operator.repair import stored_differs, why_repair
 from kvbank.operator.weights_status import WEIGHTS, source_condition
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
@@ -199,9 +199,14 @@ async def converge(
         what = f"{manifest['kind']}/{manifest['metadata']['name']}"
         if repair_only:
             api_version, kind, namespace, name = identity(manifest)
-            why = why_repair(manifest, await cluster.get(api_version, kind, name, namespace))
+            live = await cluster.get(api_version, kind, name, namespace)
+            why = why_repair(manifest, live)
             if why is None:
                 continue
+            if live is not None and not stored_differs(
+                await cluster.apply(manifest, dry_run=True), live
+            ):
+                continue  # the apiserver stores what is rendered in its own words: no drift
             what += f" ({why})"
         try:
             await cluster.apply(manifest)

@@ -7,6 +7,11 @@ Comparison is of what the operator sets, not of whole objects: the apiserver add
 own fields (`kubectl rollout restart`'s annotation), none of which is drift. A rendered field is
 drifted when the live object lacks it or holds another value; quantities compare by value, so
 the apiserver writing `1` for `1.0` or `1Gi` for `1024Mi` is not drift either.
+
+That comparison is cheap (one read per object) but cannot know every way the apiserver
+rewrites what it is sent (a field a disabled feature gate drops, say), so what it calls drift
+is confirmed by a dry-run apply before anything is applied: only if the object as the
+apiserver would store it differs from the live one is the apply real.
 """
 
 from __future__ import annotations
@@ -75,6 +80,22 @@ def compared(manifest: Mapping[str, Any]) -> dict[str, Any]:
         if key in manifest:
             kept[key] = manifest[key]
     return kept
+
+
+def stored_differs(stored: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
+    """Whether applying would change `live`: `stored` is the apiserver's answer to a dry-run
+    apply of the rendered manifest (the live object with the operator's fields laid over it,
+    defaulted and canonicalised as the apiserver stores them)."""
+
+    def kept(obj: Mapping[str, Any]) -> dict[str, Any]:
+        meta = obj.get("metadata") or {}
+        return {
+            "labels": meta.get("labels") or {},
+            "annotations": meta.get("annotations") or {},
+            **{k: obj.get(k) for k in ("spec", "data", "type")},
+        }
+
+    return kept(stored) != kept(live)
 
 
 def why_repair(manifest: Mapping[str, Any], live: Mapping[str, Any] | None) -> str | None:

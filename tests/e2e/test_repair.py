@@ -7,6 +7,7 @@ change. No kubelet runs, so the assertions are on the stored objects."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -290,3 +291,40 @@ def test_helm_upgrade_with_the_example_values_installs_the_example_pool(cluster:
 
 def config_map_of_dashboard(cluster: Cluster) -> dict[str, Any] | None:
     return cluster.admin.get("configmap", "kvbank-dashboard", SYSTEM)
+
+
+def test_an_untouched_pool_is_never_repaired(cluster: Cluster) -> None:
+    """What the apiserver defaults and canonicalises is not drift: a pool left alone for
+    several repair passes is never applied again."""
+    ns, sts = rendered_pool(
+        cluster,
+        "quiet",
+        template={
+            "resources": {"cpu": "500m", "memory": "1024Mi"},
+            "shmSize": "1024Mi",
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}
+                        ]
+                    }
+                }
+            },
+        },
+    )
+    time.sleep(10)  # three passes at --repair-interval 3
+    assert (
+        cluster.admin.get("statefulset", POOL, ns)["metadata"]["resourceVersion"]
+        == sts[  # type: ignore[index]
+            "metadata"
+        ]["resourceVersion"]
+    )
+    repaired = [
+        line
+        for log in cluster.operator.logs
+        for line in log.read_text(errors="replace").splitlines()
+        if f"{ns}/{POOL}: restored" in line
+    ]
+    assert repaired == []

@@ -114,17 +114,19 @@ class FakeCluster:
             and _selects(label_selector, (o.get("metadata") or {}).get("labels") or {})
         ]
 
-    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    async def apply(self, manifest: Mapping[str, Any], dry_run: bool = False) -> dict[str, Any]:
         key = identity(manifest)
         self._mapped(key[0], key[1], key[2])
-        self._tick("apply", f"{key[1]}/{key[3]}")
+        self._tick("apply" + ("/dry-run" if dry_run else ""), f"{key[1]}/{key[3]}")
         current = self.objects.get(key)
         if current is None:
-            return self.put(manifest)
+            return copy.deepcopy(dict(manifest)) if dry_run else self.put(manifest)
         merged = copy.deepcopy(dict(manifest))
         merged["metadata"] = {**current["metadata"], **merged["metadata"]}
         if "status" in current:
             merged["status"] = current["status"]
+        if dry_run:
+            return merged
         if merged != current:
             merged["metadata"]["resourceVersion"] = str(next(self._versions))
             self.objects[key] = merged

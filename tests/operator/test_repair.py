@@ -141,6 +141,27 @@ class TestRepair:
         assert outcome.applied == ("StatefulSet/llama (drifted at .spec.replicas)",)
         assert cluster.one("StatefulSet", "llama")["spec"]["replicas"] == 2
 
+    def test_what_the_apiserver_drops_is_confirmed_by_a_dry_run_and_left(self) -> None:
+        """A field a disabled feature gate drops (a StatefulSet's maxUnavailable) reads as
+        drift every pass; the dry-run apply shows the apiserver would store the same, so
+        nothing is applied."""
+        cluster = _setup(stored(pool_doc()))
+        _reconcile(cluster)
+        strategy = cluster.one("StatefulSet", "llama")["spec"]["updateStrategy"]
+        del strategy["rollingUpdate"]
+        real_apply = cluster.apply
+
+        async def dropping(manifest: Any, dry_run: bool = False) -> Any:
+            result = await real_apply(manifest, dry_run)
+            result.get("spec", {}).get("updateStrategy", {}).pop("rollingUpdate", None)
+            return result
+
+        cluster.apply = dropping  # type: ignore[method-assign]
+        cluster.calls.clear()
+        assert _repair(cluster).applied == ()
+        assert ("apply/dry-run", "StatefulSet/llama") in cluster.calls
+        assert ("apply", "StatefulSet/llama") not in cluster.calls
+
     def test_a_deleted_token_secret_is_created_again(self) -> None:
         cluster = _setup(stored(pool_doc()))
         _reconcile(cluster)
