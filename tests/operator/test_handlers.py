@@ -199,3 +199,34 @@ class TestStatusTimer:
             "Degraded",
             "WeightsAvailable",
         }
+
+
+class TestRepairTimer:
+    def test_puts_back_a_deleted_stateful_set_and_says_so(self, caplog) -> None:
+        registry, _, cluster = _setup()
+        cluster.put(stored(pool_doc()))
+        body = cluster.one("ModelPool", "llama")
+        asyncio.run(_handler(registry, "reconcile_pool")(body=body, logger=LOG))
+        del cluster.objects[("apps/v1", "StatefulSet", "team-a", "llama")]
+        with caplog.at_level(logging.WARNING, logger="test"):
+            asyncio.run(
+                _handler(registry, "repair_pool")(
+                    body=cluster.one("ModelPool", "llama"), logger=LOG
+                )
+            )
+        assert cluster.one("StatefulSet", "llama")["spec"]["replicas"] == 2
+        assert "team-a/llama: restored StatefulSet/llama (missing)" in caplog.text
+
+    def test_api_trouble_is_a_retry_not_a_crash(self) -> None:
+        registry, _, cluster = _setup()
+        cluster.put(stored(pool_doc()))
+        asyncio.run(
+            _handler(registry, "reconcile_pool")(body=cluster.one("ModelPool", "llama"), logger=LOG)
+        )
+        cluster.fail_after = 0
+        with pytest.raises(kopf.TemporaryError):
+            asyncio.run(
+                _handler(registry, "repair_pool")(
+                    body=cluster.one("ModelPool", "llama"), logger=LOG
+                )
+            )
