@@ -37,10 +37,13 @@ def restored(cluster: Cluster, what: str, kind: str, name: str, ns: str, old_uid
         obj = cluster.admin.get(kind, name, ns)
         return obj if obj and obj["metadata"]["uid"] != old_uid else None
 
+    started = time.monotonic()
     try:
-        return wait_for(what, probe, REPAIR_TIMEOUT)
+        found = wait_for(what, probe, REPAIR_TIMEOUT)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\noperator log:\n{cluster.operator.log_tail()}") from None
+    print(f"{what}: {time.monotonic() - started:.1f} s (repair interval 3 s)")
+    return found
 
 
 def test_a_deleted_stateful_set_is_restored(cluster: Cluster) -> None:
