@@ -40,7 +40,11 @@ FIELDS = tuple(PoolFigures.__dataclass_fields__)
 
 
 class SidecarStatusSource(Protocol):
-    async def status(self, address: str, timeout: float) -> PoolFigures: ...
+    async def status(
+        self, address: str, timeout: float, server_name: str | None = None
+    ) -> PoolFigures:
+        """`server_name`: the name the sidecar's certificate must carry (TLS)."""
+        ...
 
 
 class SidecarClientSource:
@@ -54,12 +58,13 @@ class SidecarClientSource:
         # with it, status reads are TLS to the name the certificate covers.
         self.ca_bundle: bytes | None = None
 
-    def _read(self, address: str, timeout: float) -> PoolFigures:
+    def _read(self, address: str, timeout: float, server_name: str | None) -> PoolFigures:
         client_module = importlib.import_module("kvbank.sidecar.client")
         with client_module.SidecarClient(
             address,
             token=self._token,
             tls_ca=self.ca_bundle,
+            tls_server_name=server_name,
             deadline_s=timeout,
             retry_budget_s=timeout,
         ) as client:
@@ -73,8 +78,10 @@ class SidecarClientSource:
             queue_depth=pool.waiting,
         )
 
-    async def status(self, address: str, timeout: float) -> PoolFigures:
-        return await asyncio.to_thread(self._read, address, timeout)
+    async def status(
+        self, address: str, timeout: float, server_name: str | None = None
+    ) -> PoolFigures:
+        return await asyncio.to_thread(self._read, address, timeout, server_name)
 
 
 @dataclass(frozen=True)
@@ -93,15 +100,18 @@ async def poll_sidecars(
     timeout: float,
     by_name: bool = False,
 ) -> Poll:
-    """`by_name`: dial each sidecar by its DNS name, which its TLS certificate covers, rather
-    than its IP."""
+    """`by_name`: check each sidecar's certificate for its pod's DNS name, which the pool's
+    certificate covers (a pod IP is in none); the dial is still to the IP, so an operator
+    outside the cluster's DNS reads it too."""
     gate = asyncio.Semaphore(max(1, concurrency))
 
     async def one(pod: RankedPod) -> PoolFigures | str:
-        host = pod.dns if by_name and pod.dns else pod.ip
+        name = pod.dns if by_name else None
         async with gate:
             try:
-                return await asyncio.wait_for(source.status(f"{host}:{port}", timeout), timeout)
+                return await asyncio.wait_for(
+                    source.status(f"{pod.ip}:{port}", timeout, name), timeout
+                )
             except TimeoutError:
                 return f"{pod.name}: no answer within {timeout:g}s"
             except Exception as exc:  # any failure of one sidecar is that sidecar's, reported

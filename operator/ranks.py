@@ -26,7 +26,7 @@ class RankedPod:
     rank: int
     ready: bool
     ip: str | None
-    # <hostname>.<subdomain>.<namespace>.svc: the name the pool's sidecar certificate covers
+    # <hostname>.<subdomain>.<namespace>.svc: a name the pool's sidecar certificate covers
     # (a pod IP is in no certificate), None for a pod outside any headless Service.
     dns: str | None = None
 

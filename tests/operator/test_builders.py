@@ -46,36 +46,6 @@ TOKEN_SECRET = "llama-sidecar-token-0123456789"
 SELECTOR = {"app.kubernetes.io/name": "kvbank", "kvbank.dev/pool": "llama"}
 
 
-def _accepts(command: str, flag: str) -> bool:
-    """Whether `kvbank COMMAND` has `flag` in this tree."""
-    from kvbank import cli
-
-    argv = [command, flag, "x"] if flag.endswith("-file") else [command, flag]
-    _, unknown = cli.build_parser(argv).parse_known_args(argv)
-    return flag not in unknown
-
-
-# The sidecar's --trusted-network and TLS flags, and serve's --sidecar-ca-file and
-# --api-key-file, are the other half of the interface these builders render; until they are
-# in the tree, the tests that hand rendered args to the real parsers are expected to fail
-# there, and strict: they must pass once the flags exist.
-PENDING_FLAGS = not all(
-    _accepts(command, flag)
-    for command, flag in (
-        ("sidecar", "--trusted-network"),
-        ("sidecar", "--tls-cert-file"),
-        ("serve", "--sidecar-ca-file"),
-        ("serve", "--api-key-file"),
-    )
-)
-needs_flags = pytest.mark.xfail(
-    PENDING_FLAGS,
-    reason="kvbank sidecar/serve lack the TLS and API-key flags in this tree",
-    raises=SystemExit,
-    strict=True,
-)
-
-
 def _pool(**spec):
     return parse_modelpool(pool_doc(**spec))
 
@@ -255,7 +225,6 @@ class TestPodTemplate:
             ]
         assert template["spec"]["terminationGracePeriodSeconds"] == 600
 
-    @needs_flags
     def test_the_commands_parse_with_the_real_subcommands(self) -> None:
         """The flags rendered are flags `kvbank serve` and `kvbank sidecar` accept."""
         from kvbank import cli
@@ -485,7 +454,6 @@ class TestPodsStartWithoutAKubelet:
         engine, sidecar = self._template(rendered)["spec"]["containers"]
         return self._local(engine["args"], mounts), self._local(sidecar["args"], mounts)
 
-    @needs_flags
     @pytest.mark.parametrize("workload", list(Workload))
     def test_the_sidecar_accepts_its_args_and_holds_the_operators_token(
         self, tmp_path: Path, workload: Workload
@@ -515,7 +483,6 @@ class TestPodsStartWithoutAKubelet:
         # As kvbank.engine.serve.stack reads it.
         assert Path(options.sidecar_token_file).read_text().strip() == SETTINGS.sidecar_token
 
-    @needs_flags
     def test_the_check_catches_a_sidecar_rendered_without_its_token(self, tmp_path: Path) -> None:
         """The regression this class guards against: without --token-file the sidecar exits."""
         from kvbank import cli

@@ -24,7 +24,9 @@ LOG = logging.getLogger("test")
 
 
 class NoSidecars:
-    async def status(self, address: str, timeout: float) -> PoolFigures:
+    async def status(
+        self, address: str, timeout: float, server_name: str | None = None
+    ) -> PoolFigures:
         raise ConnectionError("no sidecar in this test")
 
 
