@@ -156,6 +156,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine image of spec.engine.kind vllm pools that name none (vLLM and kvbank)",
     )
     pods.add_argument(
+        "--image-volumes",
+        action=argparse.BooleanOptionalAction,
+        default=(_env("KVBANK_IMAGE_VOLUMES", "false") or "").lower() in ("1", "true", "yes"),
+        help="mount an image weights source as an image volume (the cluster has the "
+        "ImageVolume feature) instead of copying it into an emptyDir at every start",
+    )
+    pods.add_argument(
         "--pool-template",
         default=_env("KVBANK_POOL_TEMPLATE", ""),
         help="JSON: defaults for every pool's spec.template (nodeSelector, tolerations, "
@@ -273,6 +280,7 @@ class OperatorConfig:
             render=RenderSettings(
                 image=args.image,
                 vllm_image=args.vllm_image,
+                image_volumes=args.image_volumes,
                 template_defaults=pool_template(args.pool_template),
                 image_pull_policy=args.image_pull_policy,
                 gpu_resource=args.gpu_resource,

@@ -71,6 +71,9 @@ class RenderSettings:
     model_root: str = "/models"
     # Long enough for admitted requests to finish on a pod being replaced (see docs/operator.md).
     termination_grace_seconds: int = 600
+    # Whether the cluster mounts images as volumes (the ImageVolume feature): an `image` weights
+    # source is then mounted, not copied at every start.
+    image_volumes: bool = False
     # The chart's `pools.template`: what a pool's own spec.template leaves unset.
     template_defaults: PodTemplate = field(default_factory=PodTemplate)
     # The token every rendered sidecar requires (render.token); never in a repr, so no log of

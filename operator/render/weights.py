@@ -2,8 +2,9 @@
 MODEL_ROOT/<model name>, the folder `--model` names.
 
 - `pvc` and `hostPath` are mounted as they are (`subPath` picks a folder of the claim);
-- `image` is copied by an init container, running that image, into an emptyDir, so any
-  registry-served image that holds the folder works without image-volume support;
+- `image` is mounted as an image volume where the cluster has them (`--image-volumes`), else
+  copied by an init container, running that image, into an emptyDir, so any registry-served
+  image that holds the folder works without image-volume support;
 - `huggingFace` is downloaded by an init container (the engine image, which carries
   huggingface_hub) into an emptyDir, with the token from a Secret when the repo is gated.
 
@@ -172,6 +173,13 @@ def weights(source: Source | None, settings: RenderSettings, model_name: str) ->
     elif isinstance(source, HostPathSource):
         # Directory, not DirectoryOrCreate: a missing path stops the pod, it is never made empty.
         volume = {"name": WEIGHTS_VOLUME, "hostPath": {"path": source.path, "type": "Directory"}}
+    elif isinstance(source, ImageSource) and settings.image_volumes:
+        # The kubelet mounts the image itself, read-only: nothing is copied at start.
+        image = {"reference": source.reference, "pullPolicy": settings.image_pull_policy}
+        volume = {"name": WEIGHTS_VOLUME, "image": image}
+        inside = source.path.strip("/")
+        if inside:
+            mount = {**read_only, "subPath": inside}
     elif isinstance(source, ImageSource):
         volume = {"name": WEIGHTS_VOLUME, "emptyDir": {}}
         init.append(_copy(source, settings))

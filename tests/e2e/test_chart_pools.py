@@ -217,3 +217,12 @@ def test_the_keda_example_scales_a_modelpool_on_a_metric_the_monitor_labels(helm
         r["targetLabel"] for e in monitor["spec"]["podMetricsEndpoints"] for r in e["relabelings"]
     }
     assert 'pool="llama-8b"' in query and "pool" in labels
+
+
+def test_image_volumes_reach_the_operator_only_when_asked(
+    helm: Tools, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for value, expected in (("false", False), ("true", True)):
+        docs = render(helm, f"pools.imageVolumes={value}")
+        config = parsed_operator_config(env_of(one(docs, "Deployment")), monkeypatch)
+        assert config.render.image_volumes is expected

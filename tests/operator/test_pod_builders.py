@@ -4,6 +4,7 @@ engine, the sidecar's TLS, and the whole pod template they compose."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
@@ -211,6 +212,22 @@ class TestWeightsVolume:
         assert copy["command"][-2:] == ["/m", "/kvbank-weights"]
         assert copy["volumeMounts"] == [{"name": "weights", "mountPath": "/kvbank-weights"}]
         assert check["image"] == SETTINGS.image
+
+    def test_an_image_is_mounted_as_a_volume_where_the_cluster_has_them(self) -> None:
+        settings = dataclasses.replace(SETTINGS, image_volumes=True)
+        parts = weights(ImageSource("registry.example/llama:1", "/m/llama"), settings, "llama")
+        assert parts.volume == {
+            "name": "weights",
+            "image": {"reference": "registry.example/llama:1", "pullPolicy": "IfNotPresent"},
+        }
+        assert parts.mount == {
+            "name": "weights",
+            "mountPath": "/models/llama",
+            "readOnly": True,
+            "subPath": "m/llama",
+        }
+        [check] = parts.init_containers  # no copy
+        assert check["name"] == "weights-check"
 
     def test_a_hugging_face_download_takes_its_token_from_a_secret(self) -> None:
         source = HuggingFaceSource("meta-llama/Llama-3.1-8B", "main", SecretKey("hf", "token"))
