@@ -153,7 +153,7 @@ class TestRefresh:
                 cluster,
                 RenderSettings(sidecar_token="t"),
                 cluster.one("ModelPool", "llama"),
-                now="t0",
+                now="2026-01-01T00:00:00Z",
             )
         )
         for pod in pods:
