@@ -13,6 +13,7 @@ from kvbank.capacity import holdability
 from kvbank.fields import quote
 from kvbank.manifests import ManifestError, load_documents
 from kvbank.modelpool import KIND, SpecError, parse_modelpool
+from kvbank.operator.deployment import parse_deployment
 
 __all__ = ["ManifestError", "load_documents", "run"]  # the sidecar's --pool reads the same way
 
@@ -44,11 +45,18 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: {where}: kind {kind} is not {KIND}", file=sys.stderr)
                 worst_exit = 2
                 continue
+            errors = []
             try:
                 pool = parse_modelpool(doc)
             except SpecError as exc:
+                errors += exc.errors
+            try:  # the pod-facing fields, as the webhook reads them
+                parse_deployment(doc)
+            except SpecError as exc:
+                errors += exc.errors
+            if errors:
                 print(f"error: {where}: not a valid {KIND}:", file=sys.stderr)
-                for err in exc.errors:
+                for err in errors:
                     print(f"  - {err}", file=sys.stderr)
                 worst_exit = 2
                 continue

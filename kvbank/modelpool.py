@@ -36,6 +36,10 @@ MAX_SPECULATIVE = 64
 ADMISSION_POLICIES = ("conservative", "peak")
 MAX_POOL_NAME_LENGTH = 40  # leaves room for "-ranks", pod ordinals and revision hashes in 63
 MAX_MODEL_NAME_LENGTH = 253
+SPEC_FIELDS = ("model", "replicas", "tensorParallel", "gpu", "kv", "kvSlots", "limits", "admission")
+# Where the pods run, what they mount and which engine they start: read by the operator alone
+# (kvbank.operator.deployment, with spec.model.source), so this reader only lets them through.
+POD_FIELDS = ("template", "engine", "apiKeySecret")
 
 
 @dataclass(frozen=True)
@@ -241,14 +245,10 @@ def parse_modelpool(doc: Any) -> ModelPool:
     spec = r.mapping(top.get("spec"), "spec")
     if spec is None:
         raise SpecError(r.errors)
-    r.unknown(
-        spec,
-        "spec",
-        {"model", "replicas", "tensorParallel", "gpu", "kv", "kvSlots", "limits", "admission"},
-    )
+    r.unknown(spec, "spec", {*SPEC_FIELDS, *POD_FIELDS})
 
     model = r.mapping(spec.get("model"), "spec.model") or {}
-    r.unknown(model, "spec.model", {"name", "architecture"})
+    r.unknown(model, "spec.model", {"name", "architecture", "source"})
     model_name = r.string(model, "name", "spec.model") or ""
     if len(model_name) > MAX_MODEL_NAME_LENGTH:
         r.fail(

@@ -17,6 +17,7 @@ from typing import Any
 from kvbank.capacity import Holdability, holdability
 from kvbank.modelpool import KIND, ModelPool, SpecError, parse_modelpool
 from kvbank.operator.cluster import KVBANK, Cluster
+from kvbank.operator.deployment import Deployment, HostPathSource, PodTemplate, parse_deployment
 from kvbank.operator.policy import (
     CapacityPolicy,
     PoolUsage,
@@ -27,6 +28,7 @@ from kvbank.operator.policy import (
 )
 
 log = logging.getLogger(__name__)
+NO_DEFAULTS = PodTemplate()
 REVIEW_TIMEOUT = 8.0  # seconds; the apiserver gives a webhook 10 by default
 
 
@@ -36,6 +38,8 @@ class Decision:
     held: Holdability | None
     violations: tuple[str, ...]
     reason: str  # a CamelCase reason for the Accepted condition
+    deployment: Deployment | None = None
+    warnings: tuple[str, ...] = ()  # admitted, but the user should know (kubectl prints them)
 
     @property
     def ok(self) -> bool:
@@ -50,19 +54,55 @@ class Neighbourhood:
     namespace_labels: Mapping[str, str]
     policies: Sequence[CapacityPolicy]
     others: Sequence[PoolUsage]
+    # The chart's pools.template: a pool that sets no gpusPerRank gets its default.
+    defaults: PodTemplate = NO_DEFAULTS
 
 
-def decide(doc: Mapping[str, Any], around: Neighbourhood) -> Decision:
+def gpus_per_rank(deployment: Deployment, defaults: PodTemplate) -> int:
+    return deployment.template.over(defaults).gpus_per_rank
+
+
+def _parse(doc: Mapping[str, Any]) -> tuple[ModelPool | None, Deployment | None, list[str]]:
+    """Both readers' errors at once, so one apply shows every problem."""
+    errors: list[str] = []
+    pool = deployment = None
     try:
         pool = parse_modelpool(doc)
     except SpecError as exc:
-        return Decision(None, None, tuple(str(e) for e in exc.errors), "InvalidSpec")
+        errors += [str(e) for e in exc.errors]
+    try:
+        deployment = parse_deployment(doc)
+    except SpecError as exc:
+        errors += [str(e) for e in exc.errors]
+    return pool, deployment, errors
+
+
+def dev_warnings(deployment: Deployment) -> tuple[str, ...]:
+    if isinstance(deployment.source, HostPathSource):
+        return (
+            f"spec.model.source.hostPath ({deployment.source.path}) is for development only: "
+            "the pods read whatever that node has at the path, and every node must have it. "
+            "Use spec.model.source.pvc in production.",
+        )
+    return ()
+
+
+def decide(doc: Mapping[str, Any], around: Neighbourhood) -> Decision:
+    pool, deployment, errors = _parse(doc)
+    if pool is None or deployment is None:
+        return Decision(None, None, tuple(errors), "InvalidSpec")
     held = holdability(pool)
     over = policy_violations(
-        pool, held.pages, matching(around.policies, around.namespace_labels), around.others
+        pool,
+        held.pages,
+        matching(around.policies, around.namespace_labels),
+        around.others,
+        gpus_per_rank(deployment, around.defaults),
     )
     reason = "Unholdable" if not held.ok else "OverPolicy" if over else "Holdable"
-    return Decision(pool, held, (*held.violations, *over), reason)
+    return Decision(
+        pool, held, (*held.violations, *over), reason, deployment, dev_warnings(deployment)
+    )
 
 
 def message(namespace: str, name: str, decision: Decision) -> str:
@@ -84,7 +124,10 @@ def _created_key(doc: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def usage(
-    docs: Sequence[Mapping[str, Any]], name: str, before: tuple[str, str] | None
+    docs: Sequence[Mapping[str, Any]],
+    name: str,
+    before: tuple[str, str] | None,
+    defaults: PodTemplate = NO_DEFAULTS,
 ) -> list[PoolUsage]:
     """The namespace's other pools that hold GPUs: not this one, not one refused, and — when
     `before` is given (reconcile) — only those created earlier, so of two pools that raced a
@@ -97,16 +140,19 @@ def usage(
             continue
         if before is not None and _created_key(doc) >= before:
             continue
-        try:
-            pool = parse_modelpool(doc)
-        except SpecError:
+        pool, deployment, _ = _parse(doc)
+        if pool is None or deployment is None:
             continue  # a malformed pool renders nothing, so it holds no GPUs
-        result.append(PoolUsage(pool.name, gpus(pool)))
+        result.append(PoolUsage(pool.name, gpus(pool, gpus_per_rank(deployment, defaults))))
     return result
 
 
 async def neighbourhood(
-    cluster: Cluster, doc: Mapping[str, Any], *, earlier_only: bool
+    cluster: Cluster,
+    doc: Mapping[str, Any],
+    *,
+    earlier_only: bool,
+    defaults: PodTemplate = NO_DEFAULTS,
 ) -> Neighbourhood:
     meta = doc.get("metadata") or {}
     namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name") or "")
@@ -122,7 +168,7 @@ async def neighbourhood(
             log.warning("ignoring malformed CapacityPolicy: %s", exc)
     pools = await cluster.list(KVBANK, KIND, namespace)
     before = _created_key(doc) if earlier_only else None
-    return Neighbourhood(labels, policies, usage(pools, name, before))
+    return Neighbourhood(labels, policies, usage(pools, name, before, defaults), defaults)
 
 
 def spec_changed(doc: Mapping[str, Any], old: Mapping[str, Any] | None) -> bool:
@@ -141,16 +187,21 @@ async def review(
     doc: Mapping[str, Any],
     old: Mapping[str, Any] | None,
     timeout: float = REVIEW_TIMEOUT,
+    *,
+    defaults: PodTemplate = NO_DEFAULTS,
+    warnings: list[str] | None = None,
 ) -> str | None:
     """The webhook's answer: None to admit, else the message for kubectl. An update that leaves
     the spec alone (labels, finalizers, the operator's own annotations) is admitted unjudged,
     so a pool that slipped past can still be relabelled or deleted. A spec that cannot be
-    judged within `timeout` (below the apiserver's 10 s webhook timeout) is refused, saying why."""
+    judged within `timeout` (below the apiserver's 10 s webhook timeout) is refused, saying why.
+    What an admitted spec should still be told (a development-only source) goes to
+    `warnings`, which kubectl prints."""
     if not spec_changed(doc, old):
         return None
     meta = doc.get("metadata") or {}
     namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name"))
-    around = await neighbourhood(cluster, doc, earlier_only=False)
+    around = await neighbourhood(cluster, doc, earlier_only=False, defaults=defaults)
     try:
         decision = await asyncio.wait_for(judge(doc, around), timeout)
     except TimeoutError:
@@ -160,8 +211,29 @@ async def review(
             "kv.pageSize. Raise kv.pageSize or lower limits.maxSeqLen."
         )
     if decision.ok:
+        if warnings is not None:
+            warnings.extend(decision.warnings)
         return None
     return message(namespace, name, decision)
+
+
+async def review_scale(
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    replicas: int,
+    *,
+    defaults: PodTemplate = NO_DEFAULTS,
+    timeout: float = REVIEW_TIMEOUT,
+) -> str | None:
+    """`kubectl scale modelpool NAME --replicas N`: the apiserver sends the Scale, not the
+    pool, so the pool is read and judged with its new replica count — the GPU quota is what a
+    scale can break."""
+    current = await cluster.get(KVBANK, KIND, name, namespace)
+    if current is None:
+        return None  # the apiserver answers 404 itself
+    scaled = {**current, "spec": {**(current.get("spec") or {}), "replicas": replicas}}
+    return await review(cluster, scaled, current, timeout, defaults=defaults)
 
 
 def review_policy(doc: Mapping[str, Any]) -> str | None:

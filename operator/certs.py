@@ -4,6 +4,7 @@ Pure functions of their inputs and the clock (keys are random); no I/O."""
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -86,7 +87,11 @@ def new_ca(now: datetime, common_name: str = "kvbank-webhook-ca") -> tuple[bytes
 
 
 def new_serving(
-    ca_cert_pem: bytes, ca_key_pem: bytes, names: tuple[str, ...], now: datetime
+    ca_cert_pem: bytes,
+    ca_key_pem: bytes,
+    names: tuple[str, ...],
+    now: datetime,
+    lifetime: timedelta = SERVING_LIFETIME,
 ) -> tuple[bytes, bytes]:
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
@@ -99,13 +104,23 @@ def new_serving(
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - BACKDATE)
-        .not_valid_after(min(now + SERVING_LIFETIME, ca_cert.not_valid_after_utc))
+        .not_valid_after(min(now + lifetime, ca_cert.not_valid_after_utc))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(_san(names), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+def serial_and_expiry(cert_pem: bytes) -> tuple[str, datetime]:
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    return format(cert.serial_number, "x"), cert.not_valid_after_utc
+
+
+def fingerprint(cert_pem: bytes) -> str:
+    """A short name for a CA bundle, to tell when the CA that signed a certificate changed."""
+    return hashlib.sha256(cert_pem).hexdigest()[:16]
 
 
 def _expiring(cert_pem: bytes, lifetime: timedelta, now: datetime) -> bool:

@@ -7,6 +7,8 @@ talks to the API (an import-linter contract keeps it so), and tests substitute a
 Failure policy, the same for every caller:
 - 404: `get` -> None, `list` -> [] (the kind's CRD is not installed), `patch` -> None,
   `delete` -> False. Absence is an answer, not an error.
+- `apply(dry_run=True)` answers what would be stored (defaults, canonical values, fields a
+  disabled feature drops) and writes nothing.
 - 409: `create` -> None (someone created it first; read it), `replace` -> KubeConflict (re-read
   and retry). `apply` is server-side apply with force, so field ownership never conflicts.
 - Timeouts, connection errors, 429 and 5xx -> KubeUnavailable: retry later (the kopf handlers
@@ -29,6 +31,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("v1", "Service"): ("services", True),
     ("v1", "Secret"): ("secrets", True),
     ("v1", "Pod"): ("pods", True),
+    ("v1", "PersistentVolumeClaim"): ("persistentvolumeclaims", True),
     ("v1", "Namespace"): ("namespaces", False),
     ("apps/v1", "StatefulSet"): ("statefulsets", True),
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
@@ -99,7 +102,9 @@ class Cluster(Protocol):
         label_selector: str | None = None,
     ) -> list[dict[str, Any]]: ...
 
-    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]: ...
+    async def apply(self, manifest: Mapping[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        """Server-side apply; `dry_run`: the object as it would be stored, nothing written."""
+        ...
 
     async def create(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None: ...
 

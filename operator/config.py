@@ -4,11 +4,14 @@ way and a developer can run the operator locally with a kubeconfig."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbank.fields import SpecError
 from kvbank.operator.certs import service_names
+from kvbank.operator.deployment import PodTemplate, parse_template
 from kvbank.operator.render.names import RenderSettings
 from kvbank.operator.webhook_tls import TLSSettings
 
@@ -135,9 +138,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds one sidecar has to answer",
     )
 
+    status.add_argument(
+        "--repair-interval",
+        type=float,
+        default=_float_env("KVBANK_REPAIR_INTERVAL", 30.0),
+        help="seconds between checks that each pool's objects are there as rendered (a "
+        "deleted StatefulSet or Service, a hand-edited replica count are put back)",
+    )
+
     pods = parser.add_argument_group("rendered pods")
     pods.add_argument(
         "--image", default=_env("KVBANK_IMAGE", RenderSettings.image), help="engine + sidecar image"
+    )
+    pods.add_argument(
+        "--vllm-image",
+        default=_env("KVBANK_VLLM_IMAGE", RenderSettings.vllm_image),
+        help="engine image of spec.engine.kind vllm pools that name none (vLLM and kvbank)",
+    )
+    pods.add_argument(
+        "--image-volumes",
+        action=argparse.BooleanOptionalAction,
+        default=(_env("KVBANK_IMAGE_VOLUMES", "false") or "").lower() in ("1", "true", "yes"),
+        help="mount an image weights source as an image volume (the cluster has the "
+        "ImageVolume feature) instead of copying it into an emptyDir at every start",
+    )
+    pods.add_argument(
+        "--pool-template",
+        default=_env("KVBANK_POOL_TEMPLATE", ""),
+        help="JSON: defaults for every pool's spec.template (nodeSelector, tolerations, "
+        "resources, shmSize...); the chart sets it from pools.template",
     )
     pods.add_argument(
         "--image-pull-policy",
@@ -147,7 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pods.add_argument(
         "--gpu-resource",
         default=_env("KVBANK_GPU_RESOURCE", "nvidia.com/gpu"),
-        help="extended resource each rank's pod requests one of (one GPU per rank)",
+        help="extended resource each rank's pod requests (spec.template.resources.gpusPerRank "
+        "of it, one per rank unless set) (default: %(default)s)",
     )
     pods.add_argument(
         "--model-root",
@@ -165,6 +195,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("KVBANK_LIVENESS", "http://0.0.0.0:8080/healthz"),
         help="kopf liveness endpoint ('' for none)",
     )
+
+
+def pool_template(raw: str | None) -> PodTemplate:
+    """The chart's pools.template, checked as a pool's spec.template is: a bad default stops
+    the operator at start, naming the field, rather than refusing every pool later."""
+    if not raw or not raw.strip():
+        return PodTemplate()
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise SystemExit(f"--pool-template (KVBANK_POOL_TEMPLATE) is not JSON: {exc}") from exc
+    try:
+        return parse_template(doc, "pools.template")
+    except SpecError as exc:
+        lines = "".join(f"\n  - {e}" for e in exc.errors)
+        raise SystemExit(
+            f"--pool-template (the chart's pools.template) is invalid:{lines}"
+        ) from exc
 
 
 def sidecar_token(raw: str | None) -> str | None:
@@ -196,6 +244,7 @@ class OperatorConfig:
     status_interval: float
     status_concurrency: int
     status_timeout: float
+    repair_interval: float
     sidecar_token: str | None = field(repr=False)
     render: RenderSettings
     liveness: str | None
@@ -226,9 +275,13 @@ class OperatorConfig:
             status_interval=args.status_interval,
             status_concurrency=args.status_concurrency,
             status_timeout=args.status_timeout,
+            repair_interval=args.repair_interval,
             sidecar_token=token,
             render=RenderSettings(
                 image=args.image,
+                vllm_image=args.vllm_image,
+                image_volumes=args.image_volumes,
+                template_defaults=pool_template(args.pool_template),
                 image_pull_policy=args.image_pull_policy,
                 gpu_resource=args.gpu_resource,
                 model_root=args.model_root,

@@ -15,6 +15,7 @@ import kopf
 
 from kvbank.modelpool import API_GROUP, API_VERSION
 from kvbank.operator import admission, live, reconcile
+from kvbank.operator.certs import CertBundle
 from kvbank.operator.cluster import Cluster, KubeError, KubeUnavailable
 from kvbank.operator.config import OperatorConfig
 from kvbank.operator.webhook_tls import ServerTLS, refresh_tls
@@ -66,6 +67,13 @@ def configure(settings: kopf.OperatorSettings, rt: Runtime) -> None:
         settings.admission.managed = None  # the chart owns the configuration; we patch its CA
 
 
+def share_ca(rt: Runtime) -> None:
+    """The status reader trusts the CA that signs the pools' sidecar certificates."""
+    ca = rt.tls.issuer.ca_bundle if rt.tls is not None and rt.tls.issuer is not None else None
+    if isinstance(rt.source, live.SidecarClientSource):
+        rt.source.ca_bundle = ca
+
+
 def now() -> datetime:
     return datetime.now(UTC)
 
@@ -77,6 +85,7 @@ async def renew_forever(rt: Runtime) -> None:
         try:
             if await refresh_tls(rt.cluster, rt.config.tls, rt.tls, now()):
                 log.info("webhook certificate renewed")
+            share_ca(rt)
         except (KubeError, OSError, RuntimeError) as exc:
             log.error("webhook certificate renewal failed, retrying next interval: %s", exc)
 
@@ -93,6 +102,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         configure(settings, rt)
         if rt.tls is not None:
             await _guarded(refresh_tls(rt.cluster, rt.config.tls, rt.tls, now()))
+            share_ca(rt)
             memo["renewal"] = asyncio.create_task(renew_forever(rt))
 
     @kopf.on.cleanup(registry=registry)
@@ -114,11 +124,25 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     @kopf.on.create(*POOLS, id="reconcile", registry=registry)
     @kopf.on.update(*POOLS, id="reconcile", registry=registry)
     async def reconcile_pool(body: kopf.Body, logger: Any, **_: Any) -> None:
-        outcome = await _guarded(reconcile.reconcile(rt.cluster, rt.config.render, body))
+        outcome = await _guarded(
+            reconcile.reconcile(rt.cluster, rt.config.render, body, issuer=issuer(rt))
+        )
         if outcome.accepted:
             logger.info("applied %s", ", ".join(outcome.applied))
         else:
             logger.warning("refused: %s", outcome.message)
+
+    # Reconcile runs when the pool changes; this is what puts back a child that vanished or
+    # was edited by hand, and renews the pool's sidecar certificate.
+    @kopf.timer(*POOLS, id="repair", interval=rt.config.repair_interval, registry=registry)
+    async def repair_pool(body: kopf.Body, logger: Any, **_: Any) -> None:
+        outcome = await _guarded(
+            reconcile.repair(rt.cluster, rt.config.render, body, issuer=issuer(rt))
+        )
+        if outcome is not None and outcome.applied:
+            # The pool in the message itself: the log's format may not name the object.
+            where = f"{body['metadata'].get('namespace')}/{body['metadata']['name']}"
+            logger.warning("%s: restored %s", where, ", ".join(outcome.applied))
 
     @kopf.timer(*POOLS, id="status", interval=rt.config.status_interval, registry=registry)
     async def pool_status(body: kopf.Body, **_: Any) -> None:
@@ -135,15 +159,49 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         )
 
 
+def issuer(rt: Runtime) -> CertBundle | None:
+    return rt.tls.issuer if rt.tls is not None else None
+
+
 def register_webhooks(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+    defaults = rt.config.render.template_defaults
+
     @kopf.on.validate(
         *POOLS, id="validate-modelpool", operations=["CREATE", "UPDATE"], registry=registry
     )
     async def validate_modelpool(body: kopf.Body, **kwargs: Any) -> None:
         try:
-            refusal = await admission.review(rt.cluster, body, kwargs.get("old"))
+            refusal = await admission.review(
+                rt.cluster,
+                body,
+                kwargs.get("old"),
+                defaults=defaults,
+                warnings=kwargs.get("warnings"),  # kopf's list, which kubectl prints
+            )
         except KubeError as exc:
             raise kopf.AdmissionError(f"cannot judge the ModelPool now: {exc}", code=503) from exc
+        if refusal:
+            raise kopf.AdmissionError(refusal, code=422)
+
+    @kopf.on.validate(
+        *POOLS,
+        id="validate-modelpool-scale",
+        subresource="scale",
+        operations=["UPDATE"],
+        registry=registry,
+    )
+    async def validate_scale(
+        body: kopf.Body, name: str | None, namespace: str | None, **_: Any
+    ) -> None:
+        replicas = (body.get("spec") or {}).get("replicas")
+        if not isinstance(replicas, int) or not name:
+            return  # the apiserver validates the Scale itself
+        try:
+            refusal = await admission.review_scale(
+                rt.cluster, namespace or "default", name, replicas, defaults=defaults
+            )
+        except KubeError as exc:
+            raise kopf.AdmissionError(f"cannot judge the scale now: {exc}", code=503) from exc
         if refusal:
             raise kopf.AdmissionError(refusal, code=422)
 

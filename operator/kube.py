@@ -148,10 +148,12 @@ class KubeClient:
             item.setdefault("kind", kind)
         return items
 
-    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    async def apply(self, manifest: Mapping[str, Any], dry_run: bool = False) -> dict[str, Any]:
         api_version, kind, namespace, name = identity(manifest)
         path = resource_path(api_version, kind, name, namespace)
         query = [("fieldManager", self._field_manager), ("force", "true")]
+        if dry_run:
+            query.append(("dryRun", "All"))
         body = json.dumps(manifest)  # JSON is YAML: the apply content type takes it as is
         result: dict[str, Any] = await self._request(
             "PATCH", path, query=query, body=body, content_type=APPLY

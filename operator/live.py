@@ -23,6 +23,7 @@ from kvbank.operator.pruning import prune_config_maps
 from kvbank.operator.ranks import RankedPod, leaders, rank_labels, ready_groups
 from kvbank.operator.render.names import LABEL_POOL, config_name
 from kvbank.operator.render.status import DEGRADED, READY, Condition, conditions
+from kvbank.operator.weights_status import check_condition
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,11 @@ FIELDS = tuple(PoolFigures.__dataclass_fields__)
 
 
 class SidecarStatusSource(Protocol):
-    async def status(self, address: str, timeout: float) -> PoolFigures: ...
+    async def status(
+        self, address: str, timeout: float, server_name: str | None = None
+    ) -> PoolFigures:
+        """`server_name`: the name the sidecar's certificate must carry (TLS)."""
+        ...
 
 
 class SidecarClientSource:
@@ -49,11 +54,19 @@ class SidecarClientSource:
 
     def __init__(self, token: str | None = None) -> None:
         self._token = token
+        # The CA that signs the pools' sidecar certificates (set once the operator holds it):
+        # with it, status reads are TLS to the name the certificate covers.
+        self.ca_bundle: bytes | None = None
 
-    def _read(self, address: str, timeout: float) -> PoolFigures:
+    def _read(self, address: str, timeout: float, server_name: str | None) -> PoolFigures:
         client_module = importlib.import_module("kvbank.sidecar.client")
         with client_module.SidecarClient(
-            address, token=self._token, deadline_s=timeout, retry_budget_s=timeout
+            address,
+            token=self._token,
+            tls_ca=self.ca_bundle,
+            tls_server_name=server_name,
+            deadline_s=timeout,
+            retry_budget_s=timeout,
         ) as client:
             pool = client.status()
         return PoolFigures(
@@ -65,8 +78,10 @@ class SidecarClientSource:
             queue_depth=pool.waiting,
         )
 
-    async def status(self, address: str, timeout: float) -> PoolFigures:
-        return await asyncio.to_thread(self._read, address, timeout)
+    async def status(
+        self, address: str, timeout: float, server_name: str | None = None
+    ) -> PoolFigures:
+        return await asyncio.to_thread(self._read, address, timeout, server_name)
 
 
 @dataclass(frozen=True)
@@ -83,13 +98,20 @@ async def poll_sidecars(
     *,
     concurrency: int,
     timeout: float,
+    by_name: bool = False,
 ) -> Poll:
+    """`by_name`: check each sidecar's certificate for its pod's DNS name, which the pool's
+    certificate covers (a pod IP is in none); the dial is still to the IP, so an operator
+    outside the cluster's DNS reads it too."""
     gate = asyncio.Semaphore(max(1, concurrency))
 
     async def one(pod: RankedPod) -> PoolFigures | str:
+        name = pod.dns if by_name else None
         async with gate:
             try:
-                return await asyncio.wait_for(source.status(f"{pod.ip}:{port}", timeout), timeout)
+                return await asyncio.wait_for(
+                    source.status(f"{pod.ip}:{port}", timeout, name), timeout
+                )
             except TimeoutError:
                 return f"{pod.name}: no answer within {timeout:g}s"
             except Exception as exc:  # any failure of one sidecar is that sidecar's, reported
@@ -147,6 +169,8 @@ async def refresh(
     meta, spec = doc["metadata"], doc.get("spec") or {}
     name, namespace = meta["name"], meta.get("namespace") or "default"
     replicas, tp = int(spec.get("replicas", 1)), int(spec.get("tensorParallel", 1))
+    if (spec.get("engine") or {}).get("kind") == "vllm":
+        tp = 1  # vLLM runs a group's ranks in one pod (render.engines)
     pods = await cluster.list("v1", "Pod", namespace, label_selector=f"{LABEL_POOL}={name}")
     await label_ranks(cluster, pods)
     config_hash = (doc.get("status") or {}).get("configHash")
@@ -154,7 +178,10 @@ async def refresh(
         await prune_config_maps(cluster, namespace, name, config_name(name, config_hash), pods)
     ready = ready_groups(pods, tp)
     ranks = [p for p in leaders(pods) if p.ready]
-    poll = await poll_sidecars(source, ranks, port, concurrency=concurrency, timeout=timeout)
+    tls = bool((doc.get("status") or {}).get("sidecarTLS"))
+    poll = await poll_sidecars(
+        source, ranks, port, concurrency=concurrency, timeout=timeout, by_name=tls
+    )
     problems = list(poll.failures)
     if ready < replicas:
         problems.insert(0, f"{ready} of {replicas} groups have every rank ready")
@@ -177,6 +204,9 @@ async def refresh(
             "; ".join(problems),
         ),
     ]
+    weights = check_condition(pods)
+    if weights is not None:
+        updates.append(weights)
     live = {
         "pagesTotal": poll.figures["pages_total"],
         "freePages": poll.figures["free_pages"],

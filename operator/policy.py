@@ -93,8 +93,9 @@ class PoolUsage:
     gpus: int
 
 
-def gpus(pool: ModelPool) -> int:
-    return pool.replicas * pool.tensor_parallel
+def gpus(pool: ModelPool, per_rank: int = 1) -> int:
+    """GPUs the pool's pods ask for: `per_rank` is spec.template.resources.gpusPerRank."""
+    return pool.replicas * pool.tensor_parallel * per_rank
 
 
 def _selector(r: FieldReader, obj: Any) -> NamespaceSelector | None:
@@ -205,6 +206,7 @@ def policy_violations(
     pages: int,
     policies: Sequence[CapacityPolicy],
     others: Sequence[PoolUsage],
+    gpus_per_rank: int = 1,
 ) -> list[str]:
     """Every limit of every given (already matched) policy the pool breaks, each naming the
     policy, the numbers and what to change. `pages` is the pool's resolved pages per rank and
@@ -214,19 +216,22 @@ def policy_violations(
         lim, who = policy.limits, f"CapacityPolicy {policy.name}"
         if lim.gpus_per_namespace is not None:
             used = sum(o.gpus for o in others)
-            total = used + gpus(pool)
+            mine = gpus(pool, gpus_per_rank)
+            total = used + mine
             if total > lim.gpus_per_namespace:
                 room = max(0, lim.gpus_per_namespace - used)
                 parts = [f"{o.name} {o.gpus}" for o in sorted(others, key=lambda o: o.name)]
+                per_rank = f" x gpusPerRank {gpus_per_rank}" if gpus_per_rank != 1 else ""
                 parts.append(
-                    f"{pool.name} {gpus(pool)} = replicas {pool.replicas} x tensorParallel "
-                    f"{pool.tensor_parallel}"
+                    f"{pool.name} {mine} = replicas {pool.replicas} x tensorParallel "
+                    f"{pool.tensor_parallel}{per_rank}"
                 )
+                per_group = pool.tensor_parallel * max(gpus_per_rank, 1)
                 problems.append(
                     f"{who}: namespace {pool.namespace} would use {total} GPUs ("
                     + ", ".join(parts)
                     + f") but gpusPerNamespace is {lim.gpus_per_namespace}. Lower replicas to "
-                    f"at most {room // pool.tensor_parallel}, or free GPUs in the namespace's "
+                    f"at most {room // per_group}, or free GPUs in the namespace's "
                     "other pools."
                 )
         if lim.pages_per_pool is not None and pages > lim.pages_per_pool:

@@ -26,6 +26,9 @@ class RankedPod:
     rank: int
     ready: bool
     ip: str | None
+    # <hostname>.<subdomain>.<namespace>.svc: a name the pool's sidecar certificate covers
+    # (a pod IP is in no certificate), None for a pod outside any headless Service.
+    dns: str | None = None
 
 
 def _env(pod: Mapping[str, Any], name: str) -> str | None:
@@ -61,7 +64,15 @@ def ranked(pod: Mapping[str, Any]) -> RankedPod | None:
             group, rank = divmod(ordinal, world)
     except (KeyError, ValueError, ZeroDivisionError):
         return None
-    return RankedPod(name, group, rank, _ready(pod), ip)
+    return RankedPod(name, group, rank, _ready(pod), ip, _dns(pod))
+
+
+def _dns(pod: Mapping[str, Any]) -> str | None:
+    spec, meta = pod.get("spec") or {}, pod.get("metadata") or {}
+    host, subdomain = spec.get("hostname") or meta.get("name"), spec.get("subdomain")
+    if not host or not subdomain:
+        return None
+    return f"{host}.{subdomain}.{meta.get('namespace') or 'default'}.svc"
 
 
 def rank_labels(pod: Mapping[str, Any]) -> dict[str, str] | None:

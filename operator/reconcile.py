@@ -14,14 +14,26 @@ with how to set it; restarting the operator with a token renders it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from kvbank.modelpool import KIND
+from kvbank.capacity import Holdability, holdability
+from kvbank.modelpool import KIND, ModelPool, SpecError, parse_modelpool
 from kvbank.operator.admission import Decision, judge, message, neighbourhood
-from kvbank.operator.cluster import KVBANK, Cluster
+from kvbank.operator.certs import CertBundle
+from kvbank.operator.cluster import (
+    KVBANK,
+    Cluster,
+    KubeConflict,
+    KubeError,
+    KubeUnavailable,
+    identity,
+)
+from kvbank.operator.deployment import Deployment, parse_deployment
+from kvbank.operator.pool_tls import ensure_pool_tls
 from kvbank.operator.pruning import prune_config_maps
 from kvbank.operator.render.bundle import render_pool
 from kvbank.operator.render.names import (
@@ -30,13 +42,18 @@ from kvbank.operator.render.names import (
     RenderSettings,
     Workload,
     config_name,
+    selector_labels,
 )
-from kvbank.operator.render.status import ACCEPTED, READY, Condition, status_patch
-from kvbank.operator.render.token import MissingSidecarToken
+from kvbank.operator.render.status import ACCEPTED, READY, Condition, conditions, status_patch
+from kvbank.operator.render.token import MissingSidecarToken, token_secret
+from kvbank.operator.repair import stored_differs, why_repair
+from kvbank.operator.weights_status import WEIGHTS, source_condition
+
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 
 def utc_now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime(TIME_FORMAT)
 
 
 @dataclass(frozen=True)
@@ -90,44 +107,209 @@ async def _refuse_untokened(
     return Outcome(False, text)
 
 
-async def reconcile(
-    cluster: Cluster, settings: RenderSettings, doc: Mapping[str, Any], now: str | None = None
-) -> Outcome:
-    now = now or utc_now()
-    owner = owner_of(doc)
-    decision = await judge(doc, await neighbourhood(cluster, doc, earlier_only=True))
-    if not decision.ok or decision.pool is None or decision.held is None:
-        return await _refuse(cluster, owner, decision, doc, now)
+def _moment(now: str) -> datetime:
+    return datetime.strptime(now, TIME_FORMAT).replace(tzinfo=UTC)
 
-    kind = await choose_workload(cluster, doc)
-    try:
-        rendered = render_pool(decision.pool, decision.held, owner, doc["spec"], settings, kind)
+
+def pod_selector(pool: str) -> str:
+    """status.selector, the scale subresource's labelSelectorPath: every rank pod of the pool."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(pool).items())
+
+
+async def _refuse_render(
+    cluster: Cluster, owner: Owner, error: KubeError, what: str, doc: Mapping[str, Any], now: str
+) -> Outcome:
+    """The apiserver refused a rendered object (an affinity it cannot read, say): the spec
+    passed every rule the operator can check, so the apiserver's words are the message."""
+    generation = int(doc["metadata"].get("generation") or 0)
+    text = (
+        f"{owner.namespace}/{owner.name}: the apiserver refused the rendered {what}: {error}. "
+        "Fix the spec.template field it names."
+    )
+    current = (doc.get("status") or {}).get("conditions")
+    update = Condition(ACCEPTED, False, "RenderRefused", text)
+    status = {
+        "observedGeneration": generation,
+        "conditions": conditions(current, [update], generation, now),
+    }
+    await patch_status(cluster, owner, status)
+    return Outcome(False, text)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """What a judged (or earlier accepted) pool renders from."""
+
+    pool: ModelPool
+    held: Holdability
+    deployment: Deployment
+    kind: Workload
+
+
+async def converge(
+    cluster: Cluster,
+    settings: RenderSettings,
+    doc: Mapping[str, Any],
+    accepted: Accepted,
+    now: str,
+    *,
+    issuer: CertBundle | None = None,
+    repair_only: bool = False,
+) -> Outcome:
+    """Render the pool and bring the cluster to it: every object applied (reconcile), or only
+    those missing or drifted (`repair_only`, the timer). Then the status."""
+    owner = owner_of(doc)
+    status_now = doc.get("status") or {}
+    try:  # before anything is made for pods that could not start
+        token_secret(owner, settings.sidecar_token)
     except MissingSidecarToken as exc:
         return await _refuse_untokened(cluster, owner, exc, doc, now)
+    tls, tls_record = await ensure_pool_tls(cluster, owner, status_now, issuer, _moment(now))
+    rendered = render_pool(
+        accepted.pool,
+        accepted.held,
+        owner,
+        doc["spec"],
+        settings,
+        accepted.kind,
+        accepted.deployment,
+        tls,
+    )
     secret = rendered.token_secret
-    await cluster.create(secret)  # None when it is there already: immutable, so it is the same
-    applied = [f"{secret['kind']}/{secret['metadata']['name']}"]
+    restored = await cluster.create(secret) is not None and repair_only
+    applied = (
+        [f"{secret['kind']}/{secret['metadata']['name']}"] if not repair_only or restored else []
+    )
     for manifest in rendered.manifests:
-        await cluster.apply(manifest)
-        applied.append(f"{manifest['kind']}/{manifest['metadata']['name']}")
+        what = f"{manifest['kind']}/{manifest['metadata']['name']}"
+        if repair_only:
+            api_version, kind, namespace, name = identity(manifest)
+            live = await cluster.get(api_version, kind, name, namespace)
+            why = why_repair(manifest, live)
+            if why is None:
+                continue
+            if live is not None and not stored_differs(
+                await cluster.apply(manifest, dry_run=True), live
+            ):
+                continue  # the apiserver stores what is rendered in its own words: no drift
+            what += f" ({why})"
+        try:
+            await cluster.apply(manifest)
+        except (KubeUnavailable, KubeConflict):
+            raise
+        except KubeError as exc:
+            if exc.status not in (400, 422):
+                raise
+            return await _refuse_render(cluster, owner, exc, what, doc, now)
+        applied.append(what)
     await prune_config_maps(
         cluster, owner.namespace, owner.name, config_name(owner.name, rendered.config_hash)
     )
-    held = decision.held
+    held, generation = accepted.held, int(doc["metadata"].get("generation") or 0)
     text = (
         f"worst-case request {held.worst_request_pages} pages; the pool ({held.pages} pages) "
         f"holds {held.worst_concurrency} worst-case requests at once"
     )
-    status = status_patch(
-        doc,
-        [Condition(ACCEPTED, True, "Holdable", text)],
-        now,
-        replicas=decision.pool.replicas,
-        pages=held.pages,
-        worstRequestPages=held.worst_request_pages,
-        worstConcurrency=held.worst_concurrency,
-        workload=kind.value,
-        configHash=rendered.config_hash,
-    )
+    weights = await source_condition(cluster, owner.namespace, accepted.deployment)
+    updates = [Condition(ACCEPTED, True, "Holdable", text)]
+    current = status_now.get("conditions")
+    if not (weights.status and _failed_check(current)):
+        updates.append(weights)  # a failed check in the pods outranks a bound claim
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "replicas": accepted.pool.replicas,
+        "selector": pod_selector(owner.name),
+        "pages": held.pages,
+        "worstRequestPages": held.worst_request_pages,
+        "worstConcurrency": held.worst_concurrency,
+        "workload": accepted.kind.value,
+        "configHash": rendered.config_hash,
+        "conditions": conditions(current, updates, generation, now),
+    }
+    if tls_record is not None:
+        status["sidecarTLS"] = tls_record
+    if repair_only and _unchanged(status_now, status):
+        return Outcome(True, text, tuple(applied))
     await patch_status(cluster, owner, status)
     return Outcome(True, text, tuple(applied))
+
+
+def _failed_check(current: Any) -> bool:
+    for cond in current or ():
+        if isinstance(cond, Mapping) and cond.get("type") == WEIGHTS:
+            return cond.get("reason") == "WeightsCheckFailed" and cond.get("status") == "False"
+    return False
+
+
+def _unchanged(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
+    """The repair timer writes status only when something in it moved."""
+    return all(before.get(k) == v for k, v in after.items())
+
+
+async def reconcile(
+    cluster: Cluster,
+    settings: RenderSettings,
+    doc: Mapping[str, Any],
+    now: str | None = None,
+    issuer: CertBundle | None = None,
+) -> Outcome:
+    now = now or utc_now()
+    owner = owner_of(doc)
+    around = await neighbourhood(
+        cluster, doc, earlier_only=True, defaults=settings.template_defaults
+    )
+    decision = await judge(doc, around)
+    if (
+        not decision.ok
+        or decision.pool is None
+        or decision.held is None
+        or decision.deployment is None
+    ):
+        return await _refuse(cluster, owner, decision, doc, now)
+    kind = await choose_workload(cluster, doc)
+    HELD[(owner.uid, int(doc["metadata"].get("generation") or 0))] = decision.held
+    accepted = Accepted(decision.pool, decision.held, decision.deployment, kind)
+    return await converge(cluster, settings, doc, accepted, now, issuer=issuer)
+
+
+# Holdability per (pool uid, generation): the repair timer renders the generation reconcile
+# judged without searching the worst case again. Bounded: old generations are dropped.
+HELD: dict[tuple[str, int], Holdability] = {}
+MAX_HELD = 4096
+
+
+def _accepted_generation(doc: Mapping[str, Any]) -> bool:
+    generation = int(doc["metadata"].get("generation") or 0)
+    for cond in (doc.get("status") or {}).get("conditions") or []:
+        if isinstance(cond, Mapping) and cond.get("type") == ACCEPTED:
+            return cond.get("status") == "True" and cond.get("observedGeneration") == generation
+    return False
+
+
+async def repair(
+    cluster: Cluster,
+    settings: RenderSettings,
+    doc: Mapping[str, Any],
+    now: str | None = None,
+    issuer: CertBundle | None = None,
+) -> Outcome | None:
+    """Restore what an accepted pool renders; None for a pool not accepted at its current
+    generation (reconcile owns that one: it may be refused, or being judged now)."""
+    if not _accepted_generation(doc):
+        return None
+    try:
+        pool, deployment = parse_modelpool(doc), parse_deployment(doc)
+    except SpecError:
+        return None
+    key = (str(doc["metadata"]["uid"]), int(doc["metadata"].get("generation") or 0))
+    held = HELD.get(key)
+    if held is None:
+        held = await asyncio.to_thread(holdability, pool)
+        if len(HELD) >= MAX_HELD:
+            HELD.clear()
+        HELD[key] = held
+    kind = await choose_workload(cluster, doc)
+    accepted = Accepted(pool, held, deployment, kind)
+    return await converge(
+        cluster, settings, doc, accepted, now or utc_now(), issuer=issuer, repair_only=True
+    )

@@ -127,6 +127,9 @@ class ServerTLS:
         self._dir = directory
         self._owned = directory is None
         self._loaded: tuple[bytes, bytes] | None = None
+        # Self-signed mode: the CA that also signs every pool's sidecar certificate
+        # (kvbank.operator.pool_tls); None under cert-manager, which holds its own CA.
+        self.issuer: CertBundle | None = None
 
     def _folder(self) -> Path:
         if self._dir is None:
@@ -168,6 +171,7 @@ async def refresh_tls(
         key = (settings.cert_dir / "tls.key").read_bytes()
         return server.load(cert, key)
     bundle = await ensure_certificate(cluster, settings, now)
+    server.issuer = bundle
     if settings.webhook_configuration:
         await patch_ca_bundle(cluster, settings.webhook_configuration, bundle.ca_bundle)
     return server.load(bundle.cert, bundle.key)

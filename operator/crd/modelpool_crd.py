@@ -23,6 +23,7 @@ from kvbank.modelpool import (
     PRESETS,
     Admission,
 )
+from kvbank.operator.crd import pod_schema
 from kvbank.operator.crd.modelpool_rules import architecture_rules, root_rules, spec_rules
 from kvbank.operator.crd.openapi import (
     MAX_LABEL_VALUE_LENGTH,
@@ -38,6 +39,12 @@ from kvbank.operator.crd.openapi import (
 )
 
 PLURAL = "modelpools"
+# `kubectl scale modelpool NAME --replicas N`, and an HPA or KEDA driving spec.replicas.
+SCALE = {
+    "specReplicasPath": ".spec.replicas",
+    "statusReplicasPath": ".status.replicas",
+    "labelSelectorPath": ".status.selector",
+}
 MAX_CONDITIONS = 8
 MAX_MESSAGE_LENGTH = 32768
 
@@ -92,7 +99,11 @@ def _spec() -> Schema:
     return obj(
         {
             "model": obj(
-                {"name": string(description="served model name"), "architecture": _architecture()},
+                {
+                    "name": string(description="served model name"),
+                    "architecture": _architecture(),
+                    "source": pod_schema.source(),
+                },
                 required=("name", "architecture"),
             ),
             "replicas": {**integer(0, MAX_REPLICAS, "tensor-parallel groups"), "default": 1},
@@ -145,6 +156,9 @@ def _spec() -> Schema:
                     "backfill": {"type": "boolean", "default": Admission.backfill},
                 }
             ),
+            "template": pod_schema.template(),
+            "engine": pod_schema.engine(),
+            "apiKeySecret": pod_schema.api_key_secret(),
         },
         required=("model", "gpu", "kv", "kvSlots", "limits"),
         rules=spec_rules(),
@@ -191,6 +205,22 @@ def _status() -> Schema:
             "worstConcurrency": count,
             "workload": enum(("StatefulSet", "LeaderWorkerSet")),
             "configHash": string(64),
+            "selector": {
+                "type": "string",
+                "maxLength": 1024,
+                "description": "the rank pods' label selector (the scale subresource's)",
+            },
+            "sidecarTLS": obj(
+                {
+                    "secret": string(),
+                    "serial": string(64),
+                    "notAfter": {"type": "string", "format": "date-time"},
+                    "names": string(64),
+                    "ca": string(64),
+                },
+                description="the sidecar certificate issued into the Secret, renewed before "
+                "notAfter",
+            ),
             "conditions": {
                 "type": "array",
                 "maxItems": MAX_CONDITIONS,
@@ -227,6 +257,7 @@ def modelpool_crd() -> dict[str, Any]:
         schema=schema,
         short_names=["mp"],
         status_subresource=True,
+        scale=SCALE,
         printer_columns=[
             column("Model", ".spec.model.name"),
             column("Replicas", ".spec.replicas", "integer"),

@@ -86,6 +86,7 @@ def crd(
     printer_columns: list[dict[str, str]],
     short_names: list[str],
     status_subresource: bool,
+    scale: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     served: dict[str, Any] = {
         "name": version,
@@ -96,6 +97,8 @@ def crd(
     }
     if status_subresource:
         served["subresources"] = {"status": {}}
+    if scale:
+        served.setdefault("subresources", {})["scale"] = dict(scale)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",

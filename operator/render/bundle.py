@@ -9,9 +9,11 @@ from typing import Any
 
 from kvbank.capacity import Holdability
 from kvbank.modelpool import ModelPool
+from kvbank.operator.deployment import Deployment
 from kvbank.operator.render.engine_config import config_data, config_hash, config_map
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
 from kvbank.operator.render.services import disruption_budget, headless_service, traffic_service
+from kvbank.operator.render.sidecar_tls import PoolTLS
 from kvbank.operator.render.token import token_secret
 from kvbank.operator.render.workloads import workload
 
@@ -31,6 +33,8 @@ def render_pool(
     spec: Mapping[str, Any],
     settings: RenderSettings,
     kind: Workload,
+    deployment: Deployment | None = None,
+    tls: PoolTLS | None = None,
 ) -> Rendered:
     """Raises MissingSidecarToken when `settings` has no token: pods without one cannot start."""
     secret = token_secret(owner, settings.sidecar_token)
@@ -41,6 +45,6 @@ def render_pool(
         headless_service(owner, settings),
         traffic_service(owner, settings, kind),
         disruption_budget(owner),
-        workload(kind, pool, owner, settings, digest, secret["metadata"]["name"]),
+        workload(kind, pool, owner, settings, digest, secret["metadata"]["name"], deployment, tls),
     ]
     return Rendered(secret, manifests, digest, kind)

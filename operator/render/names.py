@@ -8,18 +8,24 @@ from enum import StrEnum
 from typing import Any
 
 from kvbank.modelpool import API_GROUP, API_VERSION, KIND
+from kvbank.operator.deployment import PodTemplate
 
 MANAGED_BY = "kvbank-operator"
 LABEL_POOL = f"{API_GROUP}/pool"
 LABEL_RANK = f"{API_GROUP}/rank"
 LABEL_GROUP = f"{API_GROUP}/group"
 ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
+# The serial of the sidecar certificate a pod was started with: a renewed one rolls the pods,
+# so no engine or sidecar keeps a certificate read at start past its expiry.
+ANNOTATION_TLS_SERIAL = f"{API_GROUP}/sidecar-tls-serial"
 LABEL_CONFIG_HASH = f"{API_GROUP}/config-hash"
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
 STS_POD_INDEX = "apps.kubernetes.io/pod-index"
-CONFIG_DIR = "/etc/kvbank"
+# A folder of its own: a ConfigMap volume is read-only, so nothing (the API key, the sidecar's
+# certificate) could be mounted inside it.
+CONFIG_DIR = "/etc/kvbank/config"
 POOL_FILE = "modelpool.yaml"
 ENGINE_FILE = "engine.json"
 
@@ -51,6 +57,8 @@ class Owner:
 @dataclass(frozen=True)
 class RenderSettings:
     image: str = "ghcr.io/kvbank/kvbank:0.1.0"
+    # The engine container of a `spec.engine.kind: vllm` pool without its own image.
+    vllm_image: str = "ghcr.io/kvbank/kvbank-vllm:0.1.0"
     image_pull_policy: str = "IfNotPresent"
     http_port: int = 8000
     sidecar_port: int = 50051
@@ -63,6 +71,11 @@ class RenderSettings:
     model_root: str = "/models"
     # Long enough for admitted requests to finish on a pod being replaced (see docs/operator.md).
     termination_grace_seconds: int = 600
+    # Whether the cluster mounts images as volumes (the ImageVolume feature): an `image` weights
+    # source is then mounted, not copied at every start.
+    image_volumes: bool = False
+    # The chart's `pools.template`: what a pool's own spec.template leaves unset.
+    template_defaults: PodTemplate = field(default_factory=PodTemplate)
     # The token every rendered sidecar requires (render.token); never in a repr, so no log of
     # these settings shows it. None renders no pods: they could not start.
     sidecar_token: str | None = field(default=None, repr=False)

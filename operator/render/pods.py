@@ -14,10 +14,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbank.capacity import pool_pages
 from kvbank.modelpool import ModelPool
+from kvbank.operator.deployment import Deployment
+from kvbank.operator.render.engines import (
+    api_key_mount,
+    api_key_volume,
+    engine_command,
+    is_vllm,
+    pods_per_group,
+    ranks_per_pod,
+    sidecar_args,
+    tls_mount,
+    tls_volume,
+)
 from kvbank.operator.render.names import (
     ANNOTATION_CONFIG_HASH,
+    ANNOTATION_TLS_SERIAL,
     CONFIG_DIR,
     LWS_GROUP_INDEX,
     LWS_WORKER_INDEX,
@@ -28,7 +40,10 @@ from kvbank.operator.render.names import (
     headless_name,
     labels,
 )
-from kvbank.operator.render.token import TOKEN_FILE, token_mount, token_volume
+from kvbank.operator.render.scheduling import engine_resources, placement, shm_mount, shm_volume
+from kvbank.operator.render.sidecar_tls import PoolTLS
+from kvbank.operator.render.token import token_mount, token_volume
+from kvbank.operator.render.weights import weights
 
 STATEFUL_SET_PRELUDE = """set -eu
 ordinal="${POD_NAME##*-}"
@@ -52,12 +67,19 @@ def _field(path: str) -> dict[str, Any]:
     return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def rank_env(pool: ModelPool, settings: RenderSettings, workload: Workload) -> list[dict[str, Any]]:
+def rank_env(
+    pool: ModelPool,
+    settings: RenderSettings,
+    workload: Workload,
+    deployment: Deployment | None = None,
+) -> list[dict[str, Any]]:
+    """KVBANK_WORLD_SIZE counts pods, not GPUs: a vLLM pod runs its group's ranks itself."""
+    world = pods_per_group(pool, deployment or Deployment())
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", **_field("metadata.name")},
         {"name": "POD_NAMESPACE", **_field("metadata.namespace")},
         {"name": "POD_IP", **_field("status.podIP")},
-        {"name": "KVBANK_WORLD_SIZE", "value": str(pool.tensor_parallel)},
+        {"name": "KVBANK_WORLD_SIZE", "value": str(world)},
         {"name": "KVBANK_WORKLOAD", "value": pool.name},
         {"name": "KVBANK_HEADLESS", "value": headless_name(pool.name)},
         {"name": "KVBANK_DIST_PORT", "value": str(settings.dist_port)},
@@ -78,44 +100,6 @@ def prelude(workload: Workload) -> list[str]:
         STATEFUL_SET_PRELUDE if workload is Workload.STATEFUL_SET else LEADER_WORKER_SET_PRELUDE
     )
     return ["/bin/sh", "-c", script, "kvbank-rank"]
-
-
-# The spec's admission policy and backfill, as `kvbank serve --policy` names them. The sidecar
-# runs each of these ledgers (it reads the same spec.admission from --pool), so every engine
-# keeps its ledger there, and none waits on it within a step (kvbank.engine.admission.peak).
-
-
-def engine_args(pool: ModelPool, settings: RenderSettings) -> list[str]:
-    """`kvbank serve` with the pool's own figures, so the engine admits by the same numbers the
-    webhook judged (the pages resolved, memoryFraction included)."""
-    policy = pool.admission.ledger_policy
-    sidecar = [
-        "--sidecar",
-        f"127.0.0.1:{settings.sidecar_port}",
-        "--sidecar-token-file",
-        TOKEN_FILE,
-    ]
-    return [
-        "kvbank",
-        "serve",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(settings.http_port),
-        *sidecar,
-        "--model",
-        f"{settings.model_root}/{pool.model_name}",
-        "--pages",
-        str(pool_pages(pool)),
-        "--page-size",
-        str(pool.kv.page_size),
-        "--max-seq-len",
-        str(pool.limits.max_seq_len),
-        "--max-tokens",
-        str(pool.limits.max_tokens),
-        "--policy",
-        policy,
-    ]
 
 
 def _container(
@@ -143,42 +127,26 @@ def _container(
     }
 
 
-def sidecar_args(settings: RenderSettings) -> list[str]:
-    """`kvbank sidecar` on the pod address, so the operator can read its status; that needs the
-    shared token, which its engine sends too (--sidecar-token-file)."""
-    return [
-        "kvbank",
-        "sidecar",
-        "--listen",
-        f"0.0.0.0:{settings.sidecar_port}",
-        "--token-file",
-        TOKEN_FILE,
-        # No certificate is rendered for the sidecar yet: the pod network is declared trusted,
-        # which `kvbank sidecar` requires of a token sent without TLS.
-        "--trusted-network",
-        "--metrics-port",
-        str(settings.metrics_port),
-        "--metrics-host",
-        "0.0.0.0",
-        "--pool",
-        f"{CONFIG_DIR}/{POOL_FILE}",
-    ]
-
-
 def pod_template(
     pool: ModelPool,
     settings: RenderSettings,
     workload: Workload,
     config_hash: str,
     token_secret: str,
+    deployment: Deployment | None = None,
+    tls: PoolTLS | None = None,
 ) -> dict[str, Any]:
     """`token_secret`: the name of the pool's token Secret (render.token), mounted read-only into
-    both containers."""
-    env = rank_env(pool, settings, workload)
+    both containers. `tls`: the pool's sidecar certificate Secret, when the operator has a CA."""
+    deployment = deployment or Deployment()
+    template = deployment.template.over(settings.template_defaults)
+    parts = weights(deployment.source, settings, pool.model_name)
+    env = rank_env(pool, settings, workload, deployment)
+    command = engine_command(pool, settings, deployment, tls is not None)
     engine = _container(
         "engine",
-        engine_args(pool, settings),
-        env,
+        command.args,
+        env + command.env,
         [
             {"name": "http", "containerPort": settings.http_port, "protocol": "TCP"},
             # Only rank 0's is listened on; every rank gets it so the pod template is one.
@@ -188,10 +156,12 @@ def pod_template(
         workload,
         settings,
     )
-    engine["resources"] = {"limits": {settings.gpu_resource: 1}}
+    engine["image"] = command.image
+    gpus = template.gpus_per_rank * ranks_per_pod(pool, deployment)
+    engine["resources"] = engine_resources(template, settings, gpus)
     sidecar = _container(
         "sidecar",
-        sidecar_args(settings),
+        sidecar_args(settings, tls is not None),
         env,
         [
             {"name": "grpc", "containerPort": settings.sidecar_port, "protocol": "TCP"},
@@ -201,17 +171,33 @@ def pod_template(
         workload,
         settings,
     )
+    volumes = [
+        {"name": "config", "configMap": {"name": config_name(pool.name, config_hash)}},
+        token_volume(token_secret),
+    ]
+    if parts.volume is not None and parts.mount is not None:
+        volumes.append(parts.volume)
+        engine["volumeMounts"].append(parts.mount)
+    shm = shm_volume(template)
+    if shm is not None:
+        volumes.append(shm)
+        engine["volumeMounts"].append(shm_mount())
+    if deployment.api_key is not None and not is_vllm(deployment):
+        volumes.append(api_key_volume(deployment.api_key))
+        engine["volumeMounts"].append(api_key_mount())
+    annotations = {ANNOTATION_CONFIG_HASH: config_hash}
+    if tls is not None:
+        volumes.append(tls_volume(tls.secret_name))
+        engine["volumeMounts"].append(tls_mount())
+        sidecar["volumeMounts"].append(tls_mount())
+        annotations[ANNOTATION_TLS_SERIAL] = tls.serial
     return {
-        "metadata": {
-            "labels": labels(pool.name, "rank"),
-            "annotations": {ANNOTATION_CONFIG_HASH: config_hash},
-        },
+        "metadata": {"labels": labels(pool.name, "rank"), "annotations": annotations},
         "spec": {
             "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+            "initContainers": parts.init_containers,
             "containers": [engine, sidecar],
-            "volumes": [
-                {"name": "config", "configMap": {"name": config_name(pool.name, config_hash)}},
-                token_volume(token_secret),
-            ],
+            "volumes": volumes,
+            **placement(template, pool.name),
         },
     }

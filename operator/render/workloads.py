@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvbank.modelpool import ModelPool
+from kvbank.operator.deployment import Deployment
+from kvbank.operator.render.engines import pods_per_group
 from kvbank.operator.render.names import (
     LWS_API_VERSION,
     Owner,
@@ -17,17 +19,25 @@ from kvbank.operator.render.names import (
     selector_labels,
 )
 from kvbank.operator.render.pods import pod_template
+from kvbank.operator.render.sidecar_tls import PoolTLS
 
 
 def stateful_set(
-    pool: ModelPool, owner: Owner, settings: RenderSettings, config_hash: str, token_secret: str
+    pool: ModelPool,
+    owner: Owner,
+    settings: RenderSettings,
+    config_hash: str,
+    token_secret: str,
+    deployment: Deployment | None = None,
+    tls: PoolTLS | None = None,
 ) -> dict[str, Any]:
+    deployment = deployment or Deployment()
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": metadata(owner.name, owner, "workload"),
         "spec": {
-            "replicas": pool.replicas * pool.tensor_parallel,
+            "replicas": pool.replicas * pods_per_group(pool, deployment),
             "serviceName": headless_name(owner.name),
             # Every rank of a group must be up before the group serves; starting them in order
             # would only serialise the wait.
@@ -35,15 +45,22 @@ def stateful_set(
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
             "selector": {"matchLabels": selector_labels(owner.name)},
             "template": pod_template(
-                pool, settings, Workload.STATEFUL_SET, config_hash, token_secret
+                pool, settings, Workload.STATEFUL_SET, config_hash, token_secret, deployment, tls
             ),
         },
     }
 
 
 def leader_worker_set(
-    pool: ModelPool, owner: Owner, settings: RenderSettings, config_hash: str, token_secret: str
+    pool: ModelPool,
+    owner: Owner,
+    settings: RenderSettings,
+    config_hash: str,
+    token_secret: str,
+    deployment: Deployment | None = None,
+    tls: PoolTLS | None = None,
 ) -> dict[str, Any]:
+    deployment = deployment or Deployment()
     return {
         "apiVersion": LWS_API_VERSION,
         "kind": "LeaderWorkerSet",
@@ -56,10 +73,16 @@ def leader_worker_set(
                 "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
             },
             "leaderWorkerTemplate": {
-                "size": pool.tensor_parallel,
+                "size": pods_per_group(pool, deployment),
                 "restartPolicy": "RecreateGroupOnPodRestart",
                 "workerTemplate": pod_template(
-                    pool, settings, Workload.LEADER_WORKER_SET, config_hash, token_secret
+                    pool,
+                    settings,
+                    Workload.LEADER_WORKER_SET,
+                    config_hash,
+                    token_secret,
+                    deployment,
+                    tls,
                 ),
             },
         },
@@ -73,7 +96,8 @@ def workload(
     settings: RenderSettings,
     config_hash: str,
     token_secret: str,
+    deployment: Deployment | None = None,
+    tls: PoolTLS | None = None,
 ) -> dict[str, Any]:
-    if kind is Workload.LEADER_WORKER_SET:
-        return leader_worker_set(pool, owner, settings, config_hash, token_secret)
-    return stateful_set(pool, owner, settings, config_hash, token_secret)
+    build = leader_worker_set if kind is Workload.LEADER_WORKER_SET else stateful_set
+    return build(pool, owner, settings, config_hash, token_secret, deployment, tls)

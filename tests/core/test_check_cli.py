@@ -74,3 +74,14 @@ def test_bad_files_exit_2_with_a_clear_message(tmp_path: Path, content: str, mes
 def test_a_missing_file(tmp_path: Path) -> None:
     out = kvbank("check", str(tmp_path / "nope.yaml"))
     assert out.returncode == 2 and "cannot read" in out.stderr
+
+
+def test_the_pod_fields_are_checked_as_the_webhook_checks_them(tmp_path: Path) -> None:
+    text = (EXAMPLES / "modelpool-llama-8b.yaml").read_text()
+    bad = text.replace("shmSize: 16Gi", "shmSize: 16GB")
+    assert bad != text
+    path = tmp_path / "bad.yaml"
+    path.write_text(bad)
+    out = kvbank("check", str(path))
+    assert out.returncode == 2
+    assert "spec.template.shmSize: must be a Kubernetes quantity" in out.stderr

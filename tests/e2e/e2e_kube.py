@@ -180,6 +180,9 @@ class Operator:
             "",
             "--status-interval",
             "5",
+            # Drift repair within seconds, so tests that delete a child need not wait long.
+            "--repair-interval",
+            "3",
         ]
         env = {k: v for k, v in os.environ.items() if k != "KVBANK_SIDECAR_TOKEN"}
         if self.sidecar_token:

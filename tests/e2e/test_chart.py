@@ -90,6 +90,7 @@ def test_default_render_has_exactly_the_operator_objects(helm: Tools) -> None:
     assert kinds == [
         "ClusterRole",
         "ClusterRoleBinding",
+        "ConfigMap",  # the Grafana dashboard
         "Deployment",
         "Role",
         "RoleBinding",
@@ -195,6 +196,7 @@ def test_webhook_configuration_follows_the_values(helm: Tools) -> None:
         hooks = one(docs, "ValidatingWebhookConfiguration")["webhooks"]
         assert [h["name"] for h in hooks] == [
             "modelpools.kvbank.dev",
+            "scale.modelpools.kvbank.dev",
             "capacitypolicies.kvbank.dev",
         ]
         pools = hooks[0]
@@ -211,6 +213,16 @@ def test_webhook_configuration_follows_the_values(helm: Tools) -> None:
                 "scope": "Namespaced",
             }
         ]
+        # `kubectl scale` (and an HPA) write the scale subresource: judged again for quota.
+        assert hooks[1]["rules"] == [
+            {
+                "apiGroups": ["kvbank.dev"],
+                "apiVersions": ["*"],
+                "operations": ["UPDATE"],
+                "resources": ["modelpools/scale"],
+                "scope": "Namespaced",
+            }
+        ]
         for hook in hooks:
             path = hook["clientConfig"]["service"]["path"]
             assert f'id="{path.lstrip("/")}"' in handlers, f"no operator handler serves {path}"
@@ -222,6 +234,7 @@ def test_local_mode_points_the_apiserver_at_a_url(helm: Tools) -> None:
     hooks = one(docs, "ValidatingWebhookConfiguration")["webhooks"]
     assert [h["clientConfig"] for h in hooks] == [
         {"url": "https://127.0.0.1:19443/validate-modelpool"},
+        {"url": "https://127.0.0.1:19443/validate-modelpool-scale"},
         {"url": "https://127.0.0.1:19443/validate-capacitypolicy"},
     ]
     error = render(helm, "webhook.url=http://127.0.0.1:19443", expect_ok=False)
@@ -252,8 +265,9 @@ def test_rbac_is_least_privilege(helm: Tools) -> None:
             assert rule["resources"] == ["configmaps"], rule
     secrets = [r for r in everything if "secrets" in r["resources"]]
     assert secrets == [
-        # The pools' token Secrets, in their namespaces: created, never read, listed or patched.
-        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        # The pools' token and certificate Secrets, in their namespaces: created, certificates
+        # renewed by whole-object update; never read, listed or patched.
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "update"]},
         {
             "apiGroups": [""],
             "resources": ["secrets"],
@@ -265,7 +279,8 @@ def test_rbac_is_least_privilege(helm: Tools) -> None:
     assert [r["resourceNames"] for r in hooks] == [["kvbank-operator"]]
     assert granted(docs, "kvbank.dev", "modelpools/status") == {"patch"}
     assert granted(docs, "kvbank.dev", "capacitypolicies") == {"list"}
-    assert granted(docs, "", "configmaps") == {"create", "patch", "list", "delete"}
+    assert granted(docs, "", "configmaps") == {"create", "patch", "get", "list", "delete"}
+    assert granted(docs, "", "persistentvolumeclaims") == {"get"}
 
 
 def test_rbac_covers_every_kind_the_builders_apply(helm: Tools) -> None:
@@ -279,13 +294,14 @@ def test_rbac_covers_every_kind_the_builders_apply(helm: Tools) -> None:
         # Created only (operator/render/token.py): exactly create, nothing that returns data.
         secret = rendered.token_secret
         assert RESOURCES[(secret["apiVersion"], secret["kind"])][0] == "secrets"
-        assert granted(docs, "", "secrets") == {"create"}
+        assert granted(docs, "", "secrets") == {"create", "update"}
         for manifest in rendered.manifests:
             api_version, kind = manifest["apiVersion"], manifest["kind"]
             group = api_version.rpartition("/")[0]
             plural = RESOURCES[(api_version, kind)][0]
-            # Server-side apply is a PATCH, authorised as create when the object is new.
-            assert {"create", "patch"} <= granted(docs, group, plural), kind
+            # Server-side apply is a PATCH, authorised as create when the object is new; the
+            # repair timer reads each one back.
+            assert {"create", "patch", "get"} <= granted(docs, group, plural), kind
 
 
 def test_cert_manager_mode_renders_a_certificate_and_no_secret_rights(
@@ -380,7 +396,26 @@ def test_pod_monitor_only_when_asked_or_available(helm: Tools) -> None:
     assert by_kind(render(helm, extra=api), "PodMonitor")
     assert not by_kind(render(helm, "metrics.podMonitor=false", extra=api), "PodMonitor")
     monitor = one(render(helm, "metrics.podMonitor=true"), "PodMonitor")
-    assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "interval": "30s"}]
+    pool_label = {
+        "sourceLabels": ["__meta_kubernetes_pod_label_kvbank_dev_pool"],
+        "targetLabel": "pool",
+    }
+    assert monitor["spec"]["podMetricsEndpoints"] == [
+        {
+            "port": "metrics",
+            "interval": "30s",
+            "relabelings": [
+                {"targetLabel": "container_role", "replacement": "sidecar"},
+                pool_label,
+            ],
+        },
+        {
+            "port": "http",
+            "path": "/metrics",
+            "interval": "30s",
+            "relabelings": [{"targetLabel": "container_role", "replacement": "engine"}, pool_label],
+        },
+    ]
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
 
 

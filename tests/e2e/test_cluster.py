@@ -172,6 +172,7 @@ def test_install_establishes_the_crds_and_the_operator_fills_its_certificate(
     urls = [h["clientConfig"]["url"] for h in hooks["webhooks"]]
     assert urls == [
         f"https://127.0.0.1:{cluster.webhook_port}/validate-modelpool",
+        f"https://127.0.0.1:{cluster.webhook_port}/validate-modelpool-scale",
         f"https://127.0.0.1:{cluster.webhook_port}/validate-capacitypolicy",
     ]
 
@@ -191,7 +192,10 @@ def test_the_operator_holds_only_the_charts_rights(cluster: Cluster) -> None:
     assert can_i(sa, "list", "secrets", "-n", SYSTEM) == "no"
     # A pool's token Secret: created in its namespace, and nothing that returns a Secret's data.
     assert can_i(sa, "create", "secrets", "-n", "x") == "yes"
-    for verb in ("get", "list", "watch", "patch", "update", "delete"):
+    # Renewing a pool's sidecar certificate is a whole-object update, which returns only what
+    # the operator sent; nothing that returns a Secret's data.
+    assert can_i(sa, "update", "secrets", "-n", "x") == "yes"
+    for verb in ("get", "list", "watch", "patch", "delete"):
         assert can_i(sa, verb, "secrets", "-n", "x") == "no", verb
     assert can_i(sa, "update", "validatingwebhookconfigurations/kvbank-operator") == "yes"
     assert can_i(sa, "update", "validatingwebhookconfigurations/someone-else") == "no"
@@ -216,7 +220,10 @@ def test_a_holdable_pool_is_accepted_and_rendered(cluster: Cluster) -> None:
         for item in items:
             [ref] = item["metadata"]["ownerReferences"]
             assert (ref["kind"], ref["uid"], ref["controller"]) == ("ModelPool", uid, True), kind
-    [secret] = objects["secrets"]
+    secrets = {s["type"]: s for s in objects["secrets"]}
+    secret, tls = secrets["Opaque"], secrets["kubernetes.io/tls"]
+    assert tls["metadata"]["name"] == "llama-8b-sidecar-tls"
+    assert set(tls["data"]) == {"tls.crt", "tls.key", "ca.crt"}
     assert secret["immutable"] is True
     assert base64.b64decode(secret["data"]["token"]).decode() == cluster.sidecar_token
     [sts] = objects["statefulsets"]
@@ -251,7 +258,7 @@ def _all_rendered(cluster: Cluster, ns: str, pool: str) -> dict[str, list[dict[s
     counts = {kind: len(items) for kind, items in objects.items()}
     expected = {
         "configmaps": 1,
-        "secrets": 1,
+        "secrets": 2,  # the sidecar token and the sidecar certificate
         "services": 2,
         "statefulsets": 1,
         "poddisruptionbudgets": 1,

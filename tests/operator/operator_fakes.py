@@ -8,7 +8,13 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
-from kvbank.operator.cluster import KubeConflict, KubeUnavailable, identity
+from kvbank.operator.cluster import (
+    KubeConflict,
+    KubeError,
+    KubeUnavailable,
+    identity,
+    resource_path,
+)
 
 Key = tuple[str, str, str | None, str]  # apiVersion, kind, namespace, name
 
@@ -68,6 +74,11 @@ class FakeCluster:
         assert len(found) == 1, (kind, name, found)
         return found[0]
 
+    @staticmethod
+    def _mapped(api_version: str, kind: str, namespace: str | None) -> None:
+        """As the real client does: a kind with no REST mapping fails here too."""
+        resource_path(api_version, kind, namespace=namespace or "ns")
+
     def _tick(self, verb: str, what: str) -> None:
         if self.fail_after is not None:
             if self.fail_after == 0:
@@ -80,6 +91,7 @@ class FakeCluster:
     async def get(
         self, api_version: str, kind: str, name: str, namespace: str | None = None
     ) -> dict[str, Any] | None:
+        self._mapped(api_version, kind, namespace)
         self._tick("get", f"{kind}/{name}")
         found = self.objects.get((api_version, kind, namespace, name))
         return copy.deepcopy(found) if found else None
@@ -91,6 +103,7 @@ class FakeCluster:
         namespace: str | None = None,
         label_selector: str | None = None,
     ) -> list[dict[str, Any]]:
+        self._mapped(api_version, kind, namespace)
         self._tick("list", kind)
         return [
             copy.deepcopy(o)
@@ -101,16 +114,19 @@ class FakeCluster:
             and _selects(label_selector, (o.get("metadata") or {}).get("labels") or {})
         ]
 
-    async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    async def apply(self, manifest: Mapping[str, Any], dry_run: bool = False) -> dict[str, Any]:
         key = identity(manifest)
-        self._tick("apply", f"{key[1]}/{key[3]}")
+        self._mapped(key[0], key[1], key[2])
+        self._tick("apply" + ("/dry-run" if dry_run else ""), f"{key[1]}/{key[3]}")
         current = self.objects.get(key)
         if current is None:
-            return self.put(manifest)
+            return copy.deepcopy(dict(manifest)) if dry_run else self.put(manifest)
         merged = copy.deepcopy(dict(manifest))
         merged["metadata"] = {**current["metadata"], **merged["metadata"]}
         if "status" in current:
             merged["status"] = current["status"]
+        if dry_run:
+            return merged
         if merged != current:
             merged["metadata"]["resourceVersion"] = str(next(self._versions))
             self.objects[key] = merged
@@ -118,6 +134,7 @@ class FakeCluster:
 
     async def create(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
         key = identity(manifest)
+        self._mapped(key[0], key[1], key[2])
         self._tick("create", f"{key[1]}/{key[3]}")
         if key in self.objects:
             return None
@@ -128,7 +145,10 @@ class FakeCluster:
         self._tick("replace", f"{key[1]}/{key[3]}")
         current = self.objects.get(key)
         version = (manifest.get("metadata") or {}).get("resourceVersion")
-        if current is None or version != current["metadata"]["resourceVersion"]:
+        if current is None:
+            raise KubeError(404, f"{key[1]}/{key[3]} not found")
+        # No resourceVersion: an unconditional update, as the apiserver takes for a Secret.
+        if version is not None and version != current["metadata"]["resourceVersion"]:
             raise KubeConflict(409, f"{key[1]}/{key[3]} changed")
         return self.put(manifest)
 

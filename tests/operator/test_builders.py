@@ -200,9 +200,9 @@ class TestPodTemplate:
         ]  # fmt: skip
         assert sidecar["args"] == [
             "kvbank", "sidecar", "--listen", "0.0.0.0:50051",
-            "--token-file", "/var/run/kvbank/sidecar-token/token", "--trusted-network",
-            "--metrics-port", "9464",
-            "--metrics-host", "0.0.0.0", "--pool", "/etc/kvbank/modelpool.yaml",
+            "--token-file", "/var/run/kvbank/sidecar-token/token", "--metrics-port", "9464",
+            "--metrics-host", "0.0.0.0", "--pool", "/etc/kvbank/config/modelpool.yaml",
+            "--trusted-network",
         ]  # fmt: skip
         assert template["spec"]["volumes"] == [
             {"name": "config", "configMap": {"name": "llama-engine-abc123"}},
@@ -216,7 +216,7 @@ class TestPodTemplate:
         ]
         for container in (engine, sidecar):
             assert container["volumeMounts"] == [
-                {"name": "config", "mountPath": "/etc/kvbank", "readOnly": True},
+                {"name": "config", "mountPath": "/etc/kvbank/config", "readOnly": True},
                 {
                     "name": "sidecar-token",
                     "mountPath": "/var/run/kvbank/sidecar-token",

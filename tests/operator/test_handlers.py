@@ -24,7 +24,9 @@ LOG = logging.getLogger("test")
 
 
 class NoSidecars:
-    async def status(self, address: str, timeout: float) -> PoolFigures:
+    async def status(
+        self, address: str, timeout: float, server_name: str | None = None
+    ) -> PoolFigures:
         raise ConnectionError("no sidecar in this test")
 
 
@@ -67,7 +69,7 @@ class TestRegistration:
     def test_handler_ids_are_the_webhook_paths(self) -> None:
         registry, _, _ = _setup(tls=True)
         ids = sorted(str(h.id) for h in registry._webhooks.get_all_handlers())
-        assert ids == ["validate-capacitypolicy", "validate-modelpool"]
+        assert ids == ["validate-capacitypolicy", "validate-modelpool", "validate-modelpool-scale"]
 
     def test_kopf_can_log_in(self) -> None:
         """A fresh registry has no login handler of kopf's; without one kopf cannot start."""
@@ -193,4 +195,40 @@ class TestStatusTimer:
         asyncio.run(_handler(registry, "pool_status")(body=cluster.one("ModelPool", "llama")))
         status = cluster.one("ModelPool", "llama")["status"]
         assert status["readyReplicas"] == 0
-        assert {c["type"] for c in status["conditions"]} == {"Accepted", "Ready", "Degraded"}
+        assert {c["type"] for c in status["conditions"]} == {
+            "Accepted",
+            "Ready",
+            "Degraded",
+            "WeightsAvailable",
+        }
+
+
+class TestRepairTimer:
+    def test_puts_back_a_deleted_stateful_set_and_says_so(self, caplog) -> None:
+        registry, _, cluster = _setup()
+        cluster.put(stored(pool_doc()))
+        body = cluster.one("ModelPool", "llama")
+        asyncio.run(_handler(registry, "reconcile_pool")(body=body, logger=LOG))
+        del cluster.objects[("apps/v1", "StatefulSet", "team-a", "llama")]
+        with caplog.at_level(logging.WARNING, logger="test"):
+            asyncio.run(
+                _handler(registry, "repair_pool")(
+                    body=cluster.one("ModelPool", "llama"), logger=LOG
+                )
+            )
+        assert cluster.one("StatefulSet", "llama")["spec"]["replicas"] == 2
+        assert "team-a/llama: restored StatefulSet/llama (missing)" in caplog.text
+
+    def test_api_trouble_is_a_retry_not_a_crash(self) -> None:
+        registry, _, cluster = _setup()
+        cluster.put(stored(pool_doc()))
+        asyncio.run(
+            _handler(registry, "reconcile_pool")(body=cluster.one("ModelPool", "llama"), logger=LOG)
+        )
+        cluster.fail_after = 0
+        with pytest.raises(kopf.TemporaryError):
+            asyncio.run(
+                _handler(registry, "repair_pool")(
+                    body=cluster.one("ModelPool", "llama"), logger=LOG
+                )
+            )

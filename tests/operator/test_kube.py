@@ -115,6 +115,12 @@ class TestPolicy:
         assert json.loads(request["body"]) == CM
         assert request["timeout"].total == 3.0
 
+    def test_a_dry_run_apply_asks_the_apiserver_to_store_nothing(self, transport) -> None:
+        kube, fake = transport((200, CM))
+        asyncio.run(kube.apply(CM, dry_run=True))
+        (request,) = fake.requests
+        assert request["url"].endswith("?fieldManager=kvbank-operator&force=true&dryRun=All")
+
     def test_absent_is_an_answer(self, transport) -> None:
         kube, _ = transport((404, {"message": "nope"}), (404, {}), (404, {}), (404, {}))
         assert asyncio.run(kube.get("v1", "ConfigMap", "c", "ns")) is None

@@ -66,7 +66,9 @@ class FakeSource:
         self.active = 0
         self.most_active = 0
 
-    async def status(self, address: str, timeout: float) -> PoolFigures:
+    async def status(
+        self, address: str, timeout: float, server_name: str | None = None
+    ) -> PoolFigures:
         self.active += 1
         self.most_active = max(self.most_active, self.active)
         try:
@@ -112,6 +114,28 @@ class TestPoll:
         assert poll.failures == ("p1: no answer within 0.5s", "p2: RuntimeError: reset")
         assert source.most_active == 2
 
+    def test_with_tls_each_certificate_is_checked_for_its_pods_name(self) -> None:
+        pod = sts_pod(0, 1)
+        pod["spec"].update(hostname="llama-0", subdomain="llama-ranks")
+        rank = ranked(pod)
+        assert rank is not None and rank.dns == "llama-0.llama-ranks.team-a.svc"
+        asked: list[tuple[str, str | None]] = []
+
+        class Recording(FakeSource):
+            async def status(
+                self, address: str, timeout: float, server_name: str | None = None
+            ) -> PoolFigures:
+                asked.append((address, server_name))
+                return FIGURES
+
+        source = Recording({})
+        asyncio.run(poll_sidecars(source, [rank], 50051, concurrency=1, timeout=1, by_name=True))
+        asyncio.run(poll_sidecars(source, [rank], 50051, concurrency=1, timeout=1))
+        assert asked == [
+            ("10.0.0.0:50051", "llama-0.llama-ranks.team-a.svc"),
+            ("10.0.0.0:50051", None),
+        ]
+
     def test_concurrency_is_bounded(self) -> None:
         ranks = [RankedPod(f"p{i}", i, 0, True, f"10.0.1.{i}") for i in range(20)]
         source = FakeSource({})
@@ -129,7 +153,7 @@ class TestRefresh:
                 cluster,
                 RenderSettings(sidecar_token="t"),
                 cluster.one("ModelPool", "llama"),
-                now="t0",
+                now="2026-01-01T00:00:00Z",
             )
         )
         for pod in pods:
@@ -162,6 +186,7 @@ class TestRefresh:
             "Accepted": ("True", "Holdable"),
             "Ready": ("True", "GroupsReady"),
             "Degraded": ("False", "AsExpected"),
+            "WeightsAvailable": ("True", "InImage"),
         }
         labels = cluster.one("Pod", "llama-3")["metadata"]["labels"]
         assert labels["kvbank.dev/rank"] == "1" and labels["kvbank.dev/group"] == "1"

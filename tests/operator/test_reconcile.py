@@ -29,7 +29,7 @@ OWNED = ["ConfigMap", "PodDisruptionBudget", "Secret", "Service", "Service", "St
 
 
 class NoSidecar:
-    async def status(self, address: str, timeout: float) -> Any:
+    async def status(self, address: str, timeout: float, server_name: str | None = None) -> Any:
         raise ConnectionError("none")
 
 

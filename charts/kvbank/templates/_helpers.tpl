@@ -44,6 +44,18 @@ app.kubernetes.io/component: operator
 {{ .Values.engine.image.repository }}:{{ .Values.engine.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
+{{- define "kvbank.vllmImage" -}}
+{{ .Values.engine.vllm.image.repository }}:{{ .Values.engine.vllm.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "kvbank.poolTemplate" -}}
+{{- $set := dict -}}
+{{- range $key, $value := .Values.pools.template -}}
+{{- if $value -}}{{- $_ := set $set $key $value -}}{{- end -}}
+{{- end -}}
+{{- toJson $set -}}
+{{- end -}}
+
 {{/* The labels the operator puts on every rank pod (kvbank.operator.render.names). */}}
 {{- define "kvbank.rankSelector" -}}
 app.kubernetes.io/name: kvbank

@@ -1,0 +1,160 @@
+"""The engine container's command line and environment, for either engine `spec.engine.kind`
+names, and the sidecar's; the secrets both read (API keys, the sidecar's TLS) as mounts.
+
+- `kvbank`: `kvbank serve` with the pool's own figures, so the engine admits by the same
+  numbers the webhook judged (the pages resolved, memoryFraction included).
+- `vllm`: `vllm serve` with kvbank's scheduler class, its block size and block count pinned to
+  the pool's, so vLLM's KV manager holds exactly the pages kvbank's ledger promises; the class
+  reads its policy and sidecar from the environment. vLLM runs its tensor-parallel ranks
+  itself, inside one pod, so a vLLM pool's group is one pod with all its GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvbank.capacity import pool_pages
+from kvbank.modelpool import ModelPool
+from kvbank.operator.deployment import Deployment, SecretKey
+from kvbank.operator.render.names import CONFIG_DIR, POOL_FILE, RenderSettings
+from kvbank.operator.render.token import TOKEN_FILE
+from kvbank.operator.render.weights import model_path
+
+API_KEY_DIR = "/etc/kvbank/api-key"
+API_KEY_VOLUME = "api-key"
+TLS_DIR = "/etc/kvbank/sidecar-tls"
+TLS_VOLUME = "sidecar-tls"
+TLS_CA_FILE = f"{TLS_DIR}/ca.crt"
+VLLM_SCHEDULER = "kvbank.vllm.KvbankScheduler"
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    image: str
+    args: list[str]
+    env: list[dict[str, Any]]
+
+
+def is_vllm(deployment: Deployment) -> bool:
+    return deployment.engine.kind == "vllm"
+
+
+def ranks_per_pod(pool: ModelPool, deployment: Deployment) -> int:
+    """How many tensor-parallel ranks one pod runs: all of a group's under vLLM, else one."""
+    return pool.tensor_parallel if is_vllm(deployment) else 1
+
+
+def pods_per_group(pool: ModelPool, deployment: Deployment) -> int:
+    return pool.tensor_parallel // ranks_per_pod(pool, deployment)
+
+
+def _sidecar_address(settings: RenderSettings) -> str:
+    return f"127.0.0.1:{settings.sidecar_port}"
+
+
+def kvbank_args(pool: ModelPool, settings: RenderSettings, deployment: Deployment, tls: bool):
+    args = [
+        "kvbank", "serve",
+        "--host", "0.0.0.0",
+        "--port", str(settings.http_port),
+        "--sidecar", _sidecar_address(settings),
+        "--sidecar-token-file", TOKEN_FILE,
+        "--model", model_path(settings, pool.model_name),
+        "--pages", str(pool_pages(pool)),
+        "--page-size", str(pool.kv.page_size),
+        "--max-seq-len", str(pool.limits.max_seq_len),
+        "--max-tokens", str(pool.limits.max_tokens),
+        "--policy", pool.admission.ledger_policy,
+    ]  # fmt: skip
+    if tls:
+        args += ["--sidecar-ca-file", TLS_CA_FILE]
+    if deployment.api_key is not None:
+        args += ["--api-key-file", f"{API_KEY_DIR}/{deployment.api_key.key}"]
+    return [*args, *deployment.engine.args]
+
+
+def vllm_args(pool: ModelPool, settings: RenderSettings, deployment: Deployment) -> list[str]:
+    return [
+        "vllm", "serve", model_path(settings, pool.model_name),
+        "--scheduler-cls", VLLM_SCHEDULER,
+        "--block-size", str(pool.kv.page_size),
+        "--num-gpu-blocks-override", str(pool_pages(pool)),
+        "--max-model-len", str(pool.limits.max_seq_len),
+        "--port", str(settings.http_port),
+        "--tensor-parallel-size", str(pool.tensor_parallel),
+        *deployment.engine.args,
+    ]  # fmt: skip
+
+
+def vllm_env(
+    pool: ModelPool, settings: RenderSettings, deployment: Deployment, tls: bool
+) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "KVBANK_POLICY", "value": pool.admission.ledger_policy},
+        {"name": "KVBANK_SIDECAR", "value": _sidecar_address(settings)},
+        {"name": "KVBANK_SIDECAR_TOKEN_FILE", "value": TOKEN_FILE},
+    ]
+    if tls:
+        env.append({"name": "KVBANK_SIDECAR_CA_FILE", "value": TLS_CA_FILE})
+    if deployment.api_key is not None:
+        # vLLM takes one key from its environment, not a file of them.
+        ref = {"name": deployment.api_key.name, "key": deployment.api_key.key}
+        env.append({"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
+def engine_command(
+    pool: ModelPool, settings: RenderSettings, deployment: Deployment, tls: bool
+) -> EngineCommand:
+    if is_vllm(deployment):
+        return EngineCommand(
+            deployment.engine.image or settings.vllm_image,
+            vllm_args(pool, settings, deployment),
+            vllm_env(pool, settings, deployment, tls),
+        )
+    return EngineCommand(
+        deployment.engine.image or settings.image, kvbank_args(pool, settings, deployment, tls), []
+    )
+
+
+def sidecar_args(settings: RenderSettings, tls: bool) -> list[str]:
+    """`kvbank sidecar` on the pod address, so the operator can read its status; that needs the
+    shared token, which its engine sends too (--sidecar-token-file). With the pool's
+    certificate it serves TLS; without one (no operator CA) the network must be trusted."""
+    args = [
+        "kvbank", "sidecar",
+        "--listen", f"0.0.0.0:{settings.sidecar_port}",
+        "--token-file", TOKEN_FILE,
+        "--metrics-port", str(settings.metrics_port),
+        "--metrics-host", "0.0.0.0",
+        "--pool", f"{CONFIG_DIR}/{POOL_FILE}",
+    ]  # fmt: skip
+    if tls:
+        return [
+            *args,
+            "--tls-cert-file",
+            f"{TLS_DIR}/tls.crt",
+            "--tls-key-file",
+            f"{TLS_DIR}/tls.key",
+        ]
+    return [*args, "--trusted-network"]
+
+
+def api_key_volume(key: SecretKey) -> dict[str, Any]:
+    return {
+        "name": API_KEY_VOLUME,
+        "secret": {"secretName": key.name, "items": [{"key": key.key, "path": key.key}]},
+    }
+
+
+def api_key_mount() -> dict[str, Any]:
+    return {"name": API_KEY_VOLUME, "mountPath": API_KEY_DIR, "readOnly": True}
+
+
+def tls_volume(secret_name: str) -> dict[str, Any]:
+    return {"name": TLS_VOLUME, "secret": {"secretName": secret_name}}
+
+
+def tls_mount() -> dict[str, Any]:
+    return {"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True}
