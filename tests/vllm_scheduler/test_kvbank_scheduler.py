@@ -66,6 +66,18 @@ def test_a_loose_pool_runs_exactly_as_stock_vllm() -> None:
         assert ours[key] == stock[key], key
 
 
+def test_vllm_resolves_the_class_by_the_name_vllm_serve_is_given() -> None:
+    config = _configs(64, 512)[0].scheduler_config
+    named = config.__class__(
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        max_model_len=512,
+        is_encoder_decoder=False,
+        scheduler_cls="kvbank.vllm.KvbankScheduler",
+    )
+    assert named.get_scheduler_cls() is KvbankScheduler
+
+
 def _kv_config(groups: list[KVCacheGroupSpec]) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
 
