@@ -16,13 +16,15 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_VERSION := 0.33.0
-# kvbank is installed into it (not editable), and reinstalled when it changes; the tests run
-# the working tree's copy first on the path.
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# kvbank is installed into it (not editable, for `vllm serve --scheduler-cls`) and reinstalled
+# when its sources change; the tests run the working tree's copy first on the path.
+KVBANK_SOURCES := $(shell find kvbank engine sidecar proto -name '*.py' -o -name '*.proto')
+KVBANK_IN_VLLM := $(VLLM_VENV)/.kvbank-installed
 
 .PHONY: serve test test-vllm lint format venv vllm-venv clean
 venv: $(STAMP)
-vllm-venv: $(VLLM_STAMP)
+vllm-venv: $(KVBANK_IN_VLLM)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,9 +37,13 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q 'vllm==$(VLLM_VERSION)' 'pytest>=8,<10' \
 		'pytest-timeout>=2.3,<3' 'hypothesis>=6.100,<7'
+	@rm -f $(VLLM_VENV)/.installed-*; touch $@
+
+$(KVBANK_IN_VLLM): $(VLLM_STAMP) $(KVBANK_SOURCES)
+	$(VLLM_BIN)/python -m pip install -q --force-reinstall --no-deps .
 	$(VLLM_BIN)/python -m pip install -q .
 	@rm -rf build *.egg-info
-	@rm -f $(VLLM_VENV)/.installed-*; touch $@
+	@touch $@
 
 serve: venv
 	$(BIN)/kvbank serve --port $(PORT)

@@ -172,10 +172,17 @@ class Admission:
             request = entry.request
             if request.status != running:
                 continue
+            held = len(self.sched.kv_cache_manager.get_blocks(rid).blocks[0])
             if entry.pin:
+                if held < len(entry.pin):
+                    # The ledger counted the pinned hit as held; pages vLLM did not adopt
+                    # would go back to the supply while still counted: refuse, loudly.
+                    raise InvariantBreach(
+                        f"vLLM started {rid!r} with {held} blocks, fewer than the "
+                        f"{len(entry.pin)} cached blocks kvbank pinned for it"
+                    )
                 self.pool.free_blocks(entry.pin)
                 entry.pin = []
-            held = len(self.sched.kv_cache_manager.get_blocks(rid).blocks[0])
             if held > entry.held:
                 self.backend.take(rid, held - entry.held)
                 entry.held = held

@@ -58,7 +58,7 @@ def _run(pages: int, policy: str, requests: list, backend=None) -> None:  # type
     assert run.sched.kvbank.backend.outstanding() == 0
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     pages=st.integers(16, 96),
     policy=st.sampled_from(["banker", "peak+backfill", "peak", "banker+backfill"]),
@@ -101,7 +101,7 @@ SIDECAR_PAGES = 48
 _sessions = iter(range(1 << 30))
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=workload)
 def test_random_workloads_over_a_real_sidecar(sidecar: str, requests: list) -> None:
     settings_ = Settings("peak+backfill", sidecar, token="vllm-property")
