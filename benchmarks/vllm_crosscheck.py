@@ -8,12 +8,14 @@ the reason), it runs kvbank's `preempt` (this project's reading of vLLM) and `pe
 kvbank's engine, and `vllm`, `vllm+banker`, `vllm+peak+backfill` through vLLM's real scheduler,
 then prints a Markdown table and the ratios: `preempt` against `vllm` (requests/s and
 preemptions: how faithful the baseline is) and `vllm+peak+backfill` against kvbank's engine
-under `peak+backfill`.
+under `peak+backfill`. `--speculative-tokens 0` runs kvbank's engine without the scenarios'
+speculative slot, which vLLM without a drafter does not allocate: the like-for-like reading.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -36,6 +38,12 @@ def _ratio(a: float, b: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("scenarios", type=Path, help="folder of scenario YAML files")
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        help="replace the scenarios' speculative_tokens on kvbank's engine (vLLM allocates none "
+        "without a drafter)",
+    )
     args = parser.parse_args()
     rows, checks = [], []
     for path in sorted(args.scenarios.glob("*.yaml")):
@@ -48,7 +56,11 @@ def main() -> int:
         if why is not None:
             print(f"skipped {path.name}: {why}", file=sys.stderr)
             continue
-        got = {p: run_policy(scenario, p).metrics for p in KVBANK}
+        own = scenario
+        if args.speculative_tokens is not None:
+            model = dataclasses.replace(scenario.model, speculative_tokens=args.speculative_tokens)
+            own = dataclasses.replace(scenario, model=model)
+        got = {p: run_policy(own, p).metrics for p in KVBANK}
         got.update({p: run_vllm_policy(scenario, p).metrics for p in VLLM})
         for policy, m in got.items():
             engine = "vllm" if policy.startswith("vllm") else "kvbank"

@@ -136,3 +136,25 @@ def test_the_capacity_model_is_vllms_block_size_and_limits() -> None:
     model = capacity_model(block_size=16, max_model_len=4096, lookahead_tokens=2)
     assert (model.page_size, model.max_seq_len, model.max_tokens) == (16, 4096, 4095)
     assert model.speculative_tokens == 2
+
+
+@pytest.mark.slow
+def test_the_bench_runs_itself_under_vllms_python_and_prints_the_same_fields(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+    import json
+
+    from kvbank.engine.bench.vllm_cli import vllm_python
+
+    if importlib.util.find_spec("vllm") is not None or vllm_python() is None:
+        pytest.skip("needs this Python without vllm and .venv-vllm beside it (make vllm-venv)")
+    assert _bench(tmp_path, ONE_LABEL, "--policy", "vllm,vllm+peak+backfill", "--json") == 0
+    runs = json.loads(capfd.readouterr().out)
+    assert [r["policy"] for r in runs] == ["vllm", "vllm+peak+backfill"]
+    for run in runs:
+        assert (run["completed"], run["hung"], run["preemptions"]) == (4, 0, 0)
+    own = main(["bench", "--scenario", str(tmp_path / "scenario.yaml"), "--json"])
+    assert own == 0
+    fields = set(json.loads(capfd.readouterr().out)[0])
+    assert fields <= set(runs[0])  # every field kvbank's engine prints, and `engine`
