@@ -1,7 +1,7 @@
 """Stock vLLM, vLLM with kvbank's scheduler class, and kvbank's own engine, scenario by scenario,
 all in one run (vLLM's environment: `make vllm-venv`):
 
-    PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_crosscheck.py ../shared/scenarios
+    PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_crosscheck.py scenarios
 
 For every scenario vLLM can express (one KV label, no fixed tokens; the others are listed with
 the reason), it runs kvbank's `preempt` (this project's reading of vLLM) and `peak+backfill` on

@@ -85,10 +85,15 @@ def run_vllm(args: argparse.Namespace, scenario: Scenario) -> int:
     if why is not None:
         print(f"kvbank bench: --engine vllm cannot run {scenario.name}: {why}", file=sys.stderr)
         return 2
+    from kvbank.engine.bench.plot import check_target, plot
+
+    if args.plot and (problem := check_target(Path(args.plot))) is not None:
+        print(f"kvbank bench: {problem}", file=sys.stderr)
+        return 2
     if importlib.util.find_spec("vllm") is None:
         return _reexec(args)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from kvbank.engine.bench.cli import plot, render_table
+    from kvbank.engine.bench.cli import render_table
     from kvbank.engine.bench.vllm_simulate import run_vllm_policy
 
     results = [
@@ -101,6 +106,7 @@ def run_vllm(args: argparse.Namespace, scenario: Scenario) -> int:
         print(render_table(scenario, results))
     if args.plot:
         plot(scenario, results, Path(args.plot))
+        print(f"kvbank bench: plot written to {Path(args.plot).resolve()}", file=sys.stderr)
     return 1 if any(r.metrics["invariant_breaches"] for r in results) else 0
 
 
