@@ -41,7 +41,7 @@ $(VLLM_STAMP): pyproject.toml
 
 $(KVBANK_IN_VLLM): $(VLLM_STAMP) $(KVBANK_SOURCES)
 	$(VLLM_BIN)/python -m pip install -q --force-reinstall --no-deps .
-	$(VLLM_BIN)/python -m pip install -q .
+	$(VLLM_BIN)/python -m pip install -q '.[bench]'
 	@rm -rf build *.egg-info
 	@touch $@
 
