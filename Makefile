@@ -1,5 +1,8 @@
 # make serve: set up and run the engine (embedded ledger, built-in model, CPU).
 # make test:  set up and run the whole test suite (ruff, mypy, pytest, end-to-end included).
+# make vllm-venv: vLLM in its own environment (.venv-vllm; its torch pin differs from the
+#              engine's), with kvbank installed into it, for `vllm serve --scheduler-cls
+#              kvbank.vllm.KvbankScheduler` and `kvbank bench --engine vllm`.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,14 +13,37 @@ PYTEST_ARGS ?=
 # Reinstall when the dependency list changes; otherwise reuse the virtual environment.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: serve test lint format venv clean
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_VERSION := 0.33.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# kvbank is installed into it (not editable, for `vllm serve --scheduler-cls`) and reinstalled
+# when its sources change; the tests run the working tree's copy first on the path.
+KVBANK_SOURCES := $(shell find kvbank engine sidecar proto -name '*.py' -o -name '*.proto')
+KVBANK_IN_VLLM := $(VLLM_VENV)/.kvbank-installed
+
+.PHONY: serve test test-vllm lint format venv vllm-venv clean
 venv: $(STAMP)
+vllm-venv: $(KVBANK_IN_VLLM)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
 	@rm -f $(VENV)/.installed-*; touch $@
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q 'vllm==$(VLLM_VERSION)' 'pytest>=8,<10' \
+		'pytest-timeout>=2.3,<3' 'hypothesis>=6.100,<7'
+	@rm -f $(VLLM_VENV)/.installed-*; touch $@
+
+$(KVBANK_IN_VLLM): $(VLLM_STAMP) $(KVBANK_SOURCES)
+	$(VLLM_BIN)/python -m pip install -q --force-reinstall --no-deps .
+	$(VLLM_BIN)/python -m pip install -q '.[bench]'
+	@rm -rf build *.egg-info
+	@touch $@
 
 serve: venv
 	$(BIN)/kvbank serve --port $(PORT)
@@ -31,8 +57,13 @@ format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint
+test: lint vllm-venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-vllm
+
+# vLLM's real scheduler under kvbank's admission: a second pytest, in vLLM's environment.
+test-vllm: vllm-venv
+	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_BIN)/python -m pytest tests/vllm_scheduler $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

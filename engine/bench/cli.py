@@ -63,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="all",
         help=f"admission policy, a comma-separated list, or 'all' ({', '.join(policy_names())})",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("kvbank", "vllm"),
+        default="kvbank",
+        help="kvbank's engine, or vLLM's own v1 scheduler and KV cache manager (policies vllm, "
+        "vllm+banker, vllm+peak+backfill; runs in vLLM's environment, see `make vllm-venv`)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON, one object per policy")
     parser.add_argument(
         "--plot",
@@ -95,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvbank bench: cannot read the scenario: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "engine", "kvbank") == "vllm":
+        from kvbank.engine.bench.vllm_cli import run_vllm
+
+        return run_vllm(args, scenario)
     names = policy_names()
     policies = names if args.policy == "all" else [p.strip() for p in args.policy.split(",")]
     if getattr(args, "backfill", False):

@@ -1,0 +1,251 @@
+"""vLLM's real v1 scheduler and KV cache manager for `kvbank bench --engine vllm`, with no model.
+
+Built as vLLM's own scheduler tests build one (a VllmConfig, a KVCacheConfig of one
+full-attention group, no GPU: VLLM_TARGET_DEVICE=cpu), from a model directory holding only a
+small Llama config.json. Prefix caching is on, chunked prefill on, async scheduling off (the
+bench steps synchronously, as vLLM does with --no-async-scheduling). The pool is the scenario's:
+vLLM's null block is kvbank's sink page, so both have `pages - 1` usable pages.
+
+`VllmBench.step()` is one engine step: vLLM schedules, the bench supplies the sampled tokens
+(the workload's output lengths, as kvbank's virtual runner does) and the step time from the
+scenario's cost model, and vLLM processes the result into its own outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # no GPU needed: vLLM's CPU platform
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU-platform notices are not ours
+
+import torch
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import FinishReason
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvbank.engine.bench.scenario import Scenario
+from kvbank.engine.bench.virtual import EOS_TOKEN_ID, VOCAB
+from kvbank.vllm.settings import Settings
+
+__all__ = ["FinishReason", "VllmBench", "build_scheduler", "vllm_configs"]
+
+MAX_BATCH_TOKENS = 2048  # kvbank's EngineConfig defaults, so both engines batch alike
+MAX_RUNNING = 256
+
+
+def model_dir(max_model_len: int) -> Path:
+    """A local model directory vLLM's ModelConfig reads: a small Llama config, no weights."""
+    path = Path(tempfile.gettempdir()) / f"kvbank-vllm-bench-llama-{max_model_len}"
+    path.mkdir(exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": max_model_len,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32",
+        "bos_token_id": 0,
+        "eos_token_id": EOS_TOKEN_ID,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def vllm_configs(scenario: Scenario) -> tuple[Any, Any]:
+    """vLLM's engine config and one full-attention KV cache group of the scenario's pool."""
+    model = scenario.model
+    max_len = model.max_seq_len
+    model_config = ModelConfig(
+        model=str(model_dir(max_len)),
+        skip_tokenizer_init=True,
+        max_model_len=max_len,
+        dtype="float32",
+        seed=0,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=MAX_RUNNING,
+        max_num_batched_tokens=MAX_BATCH_TOKENS,
+        max_model_len=max_len,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+        async_scheduling=False,
+    )
+    cache_config = CacheConfig(block_size=model.page_size, enable_prefix_caching=True)
+    vllm_config = VllmConfig(
+        model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
+    )
+    spec = FullAttentionSpec(
+        block_size=model.page_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=scenario.pages,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+    )
+    cache_config.num_gpu_blocks = scenario.pages
+    return vllm_config, kv_cache_config
+
+
+def build_scheduler(
+    scenario: Scenario, settings: Settings | None, backend: Any = None, configs: Any = None
+) -> Any:
+    """Stock vLLM (`settings` None) or vLLM with kvbank's scheduler class; `configs` replaces
+    `vllm_configs(scenario)`."""
+    vllm_config, kv_cache_config = configs or vllm_configs(scenario)
+    args: dict[str, Any] = dict(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=scenario.model.page_size,
+        log_stats=False,
+    )
+    if settings is None:
+        return Scheduler(**args)
+    from kvbank.vllm.scheduler import KvbankScheduler
+
+    return KvbankScheduler(**args, settings=settings, backend=backend)
+
+
+@dataclass
+class StepTotals:
+    """What one step did, for the cost model and the metrics."""
+
+    seconds: float = 0.0
+    scheduled: int = 0  # requests given tokens
+    unscheduled_running: int = 0  # running requests given none (budget or pages)
+    preempted: int = 0
+    admitted_tokens: int = 0  # prompt positions of requests scheduled for the first time
+    hit_tokens: int = 0  # of which the prefix cache covered
+    outputs: list[Any] = field(default_factory=list)  # vLLM's EngineCoreOutput
+
+
+class VllmBench:
+    """One vLLM scheduler on the virtual clock."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        settings: Settings | None,
+        backend: Any = None,
+        configs: Any = None,
+    ) -> None:
+        self.scenario = scenario
+        self.sched = build_scheduler(scenario, settings, backend, configs)
+        hash_fn = get_hash_fn_by_name(self.sched.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(scenario.model.page_size, hash_fn)
+        self._stop_after: dict[str, int] = {}
+        self._bases: dict[str, int] = {}
+        self.steps = 0
+
+    @property
+    def usable_pages(self) -> int:
+        return self.sched.kv_cache_manager.block_pool.num_gpu_blocks - 1
+
+    @property
+    def held_pages(self) -> int:
+        return self.usable_pages - self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int | None, output_tokens: int) -> None:
+        """A client's request. With no max_tokens the server's default applies, as vLLM's
+        frontend fills it in (`--generation-config`'s max_new_tokens, here the scenario's
+        max_tokens_default), capped by max_model_len."""
+        model = self.scenario.model
+        budget = model.max_tokens if max_tokens is None else max_tokens
+        budget = max(1, min(budget, model.max_seq_len - len(prompt)))
+        params = SamplingParams(max_tokens=budget, stop_token_ids=[EOS_TOKEN_ID])
+        request = Request(
+            rid, list(prompt), params, None, arrival_time=float(self.steps),
+            block_hasher=self._hasher,
+        )  # fmt: skip
+        self._stop_after[rid] = output_tokens
+        self._bases[rid] = zlib.crc32(f"{self.scenario.workload.seed}:{rid}".encode())
+        self.sched.add_request(request)
+
+    def has_work(self) -> bool:
+        return self.sched.has_requests()
+
+    def step(self) -> StepTotals:
+        sched, cost = self.sched, self.scenario.cost
+        before = {r.request_id: r.num_computed_tokens for r in sched.running}
+        out = sched.schedule()
+        self.steps += 1
+        totals = StepTotals(preempted=len(out.preempted_req_ids))
+        for new in out.scheduled_new_reqs:
+            totals.admitted_tokens += len(new.prompt_token_ids or ())
+            totals.hit_tokens += new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            if rid in cached.resumed_req_ids:  # readmitted after a preemption: recomputed
+                totals.admitted_tokens += sched.requests[rid].num_tokens
+                totals.hit_tokens += computed
+        prefill = decode = pages = 0
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        for rid, count in out.num_scheduled_tokens.items():
+            request = sched.requests[rid]
+            samples = request.num_computed_tokens >= request.num_tokens
+            if count == 1 and samples and before.get(rid, 0) > 0:
+                decode += 1
+            else:
+                prefill += count
+            pages += len(sched.kv_cache_manager.get_blocks(rid).blocks[0])
+            req_ids.append(rid)
+            sampled.append(
+                [self._next_token(rid, request.num_output_tokens + 1)] if samples else []
+            )
+        totals.scheduled = len(req_ids)
+        totals.unscheduled_running = sum(
+            1 for r in sched.running if r.request_id not in out.num_scheduled_tokens
+        )
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+        engine_outputs = sched.update_from_output(out, runner_output)
+        for outputs in engine_outputs.values():
+            totals.outputs.extend(outputs.outputs)
+        for output in totals.outputs:
+            if output.finish_reason is not None:
+                self._stop_after.pop(output.request_id, None)
+                self._bases.pop(output.request_id, None)
+        totals.seconds = (
+            cost.step_seconds(prefill, decode, pages) if req_ids else cost.step_base_ms / 1000
+        )
+        return totals
+
+    def _next_token(self, rid: str, index: int) -> int:
+        """The `index`-th output token (1-based): the stop token at the workload's output
+        length, otherwise a pure function of (seed, request, index)."""
+        if index >= self._stop_after.get(rid, 1 << 62):
+            return EOS_TOKEN_ID
+        return 2 + (self._bases.get(rid, 0) + index * 2654435761) % (VOCAB - 2)
+
+    def check_integrity(self) -> None:
+        admission = getattr(self.sched, "kvbank", None)
+        if admission is not None:
+            admission.check_integrity()
+
+    @property
+    def stalled_steps(self) -> int:
+        admission = getattr(self.sched, "kvbank", None)
+        return admission.stalled_steps if admission is not None else 0

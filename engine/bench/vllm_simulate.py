@@ -1,0 +1,166 @@
+"""One policy over one scenario through vLLM's real scheduler, on the virtual clock.
+
+The clients are played as in kvbank.engine.bench.simulate (closed or open loop, the same
+requests from the same seed), the clock advances by each step's cost-model time, a run stops
+early on a deadlock (no token for DEADLOCK_S virtual seconds while requests wait or run), and the
+same metrics come out. Progress, finishes and their reasons are read from vLLM's own outputs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from kvbank.engine.bench.scenario import Scenario
+from kvbank.engine.bench.simulate import DEADLOCK_S, RunResult, _percentile, _progress_bar
+from kvbank.engine.bench.vllm_engine import FinishReason, VllmBench
+from kvbank.engine.bench.workload import RequestSpec, generate
+from kvbank.ledger import InvariantBreach, LedgerError
+from kvbank.vllm.settings import Settings
+
+# `kvbank bench --engine vllm` policies: stock vLLM, and vLLM with kvbank's scheduler class
+# running the named ledger policy.
+VLLM_POLICIES: dict[str, str | None] = {
+    "vllm": None,
+    "vllm+banker": "banker",
+    "vllm+peak+backfill": "peak+backfill",
+}
+
+
+def run_vllm_policy(
+    scenario: Scenario,
+    policy: str,
+    debug: bool = False,
+    progress: bool = False,
+    sidecar: str | None = None,
+) -> RunResult:
+    """`sidecar` (host:port) keeps a kvbank policy's ledger in that `kvbank sidecar`, which
+    must run the same policy."""
+    ledger_policy = VLLM_POLICIES[policy]
+    settings = Settings(ledger_policy, sidecar) if ledger_policy is not None else None
+    bench = VllmBench(scenario, settings)
+    workload = scenario.workload
+    specs = generate(workload)
+    upcoming: deque[RequestSpec] = deque()
+    sent: dict[str, tuple[RequestSpec, float]] = {}
+    first_token: set[str] = set()
+    ttft: dict[str, list[float]] = {}
+    e2e: list[float] = []
+    counts = {"completed": 0, "rejected": 0, "failed": 0, "preemptions": 0, "stalled_rows": 0}
+    admitted_tokens = hit_tokens = max_running = 0
+    clock = last_progress = util_area = 0.0
+    timeline: list[tuple[float, int, int]] = []
+    breaches, stop = 0, ""
+    bar = _progress_bar(workload.requests, f"{scenario.name}/{policy}") if progress else None
+
+    def send(spec: RequestSpec) -> None:
+        bench.add(spec.rid, spec.prompt, spec.cls.max_tokens, spec.output_tokens)
+        sent[spec.rid] = (spec, clock)
+
+    def refill() -> None:
+        if workload.concurrency is not None:
+            while len(sent) < workload.concurrency:
+                spec = next(specs, None)
+                if spec is None:
+                    return
+                send(spec)
+            return
+        while True:
+            if not upcoming:
+                spec = next(specs, None)
+                if spec is None:
+                    return
+                upcoming.append(spec)
+            if (upcoming[0].arrival_s or 0.0) > clock:
+                return
+            send(upcoming.popleft())
+
+    while True:
+        refill()
+        if not bench.has_work():
+            if upcoming:  # open loop, idle until the next arrival
+                clock = max(clock, upcoming[0].arrival_s or clock)
+                last_progress = clock
+                continue
+            break
+        try:
+            step = bench.step()
+            if debug or ledger_policy is not None:
+                bench.check_integrity()
+        except (InvariantBreach, LedgerError) as exc:
+            breaches += 1
+            stop = f"invariant breach: {exc}"
+            break
+        clock += step.seconds
+        util_area += step.seconds * bench.held_pages / bench.usable_pages
+        counts["preemptions"] += step.preempted
+        counts["stalled_rows"] += step.unscheduled_running
+        admitted_tokens += step.admitted_tokens
+        hit_tokens += step.hit_tokens
+        for out in step.outputs:
+            entry = sent.get(out.request_id)
+            if entry is None:
+                continue
+            spec, sent_s = entry
+            if out.new_token_ids:
+                last_progress = clock
+                if out.request_id not in first_token:
+                    first_token.add(out.request_id)
+                    ttft.setdefault(spec.cls.name, []).append(clock - sent_s)
+            if out.finish_reason is not None:
+                del sent[out.request_id]
+                ran = out.request_id in first_token
+                first_token.discard(out.request_id)
+                if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    counts["completed"] += 1
+                    e2e.append(clock - sent_s)
+                elif out.finish_reason == FinishReason.ERROR and not ran:
+                    counts["rejected"] += 1  # refused before it ran: the pool can never hold it
+                else:
+                    counts["failed"] += 1
+                if bar is not None:
+                    bar.update(1)
+        running = len(bench.sched.running)
+        max_running = max(max_running, running)
+        timeline.append((clock, bench.held_pages, running))
+        if clock - last_progress > DEADLOCK_S:
+            stop = f"deadlock: no token for {DEADLOCK_S:g} s at {clock:.1f} s"
+            break
+        if clock > scenario.time_limit_s:
+            stop = f"time limit {scenario.time_limit_s:g} s"
+            break
+    if bar is not None:
+        bar.close()
+    done = counts["completed"]
+    all_ttft = [v for values in ttft.values() for v in values]
+    metrics: dict[str, Any] = {
+        "scenario": scenario.name,
+        "policy": policy,
+        "engine": "vllm",
+        "tp": scenario.tp,
+        "pool_pages": scenario.pages,
+        "completed": done,
+        "hung": workload.requests - done - counts["rejected"] - counts["failed"],
+        "rejected": counts["rejected"],
+        "failed": counts["failed"],
+        "duration_s": round(clock, 3),
+        "requests_per_s": round(done / clock, 4) if clock else 0.0,
+        "ttft_p50_s": _percentile(all_ttft, 50),
+        "ttft_p99_s": _percentile(all_ttft, 99),
+        "ttft_by_class": {
+            name: {"p50_s": _percentile(v, 50), "p99_s": _percentile(v, 99)}
+            for name, v in sorted(ttft.items())
+        },
+        "e2e_p50_s": _percentile(e2e, 50),
+        "kv_utilisation": round(util_area / clock, 4) if clock else 0.0,
+        "preemptions": counts["preemptions"],
+        # Running requests vLLM gave no tokens in a step (token budget or, stock, pages).
+        "stalled_rows": counts["stalled_rows"],
+        "stalled_steps": bench.stalled_steps,
+        "prefix_hit_rate": round(hit_tokens / admitted_tokens, 4) if admitted_tokens else 0.0,
+        "invariant_breaches": breaches,
+        "max_running": max_running,
+        "steps": bench.steps,
+        "stopped": stop or "finished",
+    }
+    return RunResult(scenario.name, policy, metrics, timeline)

@@ -1,0 +1,264 @@
+"""kvbank's ledger over vLLM's scheduler: which waiting requests vLLM may start, and what the
+ledger must be told as vLLM's blocks move.
+
+vLLM's waiting queue holds only requests the ledger admitted; the others wait here, in arrival
+order (FIFO, as the ledger decides). Each step, before vLLM schedules:
+
+1. The admission pass asks the ledger for the head (and, with backfill, later requests) with
+   each candidate's cached hit, read from vLLM's prefix cache without touching it.
+2. An admitted request's hit blocks are pinned (their reference count raised) at once, so
+   nothing vLLM allocates before the request is scheduled can evict them; the pin is dropped
+   once vLLM has given the request its own reference. Blocks only the cache held (idle) leave
+   the free supply when pinned, so they are reported to the ledger as taken by the request;
+   the hit sent to the ledger is the shared part only. (`outstanding + reserved - shared <=
+   supply` is the ledger's `outstanding + reserved - hit <= supply - idle`: the same test.)
+3. The request joins vLLM's waiting queue and vLLM schedules it as it always does.
+
+After each schedule the blocks every admitted request holds are compared with what the ledger
+knows and the difference is reported as taken; after each model step finishes, releases and
+(under peak-fit) every request's progress come from vLLM's own request state. The supply is
+vLLM's free block count: free and evictable cached blocks together, as vLLM allocates from both.
+
+The prefill bound a peak-fit admission is promised with is the one kvbank's engine keeps
+(kvbank.engine.admission.peak): the scheduler puts decode rows before prefill chunks and keeps
+the running set below the token budget, so a prompt admitted behind `T` prefill tokens finishes
+its prefill within ceil(T / (budget - running cap)) + 1 steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbank.capacity import CapacityModel, RequestShape, count_pages, refusal
+from kvbank.ledger import Admitted, Hit, InvariantBreach, UnknownRequest
+from kvbank.peakfit import peak_shape
+from kvbank.vllm.layout import LABEL
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Entry:
+    """An admitted request, as the ledger counts it."""
+
+    request: Any  # vllm.v1.request.Request
+    held: int  # pages the ledger counts as held (hit, then what vLLM allocated)
+    pin: list[Any] = field(default_factory=list)  # hit blocks pinned until vLLM holds them
+    chunks: int | None = None  # peak-fit: prefill steps it may still take (None: prefilled)
+
+
+class Admission:
+    """The ledger's side of `KvbankScheduler`; it holds the backend and the waiting requests,
+    and reads vLLM's scheduler state (`sched`) without changing its logic."""
+
+    def __init__(self, sched: Any, model: CapacityModel, backend: Any, policy: str) -> None:
+        self.sched = sched
+        self.model = model
+        self.backend = backend
+        self.policy = policy
+        self.peak = policy != "banker"
+        self.total_pages = sched.kv_cache_manager.block_pool.num_gpu_blocks
+        self.pool = sched.kv_cache_manager.block_pool
+        self.waiting: OrderedDict[str, Any] = OrderedDict()  # not yet admitted, FIFO
+        self.admitted: dict[str, Entry] = {}  # admission order
+        self.refused: list[tuple[str, str]] = []  # (rid, why), for the caller to finish
+        self.preemptions = 0  # of admitted requests: must stay 0
+        self.stalled_steps = 0
+        budget = sched.max_num_scheduled_tokens
+        self.running_cap = max(1, min(sched.max_num_running_reqs, budget - 1))
+        self.prefill_rate = max(1, budget - self.running_cap)
+        self._peeked: dict[str, list[Any]] = {}
+        self._sharing_changed = False
+
+    # ---- arrivals ------------------------------------------------------------------------------
+
+    def arrive(self, request: Any) -> bool:
+        """Count a new request and queue it; False (and a refusal noted) when the pool can
+        never hold it."""
+        shape = RequestShape(request.num_prompt_tokens, request.max_tokens)
+        why = refusal(self.model, shape, self.total_pages)
+        if why is not None:
+            self.refused.append((request.request_id, why))
+            return False
+        pages = count_pages(self.model, shape).total
+        rid = request.request_id
+        self.waiting[rid] = request
+        if self.peak:
+            self.backend.submit(rid, pages, shape=peak_shape(self.model, shape))
+        else:
+            self.backend.submit(rid, pages)
+        return True
+
+    def cancel(self, rid: str) -> None:
+        """A request left (aborted) wherever it was."""
+        if self.waiting.pop(rid, None) is not None:
+            with contextlib.suppress(UnknownRequest):
+                self.backend.cancel(rid)
+        elif rid in self.admitted:
+            self._release(rid)
+
+    # ---- admission, before vLLM schedules ------------------------------------------------------
+
+    def admit(self) -> None:
+        """The ledger's admission pass. It is not limited by this step's token budget: an
+        admitted request waits in vLLM's queue, behind the earlier admissions, until vLLM
+        gives it tokens, and its prefill bound counts every prompt token admitted before it
+        whether vLLM has started that prompt or not."""
+        sched = self.sched
+        # Decode rows first, then prefill chunks in admission order: every running request
+        # advances every step, which peak-fit's promises rely on.
+        sched.running.sort(key=lambda r: r.num_tokens_with_spec - r.num_computed_tokens > 1)
+        self._sync_supply()
+        if self.waiting:
+            self.backend.admit_pass(self._peek, self._started)
+        self._peeked.clear()
+
+    def _in_flight(self) -> int:
+        return len(self.admitted)
+
+    def _prefill_ahead(self) -> int:
+        """Prompt tokens admitted requests have still to compute."""
+        return sum(
+            e.request.num_tokens - e.request.num_computed_tokens
+            for e in self.admitted.values()
+            if e.chunks is not None
+        )
+
+    def _peek(self, rid: str) -> Hit | None:
+        request = self.waiting.get(rid)
+        if request is None or self._in_flight() >= self.running_cap:
+            return None
+        if self.peak:
+            chunks = -(-(self._prefill_ahead() + request.num_tokens) // self.prefill_rate) + 1
+            self.backend.set_prefill_chunks(rid, chunks)
+        blocks = list(self.sched.kv_cache_manager.get_computed_blocks(request)[0].blocks[0])
+        self._peeked[rid] = blocks
+        shared = [b for b in blocks if b.ref_cnt > 0]
+        return Hit(len(shared), 0, sum(1 for b in shared if b.ref_cnt == 1))
+
+    def _started(self, decision: Admitted) -> None:
+        rid = decision.rid
+        request = self.waiting.pop(rid, None)
+        if request is None:
+            raise InvariantBreach(f"request {rid!r} was admitted but is not waiting")
+        pin = self._peeked.pop(rid, [])
+        idle = sum(1 for b in pin if b.ref_cnt == 0)
+        chunks = None
+        if self.peak:
+            chunks = -(-(self._prefill_ahead() + request.num_tokens) // self.prefill_rate) + 1
+        self.pool.touch(pin)
+        self.admitted[rid] = Entry(request, decision.hit.pages, pin, chunks)
+        if idle:
+            self.backend.take(rid, idle)  # the pin took them off the free supply
+            self.admitted[rid].held += idle
+        if decision.hit.pages:
+            self._sharing_changed = True
+        self.sched._enqueue_waiting_request(request)  # as vLLM queues an arrival
+
+    # ---- after vLLM scheduled ------------------------------------------------------------------
+
+    def scheduled(self, preempted: set[str]) -> None:
+        """Drop the pins of requests vLLM now holds, and report what every admitted request
+        took this step. `preempted`: the requests vLLM preempted in this schedule."""
+        for rid in preempted & self.admitted.keys():
+            self.preemptions += 1
+            log.error("vLLM preempted %r, which kvbank admitted: a kvbank bug", rid)
+        running = _running()
+        for rid, entry in self.admitted.items():
+            request = entry.request
+            if request.status != running:
+                continue
+            held = len(self.sched.kv_cache_manager.get_blocks(rid).blocks[0])
+            if entry.pin:
+                if held < len(entry.pin):
+                    # The ledger counted the pinned hit as held; pages vLLM did not adopt
+                    # would go back to the supply while still counted: refuse, loudly.
+                    raise InvariantBreach(
+                        f"vLLM started {rid!r} with {held} blocks, fewer than the "
+                        f"{len(entry.pin)} cached blocks kvbank pinned for it"
+                    )
+                self.pool.free_blocks(entry.pin)
+                entry.pin = []
+            if held > entry.held:
+                self.backend.take(rid, held - entry.held)
+                entry.held = held
+        self._sync_supply()
+
+    # ---- after the model step ------------------------------------------------------------------
+
+    def step_done(self, scheduled: dict[str, int]) -> None:
+        """Release what finished; under peak-fit report every admitted request's progress and
+        close the step in the ledger."""
+        finished = [rid for rid, e in self.admitted.items() if e.request.is_finished()]
+        for rid in finished:
+            self._release(rid)
+        self._sync_supply()
+        if not self.peak:
+            return
+        recount, self._sharing_changed = self._sharing_changed, False
+        for rid, entry in self.admitted.items():
+            request = entry.request
+            if entry.chunks is not None:  # in prefill: the bound counts down, progress or not
+                if request.num_computed_tokens >= request.num_prompt_tokens:
+                    entry.chunks = None
+                elif entry.chunks <= 1:
+                    continue  # past its bound: stalled
+                else:
+                    entry.chunks -= 1
+            elif rid not in scheduled:
+                continue  # a decode step skipped: stalled
+            exclusive = self._exclusive(entry) if recount else None
+            written = {LABEL: request.num_computed_tokens}
+            self.backend.advance(
+                rid, request.num_output_tokens, written, entry.chunks or 0, exclusive
+            )
+        stalled = self.backend.end_step()
+        if stalled:
+            log.warning(
+                "%s: %d running request(s) made no progress this step; admitting "
+                "conservatively until all advance",
+                self.policy,
+                len(stalled),
+            )
+        self.stalled_steps = self.backend.stalled_steps()
+
+    def _exclusive(self, entry: Entry) -> int:
+        """Pages only this request holds (a pinned hit counts as its own)."""
+        if entry.pin:
+            table = entry.pin
+        else:
+            table = self.sched.kv_cache_manager.get_blocks(entry.request.request_id).blocks[0]
+        return sum(1 for b in table if b.ref_cnt == 1)
+
+    def _release(self, rid: str) -> None:
+        entry = self.admitted.pop(rid)
+        if entry.pin:
+            self.pool.free_blocks(entry.pin)
+        self.backend.release(rid)
+        if self.admitted:
+            self._sharing_changed = True
+
+    def _sync_supply(self) -> None:
+        self.backend.set_supply(self.pool.get_num_free_blocks(), 0)
+
+    def check_integrity(self) -> None:
+        """The ledger safe and agreeing with vLLM's free blocks; no admitted request preempted."""
+        if self.preemptions:
+            raise InvariantBreach(
+                f"vLLM preempted {self.preemptions} request(s) that kvbank admitted"
+            )
+        self.backend.check_integrity(self.pool.get_num_free_blocks(), 0)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+
+def _running() -> Any:
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.RUNNING

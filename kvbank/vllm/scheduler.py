@@ -1,0 +1,168 @@
+"""`KvbankScheduler`: vLLM v1's own `Scheduler`, with waiting requests admitted by kvbank's ledger.
+
+    KVBANK_POLICY=peak+backfill vllm serve MODEL --no-async-scheduling \\
+        --scheduler-cls kvbank.vllm.KvbankScheduler
+
+vLLM keeps its scheduling, its KV cache manager and its prefix cache; kvbank decides only which
+waiting request may start (kvbank.vllm.admission), so a running request never needs preempting.
+Refused at start-up, with a message saying what to change: a bad KVBANK_* variable, a KV layout
+kvbank cannot count (several KV cache groups: sliding-window or hybrid models), and async
+scheduling (this class schedules synchronously; vLLM enables async scheduling by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.outputs import RequestError
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from kvbank.peaktimeline import PeakPolicy
+from kvbank.vllm.admission import Admission
+from kvbank.vllm.layout import GroupSpec, UnsupportedLayout, capacity_model, check_layout
+from kvbank.vllm.settings import Settings, from_env
+
+log = logging.getLogger(__name__)
+
+
+def kv_groups(kv_cache_config: Any) -> list[GroupSpec]:
+    groups = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        groups.append(
+            GroupSpec(
+                type(spec).__name__,
+                len(group.layer_names),
+                getattr(spec, "sliding_window", None),
+            )
+        )
+    return groups
+
+
+def make_backend(
+    settings: Settings, total_pages: int, page_size: int, lookahead: int, engine_id: str = ""
+) -> Any:
+    """The embedded ledger, or the sidecar's (blocking: each schedule waits for its answer,
+    one loopback round trip, so the sidecar decides on the state vLLM has at that moment)."""
+    peak = None
+    if settings.policy != "banker":
+        peak = PeakPolicy(page_size, lookahead, settings.peak, settings.backfill, backfill_depth=32)
+    if settings.sidecar is None:
+        from kvbank.engine.admission.backend import embedded
+
+        return embedded(total_pages, policy=peak)
+    from kvbank.sidecar.backend import connect
+
+    backend = connect(
+        settings.sidecar,
+        total_pages,
+        blocking=True,
+        token=settings.token,
+        tls_ca=settings.tls_ca,
+        # One engine per pod: a restarted engine opens its session under the same name, and
+        # the sidecar drops what the old one held.
+        engine_id=engine_id or f"vllm-{socket.gethostname()}",
+    )
+    if peak is not None:
+        backend.configure(settings.policy, peak)
+    return backend
+
+
+class KvbankScheduler(Scheduler):
+    """See the module docstring. `settings` (tests, `kvbank bench`) replaces the environment;
+    `backend` replaces the one the settings name."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        *args: Any,
+        settings: Settings | None = None,
+        backend: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        settings = settings if settings is not None else from_env(os.environ)
+        check_layout(kv_groups(kv_cache_config))
+        if vllm_config.scheduler_config.async_scheduling:
+            raise UnsupportedLayout(
+                "kvbank's scheduler class schedules synchronously and vLLM's async scheduling "
+                "is on; start vllm serve with --no-async-scheduling"
+            )
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        lookahead = self.num_spec_tokens + self.num_lookahead_tokens
+        model = capacity_model(self.block_size, self.max_model_len, lookahead)
+        total = self.kv_cache_manager.block_pool.num_gpu_blocks
+        if backend is None:
+            backend = make_backend(settings, total, self.block_size, lookahead)
+        self.kvbank = Admission(self, model, backend, settings.policy)
+        self._kvbank_refusing: set[str] = set()  # refused, finished by the next step
+        log.info(
+            "kvbank admission: %s, %s ledger, %d pages of %d tokens",
+            settings.policy,
+            settings.sidecar or "embedded",
+            total,
+            self.block_size,
+        )
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request: Any) -> None:
+        if request.request_id in self.requests:
+            super().add_request(request)  # a streaming session's next chunk: refused below
+            return
+        super().add_request(request)
+        rid = request.request_id
+        # It waits for the ledger, not in vLLM's queues; admitted, it is queued as vLLM would.
+        for queue in (self.waiting, self.kv_holding_waiting):
+            if request in queue:
+                queue.remove_request(request)
+        self.deferred_waiting.discard(request)
+        if request.resumable:
+            why = "kvbank counts a request's pages at arrival; streaming input is not supported"
+        elif self.kvbank.arrive(request):
+            return
+        else:
+            why = self.kvbank.refused.pop()[1]
+        log.warning("kvbank refused request %r: %s", rid, why)
+        # vLLM's per-request error path: the next update_from_output finishes it with this
+        # message (a validation error: the client gets a 400 saying what to change).
+        self.grammar_compile_error_reqs[rid] = RequestError(code="validation_error", message=why)
+        self._kvbank_refusing.add(rid)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Any]:
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        elif request_ids is None:
+            request_ids = list(self.requests)
+        else:
+            request_ids = list(request_ids)
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished():
+                self.kvbank.cancel(rid)
+        return super().finish_requests(request_ids, finished_status)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        running, waiting = super().get_request_counts()
+        return running, waiting + self.kvbank.num_waiting + len(self._kvbank_refusing)
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self.kvbank.admit()
+        output = super().schedule(*args, **kwargs)
+        self.kvbank.scheduled(set(output.preempted_req_ids))
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._kvbank_refusing.clear()
+        self.kvbank.step_done(scheduler_output.num_scheduled_tokens)
+        return outputs

@@ -1,0 +1,95 @@
+"""The scheduler class's settings, read once from the environment (the names are fixed):
+
+- `KVBANK_POLICY`: the ledger's test, one of banker, banker+backfill, peak, peak+backfill
+  (default peak+backfill).
+- `KVBANK_SIDECAR`: host:port of a `kvbank sidecar` that keeps the ledger; unset, the ledger is
+  embedded in vLLM's engine process.
+- `KVBANK_SIDECAR_TOKEN_FILE`: the sidecar's shared token (the file `kvbank sidecar
+  --token-file` reads).
+- `KVBANK_SIDECAR_CA_FILE`: a CA bundle; with it the channel to the sidecar is TLS.
+
+A bad value is refused at start-up with a message naming the variable and what to set, before
+vLLM allocates anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+POLICIES = ("banker", "banker+backfill", "peak", "peak+backfill")
+DEFAULT_POLICY = "peak+backfill"
+
+
+class SettingsError(ValueError):
+    """A bad environment variable; `variable` names it."""
+
+    def __init__(self, variable: str, message: str) -> None:
+        self.variable = variable
+        super().__init__(f"{variable}: {message}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    policy: str = DEFAULT_POLICY
+    sidecar: str | None = None  # host:port; None: the embedded ledger
+    token: str | None = None
+    tls_ca: bytes | None = None
+
+    @property
+    def peak(self) -> bool:
+        return self.policy.startswith("peak")
+
+    @property
+    def backfill(self) -> bool:
+        return self.policy.endswith("+backfill")
+
+
+def _shown(value: str) -> str:
+    return repr(value if len(value) <= 60 else value[:57] + "...")
+
+
+def from_env(environ: Mapping[str, str]) -> Settings:
+    policy = environ.get("KVBANK_POLICY", "").strip() or DEFAULT_POLICY
+    if policy not in POLICIES:
+        raise SettingsError(
+            "KVBANK_POLICY",
+            f"unknown policy {_shown(policy)}; set one of {', '.join(POLICIES)} "
+            f"(or leave it unset for {DEFAULT_POLICY})",
+        )
+    sidecar = environ.get("KVBANK_SIDECAR", "").strip() or None
+    token_file = environ.get("KVBANK_SIDECAR_TOKEN_FILE", "").strip() or None
+    ca_file = environ.get("KVBANK_SIDECAR_CA_FILE", "").strip() or None
+    if sidecar is None:
+        for name, value in (
+            ("KVBANK_SIDECAR_TOKEN_FILE", token_file),
+            ("KVBANK_SIDECAR_CA_FILE", ca_file),
+        ):
+            if value is not None:
+                raise SettingsError(
+                    name,
+                    "is set but KVBANK_SIDECAR is not; set KVBANK_SIDECAR=host:port or unset it",
+                )
+        return Settings(policy)
+    host, sep, port = sidecar.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SettingsError(
+            "KVBANK_SIDECAR", f"{_shown(sidecar)} is not host:port (e.g. 127.0.0.1:50051)"
+        )
+    token = None
+    if token_file is not None:
+        token = _read(token_file, "KVBANK_SIDECAR_TOKEN_FILE").decode().strip()
+        if not token:
+            raise SettingsError(
+                "KVBANK_SIDECAR_TOKEN_FILE", f"{_shown(token_file)} is empty; write the token in it"
+            )
+    tls_ca = _read(ca_file, "KVBANK_SIDECAR_CA_FILE") if ca_file is not None else None
+    return Settings(policy, sidecar, token, tls_ca)
+
+
+def _read(path: str, variable: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise SettingsError(variable, f"cannot read {_shown(path)}: {exc.strerror}") from None

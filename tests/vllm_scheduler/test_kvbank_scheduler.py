@@ -1,0 +1,146 @@
+"""kvbank's scheduler class in vLLM's real v1 scheduler and KV cache manager (CPU, no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm_builders import PAGE, _configs, bench, drive, scenario
+
+from kvbank.engine.bench.vllm_engine import FinishReason, vllm_configs
+from kvbank.engine.bench.vllm_simulate import run_vllm_policy
+from kvbank.vllm import KvbankScheduler
+from kvbank.vllm.layout import UnsupportedLayout
+from kvbank.vllm.settings import Settings, SettingsError
+
+pytestmark = pytest.mark.timeout(300)
+
+# Eight clients send one shared 20-page prompt into a 48-page pool: vLLM's own thrash.
+SHARED = {
+    "concurrency": 8,
+    "requests": 16,
+    "classes": [
+        {
+            "weight": 1,
+            "prompt_tokens": 320,
+            "shared_prefix": "system",
+            "shared_prefix_tokens": 320,
+            "max_tokens": 96,
+            "output_tokens": 96,
+        }
+    ],
+}
+
+
+def test_stock_vllm_preempts_on_a_shared_prefix_and_kvbank_admission_never_does() -> None:
+    case = scenario(48, **SHARED)
+    stock = run_vllm_policy(case, "vllm").metrics
+    assert stock["preemptions"] > 0
+    assert stock["completed"] == 16
+    for policy in ("vllm+banker", "vllm+peak+backfill"):
+        got = run_vllm_policy(case, policy, debug=True).metrics
+        assert got["preemptions"] == 0, policy
+        assert (got["completed"], got["hung"], got["invariant_breaches"]) == (16, 0, 0), policy
+        assert got["prefix_hit_rate"] > 0.5, policy  # the shared prompt is reused
+
+
+def test_peak_fit_admits_more_at_once_than_the_conservative_ledger() -> None:
+    case = scenario(48, **SHARED)
+    banker = run_vllm_policy(case, "vllm+banker").metrics
+    peak = run_vllm_policy(case, "vllm+peak+backfill").metrics
+    assert peak["max_running"] >= banker["max_running"]
+    assert peak["requests_per_s"] >= banker["requests_per_s"]
+
+
+def test_a_loose_pool_runs_exactly_as_stock_vllm() -> None:
+    case = scenario(4096, **{**SHARED, "requests": 24})
+    stock = run_vllm_policy(case, "vllm").metrics
+    ours = run_vllm_policy(case, "vllm+peak+backfill").metrics
+    for key in ("completed", "duration_s", "steps", "max_running", "prefix_hit_rate"):
+        assert ours[key] == stock[key], key
+
+
+def test_vllm_resolves_the_class_by_the_name_vllm_serve_is_given() -> None:
+    config = _configs(64, 512)[0].scheduler_config
+    named = config.__class__(
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        max_model_len=512,
+        is_encoder_decoder=False,
+        scheduler_cls="kvbank.vllm.KvbankScheduler",
+    )
+    assert named.get_scheduler_cls() is KvbankScheduler
+
+
+def _kv_config(groups: list[KVCacheGroupSpec]) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _construct(kv_cache_config: KVCacheConfig, vllm_config=None, settings=None) -> None:  # type: ignore[no-untyped-def]
+    vllm_config = vllm_config or _configs(64, 512)[0]
+    vllm_config.cache_config.num_gpu_blocks = 64
+    KvbankScheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=PAGE,
+        settings=settings,
+    )
+
+
+def test_several_kv_cache_groups_are_refused_at_start_up_naming_them() -> None:
+    full = FullAttentionSpec(block_size=PAGE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    window = SlidingWindowSpec(
+        block_size=PAGE, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=128
+    )
+    hybrid = [KVCacheGroupSpec(["full.0"], full), KVCacheGroupSpec(["swa.0", "swa.1"], window)]
+    with pytest.raises(UnsupportedLayout) as refused:
+        _construct(_kv_config(hybrid), settings=Settings())
+    message = str(refused.value)
+    assert "2 KV cache groups" in message
+    assert "SlidingWindowSpec (2 layers, sliding window 128)" in message
+    with pytest.raises(UnsupportedLayout, match="SlidingWindowSpec .* full attention only"):
+        _construct(_kv_config([KVCacheGroupSpec(["swa.0"], window)]), settings=Settings())
+
+
+def test_async_scheduling_is_refused_with_the_flag_to_add() -> None:
+    vllm_config, kv_cache_config = vllm_configs(scenario(64))
+    vllm_config.scheduler_config.async_scheduling = True
+    with pytest.raises(UnsupportedLayout, match="--no-async-scheduling"):
+        _construct(kv_cache_config, vllm_config, Settings())
+
+
+def test_a_bad_policy_in_the_environment_is_refused_naming_the_variable(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KVBANK_POLICY", "fastest")
+    with pytest.raises(SettingsError) as refused:
+        _construct(_configs(64, 512)[1])
+    assert refused.value.variable == "KVBANK_POLICY"
+    assert "peak+backfill" in str(refused.value)
+
+
+def test_a_request_the_pool_can_never_hold_finishes_with_the_reason() -> None:
+    run = bench(24, "peak+backfill")  # 23 usable pages: 368 tokens
+    seen = drive(run, {0: [("huge", [5] * 400, 100, 100), ("small", [7] * 32, 8, 100)]})
+    assert seen.finished == {"huge": FinishReason.ERROR, "small": FinishReason.LENGTH}
+    assert not run.sched.requests
+
+
+def test_aborts_while_waiting_and_while_running_return_every_page() -> None:
+    run = bench(24, "banker")
+    pool = run.sched.kv_cache_manager.block_pool
+    prompt = [9] * 160  # 10 pages each: the second waits for the first
+    arrivals = {
+        0: [("a", prompt, 64, 64)],
+        3: [("b", [*prompt, 1], 64, 64), ("c", [4] * 40, 8, 50)],
+    }
+    seen = drive(run, arrivals, aborts={5: ["b"], 8: ["a"]})
+    assert seen.finished["a"] == seen.finished["b"] == FinishReason.ABORT
+    assert seen.finished["c"] == FinishReason.LENGTH
+    assert pool.get_num_free_blocks() == 23  # nothing pinned or reserved is left behind
+    assert run.sched.kvbank.backend.ledger.outstanding == 0

@@ -1,0 +1,112 @@
+"""Random workloads through vLLM's real scheduler under kvbank's admission: a request kvbank
+admitted is never preempted, the ledger stays safe and agrees with vLLM's free blocks after
+every step, nothing hangs, and every request finishes (run to its end, refused as never
+holdable, or aborted by its client). Embedded ledger, and a real `kvbank sidecar` process."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm_builders import PAGE, bench, drive
+
+from kvbank.engine.bench.vllm_engine import FinishReason
+from kvbank.vllm.scheduler import make_backend
+from kvbank.vllm.settings import Settings
+
+pytestmark = pytest.mark.timeout(900)
+ROOT = Path(__file__).resolve().parents[2]
+PREFIXES = {"a": [11] * 200, "b": [12] * 120}  # shared system prompts, 12 and 7 pages
+
+request = st.tuples(
+    st.sampled_from([None, "a", "b"]),  # shared prefix
+    st.integers(1, 160),  # own prompt tokens after it
+    st.one_of(st.none(), st.integers(1, 160)),  # max_tokens (None: the server's default)
+    st.integers(1, 200),  # where the model would stop
+    st.integers(0, 40),  # arrival step
+    st.one_of(st.none(), st.integers(0, 80)),  # abort step, if its client goes away
+)
+workload = st.lists(request, min_size=1, max_size=24)
+
+
+def _run(pages: int, policy: str, requests: list, backend=None) -> None:  # type: ignore[no-untyped-def]
+    run = bench(pages, policy, backend=backend)
+    arrivals: dict[int, list] = {}
+    aborts: dict[int, list[str]] = {}
+    for i, (prefix, own, max_tokens, output, at, abort) in enumerate(requests):
+        rid = f"r{i}"
+        prompt = PREFIXES.get(prefix or "", []) + [100 + i] * own
+        arrivals.setdefault(at, []).append((rid, prompt, max_tokens, output))
+        if abort is not None:
+            aborts.setdefault(at + abort, []).append(rid)
+    seen = drive(run, arrivals, aborts, max_steps=20000)
+    assert seen.preemptions == 0
+    assert run.sched.kvbank.preemptions == 0
+    assert set(seen.finished) == {f"r{i}" for i in range(len(requests))}
+    never_holdable = {rid for rid, reason in seen.finished.items() if reason == FinishReason.ERROR}
+    for rid in never_holdable:
+        assert seen.tokens.get(rid, 0) == 0  # refused before it ran, not failed mid-way
+    assert not run.sched.requests
+    assert run.sched.kv_cache_manager.block_pool.get_num_free_blocks() == pages - 1
+    assert run.sched.kvbank.backend.outstanding() == 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    pages=st.integers(16, 96),
+    policy=st.sampled_from(["banker", "peak+backfill", "peak", "banker+backfill"]),
+    requests=workload,
+)
+def test_random_workloads_never_preempt_what_kvbank_admitted(
+    pages: int, policy: str, requests: list
+) -> None:
+    _run(pages, policy, requests)
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real `kvbank sidecar` on loopback, peak+backfill, with a token and debug checks."""
+    token = tmp_path_factory.mktemp("sidecar") / "token"
+    token.write_text("vllm-property\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbank.cli", "sidecar", "--listen", "127.0.0.1:0",
+         "--metrics-port", "-1", "--policy", "peak+backfill", "--token-file", str(token),
+         "--debug"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        match = re.search(r"serving on [\d.]+:(\d+)", line)
+        assert match, f"the sidecar did not start: {line!r}"
+        yield f"127.0.0.1:{match.group(1)}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+SIDECAR_PAGES = 48
+_sessions = iter(range(1 << 30))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=workload)
+def test_random_workloads_over_a_real_sidecar(sidecar: str, requests: list) -> None:
+    settings_ = Settings("peak+backfill", sidecar, token="vllm-property")
+    backend = make_backend(
+        settings_, SIDECAR_PAGES, PAGE, 0, engine_id=f"vllm-property-{next(_sessions)}"
+    )
+    _run(SIDECAR_PAGES, "peak+backfill", requests, backend)
+    assert backend.sessions_opened == 1  # no session was lost and re-opened

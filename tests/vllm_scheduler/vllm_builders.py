@@ -1,0 +1,104 @@
+"""Small scenarios and a step driver over vLLM's real scheduler, for the tests beside this file."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbank.engine.bench.scenario import Scenario, parse_scenario
+from kvbank.engine.bench.vllm_engine import FinishReason, VllmBench, vllm_configs
+from kvbank.vllm.settings import Settings
+
+PAGE = 16
+
+
+def scenario(pages: int, max_seq_len: int = 512, **workload: Any) -> Scenario:
+    body = {
+        "concurrency": 4,
+        "requests": 4,
+        "seed": 1,
+        "classes": [{"weight": 1, "prompt_tokens": 64, "max_tokens": 32, "output_tokens": 32}],
+    }
+    body.update(workload)
+    return parse_scenario(
+        {
+            "name": "test",
+            "pool": {"pages": pages, "page_size": PAGE},
+            "model": {
+                "kv_slots": {"main": {"prompt": 1, "output": 1}},
+                "max_seq_len": max_seq_len,
+                "max_tokens_default": 128,
+            },
+            "workload": body,
+        }
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _configs(pages: int, max_seq_len: int) -> tuple[Any, Any]:
+    return vllm_configs(scenario(pages, max_seq_len))
+
+
+def bench(pages: int, policy: str | None, max_seq_len: int = 512, backend: Any = None) -> VllmBench:
+    """A scheduler over a `pages`-page pool: stock vLLM (policy None) or kvbank's class.
+    vLLM's configs are built once per pool (a ModelConfig costs a second)."""
+    vllm_config, kv_cache_config = _configs(pages, max_seq_len)
+    vllm_config.cache_config.num_gpu_blocks = pages
+    settings = Settings(policy) if policy is not None else None
+    return VllmBench(
+        scenario(pages, max_seq_len), settings, backend, (vllm_config, kv_cache_config)
+    )
+
+
+@dataclass
+class Drive:
+    """What a driven run saw."""
+
+    finished: dict[str, Any] = field(default_factory=dict)  # rid -> FinishReason
+    tokens: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0
+    steps: int = 0
+
+
+def drive(
+    run: VllmBench,
+    arrivals: dict[int, list[tuple[str, list[int], int | None, int]]],
+    aborts: dict[int, list[str]] | None = None,
+    max_steps: int = 20000,
+    check: bool = True,
+) -> Drive:
+    """Step until nothing is left: `arrivals[step]` are (rid, prompt, max_tokens, output
+    tokens) added before that step, `aborts[step]` rids aborted before it. Checks the ledger
+    after every step; raises if the run does not end within `max_steps`."""
+    seen = Drive()
+    aborts = aborts or {}
+    last = max([*arrivals, *aborts, 0])
+    for step in range(max_steps):
+        for rid, prompt, max_tokens, output in arrivals.get(step, ()):
+            run.add(rid, prompt, max_tokens, output)
+        doomed = [rid for rid in aborts.get(step, ()) if rid in run.sched.requests]
+        if doomed:
+            run.sched.finish_requests(doomed, _aborted())
+            for rid in doomed:
+                seen.finished[rid] = FinishReason.ABORT
+        if step > last and not run.has_work():
+            seen.steps = step
+            return seen
+        totals = run.step()
+        seen.preemptions += totals.preempted
+        if check:
+            run.check_integrity()
+        for out in totals.outputs:
+            seen.tokens[out.request_id] = seen.tokens.get(out.request_id, 0) + len(
+                out.new_token_ids
+            )
+            if out.finish_reason is not None:
+                seen.finished[out.request_id] = out.finish_reason
+    raise AssertionError(f"the run did not end in {max_steps} steps: {run.sched.requests}")
+
+
+def _aborted() -> Any:
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.FINISHED_ABORTED
