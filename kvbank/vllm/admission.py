@@ -82,7 +82,7 @@ class Admission:
         shape = RequestShape(request.num_prompt_tokens, request.max_tokens)
         why = refusal(self.model, shape, self.total_pages)
         if why is not None:
-            self.refused.append((request.request_id, why))
+            self.refused.append((request.request_id, why.message))
             return False
         pages = count_pages(self.model, shape).total
         rid = request.request_id
