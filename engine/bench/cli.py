@@ -148,7 +148,58 @@ def render_table(scenario: Scenario, results: list[RunResult]) -> str:
     ]
     if stops:
         lines += ["", "stopped early: " + "; ".join(stops)]
+    if _has_classes(scenario):
+        lines += ["", *render_classes(results)]
     return "\n".join(lines)
+
+
+# The second table, for scenarios with service classes, SLOs or a host tier.
+CLASS_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("policy", "policy", "{}"),
+    ("goodput/s", "goodput_per_s", "{:.3f}"),
+    ("TPOT p50", "tpot_p50_s", "{:.3f}s"),
+    ("TPOT p99", "tpot_p99_s", "{:.3f}s"),
+    ("max stall", "max_stall_s", "{:.2f}s"),
+    ("recomputed", "recomputed_tokens", "{}"),
+    ("host reloads", "host_pages_reloaded", "{}"),
+)
+
+
+def _has_classes(scenario: Scenario) -> bool:
+    classes = scenario.workload.classes
+    return bool(scenario.host_pages) or any(
+        c.slo is not None or c.service_class != "strict" for c in classes
+    )
+
+
+def render_classes(results: list[RunResult]) -> list[str]:
+    """Goodput, TPOT, stalls and recomputation per policy, preemptions and TPOT p99 per class,
+    then how each policy admitted each class."""
+    classes = sorted({c for r in results for c in r.metrics["preemptions_by_class"]})
+    header = [name for name, _, _ in CLASS_COLUMNS]
+    header += [f"preempt {c}" for c in classes] + [f"TPOT p99 {c}" for c in classes]
+    rows = []
+    for r in results:
+        m = r.metrics
+        row = [_cell(m[key], fmt) for _, key, fmt in CLASS_COLUMNS]
+        row += [str(m["preemptions_by_class"].get(c, 0)) for c in classes]
+        row += [_cell(m["tpot_by_class"].get(c, {}).get("p99_s"), "{:.3f}s") for c in classes]
+        rows.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
+    lines += [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+        for row in rows
+    ]
+    groups: dict[str, list[str]] = {}  # how the classes were admitted -> policies
+    for r in results:
+        how = "; ".join(f"{c} {way}" for c, way in sorted(r.metrics["admitted_as"].items()))
+        groups.setdefault(how, []).append(r.policy)
+    notes = [f"admitted as, under {', '.join(names)}: {how}" for how, names in groups.items()]
+    return [*lines, "", *notes]
 
 
 def plot(scenario: Scenario, results: list[RunResult], path: Path) -> None:

@@ -28,13 +28,17 @@ class CostModel:
     prefill_ms_per_token: float = 0.02
     decode_ms_per_row: float = 0.05
     attn_ms_per_page: float = 0.002
+    host_ms_per_page: float = 0.0  # one page copied between device and host, either way
 
-    def step_seconds(self, prefill_tokens: int, decode_rows: int, pages_read: int) -> float:
+    def step_seconds(
+        self, prefill_tokens: int, decode_rows: int, pages_read: int, pages_moved: int = 0
+    ) -> float:
         return (
             self.step_base_ms
             + self.prefill_ms_per_token * prefill_tokens
             + self.decode_ms_per_row * decode_rows
             + self.attn_ms_per_page * pages_read
+            + self.host_ms_per_page * pages_moved
         ) / 1000.0
 
 
