@@ -96,7 +96,7 @@ class Scheduler:
         after preemption, of everything it had), and give it a first chunk if budget is left."""
         self.dequeue(req)
         leased = self.kv.lease(req, chains)
-        grown = self.kv.grow(req, req.num_tokens)
+        grown = self.kv.grow_reloading(req, req.num_tokens)
         if grown:
             self.policy.on_take(req, grown)
         req.status = Status.RUNNING
@@ -125,7 +125,8 @@ class Scheduler:
             if req.rid in self.running and self.budget_left > 0:
                 self._prefill_row(req)
         self.policy.admit()
-        return StepBatch(step, [self._row_input(row) for row in self.rows.values()])
+        rows = [self._row_input(row) for row in self.rows.values()]
+        return StepBatch(step, rows, self.kv.take_moves())
 
     def _decode_row(self, req: Request) -> None:
         positions = len(req.prompt) + len(req.output) + self.model.speculative_tokens

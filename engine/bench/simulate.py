@@ -55,7 +55,9 @@ def run_policy(
     """`backend` replaces the embedded ledger (kvbank.sidecar.backend for a sidecar);
     `prepare` sees the engine before the first request, `after_step` runs after every step
     (a benchmark that times the policy, or paces steps in wall time)."""
-    config = EngineConfig(scenario.model, scenario.pages, policy=policy, debug=debug)
+    config = EngineConfig(
+        scenario.model, scenario.pages, policy=policy, host_pages=scenario.host_pages, debug=debug
+    )
     runner = VirtualRunner(scenario.cost, seed=scenario.workload.seed)
     tracks: dict[str, Outcome] = {}  # requests in flight
     outcomes: list[Outcome] = []  # every request sent and taken
@@ -207,7 +209,8 @@ def run_policy(
         "admitted_as": admission_by_class(workload.classes, isinstance(engine.policy, FifoPolicy)),
         **class_metrics(outcomes, workload.classes, clock, _percentile),
         "host_pages": scenario.host_pages,
-        "host_pages_reloaded": 0,
+        "host_pages_saved": engine.kv.host.saved if engine.kv.host else 0,
+        "host_pages_reloaded": engine.kv.host.loaded if engine.kv.host else 0,
     }
     return RunResult(scenario.name, policy, metrics, timeline)
 

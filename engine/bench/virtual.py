@@ -5,6 +5,7 @@ costs
 
     step_base_ms + prefill_ms_per_token x prefill tokens + decode_ms_per_row x decode rows
                  + attn_ms_per_page x pages the step reads
+                 + host_ms_per_page x pages the step copies to or from the host tier
 
 and every token is a pure function of (seed, request id, output index), so a run is
 deterministic for a seed. A request stops where its workload says the model would: the runner
@@ -69,7 +70,8 @@ class VirtualRunner:
             pages += len(row.page_ids)
             if row.sample:
                 tokens[row.rid] = self._next_token(row.rid)
-        return StepResult(tokens, self.cost.step_seconds(prefill, decode, pages))
+        moved = len(batch.moves)
+        return StepResult(tokens, self.cost.step_seconds(prefill, decode, pages, moved))
 
     def _next_token(self, rid: str) -> int:
         index = self._sampled.get(rid, 0) + 1
