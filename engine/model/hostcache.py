@@ -7,6 +7,11 @@ stream: a page copied out is read before any later kernel of the step writes int
 page copied in lands before the forward pass reads it, by stream order alone, with no
 synchronisation. The scheduler's `HostMove`s come in the order they were decided, and they are
 applied in that order (a slot may be reloaded and then reused for another page within one step).
+
+One copy per page and layer, not a gather: on CPU, torch's `index_copy_` over bfloat16 pages
+measured 20x slower than plain copies of each page (10 ms against 0.45 ms for 64 pages of one
+layer, one thread), and a page of one layer (64 KiB at Llama-3-8B's shape) is large enough for a
+copy to run near memory bandwidth.
 """
 
 from __future__ import annotations
