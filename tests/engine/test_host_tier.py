@@ -157,3 +157,22 @@ def test_preempted_requests_reload_their_prompts_from_host_and_all_finish() -> N
     host = engine.kv.host
     assert engine.sched.stats.preemptions > 0
     assert host is not None and host.saved > 0 and host.loaded > 0
+
+
+def test_the_serve_metrics_report_host_pages_held_and_moved() -> None:
+    from kvbank.engine.serve.http.metrics import ServeMetrics
+
+    model = tiny_model(page_size=4, max_seq_len=128, max_tokens=40)
+    engine, runner = make_engine(24, "preempt", model, host_pages=64)
+    metrics = ServeMetrics(24)
+    for i in range(6):
+        engine.add_request(f"r{i}", [7, *range(30 * i, 30 * i + 20)], 40)
+        runner.stop_after(f"r{i}", 40)
+    while engine.has_work():
+        metrics.observe_step(engine, engine.step())
+    host = engine.kv.host
+    assert host is not None and host.loaded > 0
+    sample = metrics.registry.get_sample_value
+    assert sample("kvbank_host_pages") == len(host) > 0
+    assert sample("kvbank_host_pages_moved_total", {"direction": "to-host"}) == host.saved
+    assert sample("kvbank_host_pages_moved_total", {"direction": "to-device"}) == host.loaded
