@@ -33,6 +33,9 @@ class RunResult:
     policy: str
     metrics: dict[str, Any]
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (s, held, running)
+    # (s, pages held by the running requests of each class, in the workload's class order; a
+    # page two requests share counts for both)
+    class_timeline: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -74,6 +77,8 @@ def run_policy(
     breaches = 0
     stop = ""
     timeline: list[tuple[float, int, int]] = []
+    class_timeline: list[tuple[float, tuple[int, ...]]] = []
+    class_index = {c.name: i for i, c in enumerate(workload.classes)}
     usable = engine.kv.pool.usable_pages
     bar = _progress_bar(workload.requests, f"{scenario.name}/{policy}") if progress else None
 
@@ -156,6 +161,10 @@ def run_policy(
                 if bar is not None:
                     bar.update(1)
         timeline.append((clock, engine.kv.pool.held, engine.num_running))
+        by_class = [0] * len(class_index)
+        for running in engine.sched.running.values():
+            by_class[class_index[tracks[running.rid].cls.name]] += running.held
+        class_timeline.append((clock, tuple(by_class)))
         if after_step is not None:
             after_step()
         if clock - last_progress > DEADLOCK_S:
@@ -212,7 +221,7 @@ def run_policy(
         "host_pages_saved": engine.kv.host.saved if engine.kv.host else 0,
         "host_pages_reloaded": engine.kv.host.loaded if engine.kv.host else 0,
     }
-    return RunResult(scenario.name, policy, metrics, timeline)
+    return RunResult(scenario.name, policy, metrics, timeline, class_timeline)
 
 
 def _progress_bar(total: int, label: str) -> Any:

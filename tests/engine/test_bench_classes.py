@@ -166,3 +166,25 @@ def test_the_table_says_how_classes_were_admitted(
     out = capsys.readouterr().out
     assert "| goodput/s |" in out and "preempt batch" in out
     assert "batch best-effort, admitted as strict (kvbank has no best-effort admission yet)" in out
+
+
+def test_the_class_plot_shows_pages_held_by_each_class(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.yaml"
+    path.write_text(MIXED)
+    plot = tmp_path / "classes.png"
+    argv = ["bench", "--scenario", str(path), "--policy", "preempt,peak", "--plot-classes"]
+    assert main([*argv, str(plot)]) == 0
+    assert plot.stat().st_size > 10_000
+    assert main([*argv, str(tmp_path / "missing" / "classes.png")]) == 2
+
+
+def test_the_class_timeline_adds_up_to_what_requests_hold() -> None:
+    from kvbank.engine.bench.simulate import run_policy
+
+    scenario = parse_scenario(__import__("yaml").safe_load(MIXED))
+    result = run_policy(scenario, "preempt")
+    assert len(result.class_timeline) == len(result.timeline)
+    assert max(sum(held) for _, held in result.class_timeline) > 0
+    # A page two requests share counts for each: the classes add up to at least what is held.
+    for (t, held, _), (t2, by_class) in zip(result.timeline, result.class_timeline, strict=True):
+        assert t == t2 and sum(by_class) >= held
