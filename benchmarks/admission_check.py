@@ -22,10 +22,8 @@ import time
 from collections.abc import Callable
 
 from kvbank.capacity import CapacityModel, RequestShape
-from kvbank.ledger import Ledger
+from kvbank.ledger import Hit, Ledger, PeakPolicy, PeakShape, peak_shape
 from kvbank.modelpool import KvSlot
-from kvbank.peakfit import PeakShape, peak_shape
-from kvbank.peaktimeline import Hold, PeakPolicy
 
 PAGE = 16
 
@@ -66,7 +64,7 @@ def median_us(fn: Callable[[], object], repeats: int) -> float:
 def step(ledger: Ledger, tokens: int) -> None:
     """One engine step's reports: each running request `tokens` further (its budget allowing),
     the pages its written tokens need taken, a request at its budget released."""
-    timeline = ledger._timeline
+    timeline = ledger.timeline
     assert timeline is not None
     for rid, track in list(timeline.tracks.items()):
         if track.produced >= track.budget:
@@ -82,7 +80,7 @@ def step(ledger: Ledger, tokens: int) -> None:
 
 def profile_after_steps(ledger: Ledger, tokens: int, steps: int) -> tuple[float, float]:
     """Medians over `steps` steps of (the step's reports, the profile brought up to date)."""
-    timeline = ledger._timeline
+    timeline = ledger.timeline
     assert timeline is not None
     reports, profiles = [], []
     for _ in range(steps):
@@ -103,10 +101,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
     ledger, head = build(args.running, args.seed)
-    timeline = ledger._timeline
+    timeline = ledger.timeline
     assert timeline is not None
     supply = ledger.supply
-    hold = Hold(0, 0)
+    hold = Hit(0, 0, 0)
     timeline.profile()
     check = median_us(lambda: timeline.fits(head, hold, supply), args.repeats)
     promise = median_us(lambda: timeline.promise("head", head, supply), max(50, args.repeats // 20))

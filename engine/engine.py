@@ -15,11 +15,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvbank.capacity import CapacityModel, RequestShape, count_pages, refusal
+from kvbank.capacity import CapacityModel, Refusal, RequestShape, count_pages, refusal
 from kvbank.engine.admission.backend import AdmissionBackend, embedded
-from kvbank.engine.admission.policy import make_policy
+from kvbank.engine.admission.registry import make_policy
 from kvbank.engine.kv.cache import KVCache
-from kvbank.engine.request import FinishReason, Request, Status, make_request
+from kvbank.engine.request import FinishReason, Request, Status, build_request
 from kvbank.engine.runner import ModelRunner, SamplingParams, StepResult
 from kvbank.engine.scheduler import Scheduler
 
@@ -46,7 +46,16 @@ class RequestOutput:
 
 class RequestRejected(ValueError):
     """A request the engine will not take; the message says what was wrong and what to change.
-    Nothing was queued."""
+    Nothing was queued. `param` names the request parameter to change (`prompt` or
+    `max_tokens`; None when no parameter is at fault), and `refusal` carries the numbers when the
+    pool can never hold the request."""
+
+    def __init__(
+        self, message: str, param: str | None = None, refusal: Refusal | None = None
+    ) -> None:
+        super().__init__(message)
+        self.param = param
+        self.refusal = refusal
 
 
 class Engine:
@@ -90,11 +99,14 @@ class Engine:
         max_tokens below 1, a duplicate id, or a request the pool can never hold."""
         model = self.config.model
         if not prompt_token_ids:
-            raise RequestRejected(f"request {rid!r} has an empty prompt; send at least one token")
+            raise RequestRejected(
+                f"request {rid!r} has an empty prompt; send at least one token", "prompt"
+            )
         if max_tokens is not None and max_tokens <= 0:
             raise RequestRejected(
                 f"request {rid!r} has max_tokens={max_tokens}; it must be at least 1 "
-                f"(or omitted for the model's limit of {model.max_tokens})"
+                f"(or omitted for the model's limit of {model.max_tokens})",
+                "max_tokens",
             )
         if rid in self._known:
             raise RequestRejected(f"request id {rid!r} is already in use")
@@ -104,26 +116,21 @@ class Engine:
                 f"request {rid!r} names labels {sorted(labels - set(model.kv_slots))} the model "
                 f"does not have; it has {sorted(model.kv_slots)}"
             )
-        if count_pages(model, shape).output_tokens < 1:
+        # The one count of this request: the checks below and the request itself read it.
+        count = count_pages(model, shape)
+        if count.output_tokens < 1:
             raise RequestRejected(
                 f"request {rid!r} has a {len(prompt_token_ids)}-token prompt, which leaves no "
                 f"room for output under max_seq_len {model.max_seq_len}; shorten the prompt "
-                f"to at most {model.max_seq_len - 1} tokens"
+                f"to at most {model.max_seq_len - 1} tokens",
+                "prompt",
             )
-        message = refusal(model, shape, self.config.total_pages)
-        if message is not None:
+        refused = refusal(model, shape, self.config.total_pages, count)
+        if refused is not None:
             self.sched.stats.rejected += 1
-            raise RequestRejected(f"request {rid!r}: {message}")
-        req = make_request(
-            model,
-            rid,
-            list(prompt_token_ids),
-            max_tokens,
-            extra_tokens,
-            labels,
-            sampling,
-            arrival=self._arrivals,
-        )
+            raise RequestRejected(f"request {rid!r}: {refused.message}", refused.param, refused)
+        prompt = list(prompt_token_ids)
+        req = build_request(model, rid, prompt, shape, count, sampling, self._arrivals)
         self._arrivals += 1
         self._known.add(rid)
         self.sched.enqueue(req)
@@ -138,8 +145,7 @@ class Engine:
         if req is None:
             return False
         if req.status is Status.WAITING:
-            sched.dequeue(req)
-            self.policy.on_cancel(req)
+            sched.cancel(req)
         sched.finish(req, FinishReason.ABORT)
         return True
 

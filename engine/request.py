@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kvbank.capacity import (
     CapacityModel,
+    LabelTerms,
     PageCount,
     RequestShape,
     count_pages,
@@ -21,6 +22,7 @@ from kvbank.capacity import (
 )
 from kvbank.engine.kv.pages import SINK_PAGE
 from kvbank.engine.runner import SamplingParams
+from kvbank.ledger import PeakShape, peak_shape
 
 
 class Status(enum.Enum):
@@ -36,44 +38,16 @@ class FinishReason(enum.StrEnum):
     REJECTED = "rejected"  # the pool can never hold it
 
 
-@dataclass(frozen=True)
-class LabelLayout:
-    """What one request writes into one KV label, as `count_pages` counts it."""
-
-    name: str
-    per_prompt: int
-    per_output: int
-    base: int  # fixed tokens plus the request's extra tokens, written with its first chunk
-    keyed: bool  # the label's tokens are exactly the prompt tokens: the prefix cache keys it
-
-    def tokens_at(self, positions: int, prompt_tokens: int) -> int:
-        """Label tokens once `positions` positions (prompt first, then output) are written."""
-        if positions <= 0:
-            return 0
-        prompt_part = min(positions, prompt_tokens)
-        return (
-            self.per_prompt * prompt_part + self.base + self.per_output * (positions - prompt_part)
-        )
-
-
-def layout_for(model: CapacityModel, shape: RequestShape) -> tuple[LabelLayout, ...]:
-    """The labels a request writes; the others go to the sink page and take no page. A label is
-    keyed for the prefix cache only when its tokens are exactly the prompt tokens (prompt 1,
-    fixed 0, no extra tokens for this request): anything else (an image's tokens, an encoder
-    window) is not described by the prompt, so two equal prompts do not mean equal KV there."""
-    return tuple(
-        LabelLayout(name, t.per_prompt, t.per_output, t.own, t.per_prompt == 1 and t.own == 0)
-        for name, t in label_terms(model, shape).items()
-    )
-
-
 @dataclass(eq=False)
 class Request:
     rid: str
     prompt: list[int]
     shape: RequestShape
     count: PageCount  # worst case, from the one capacity function
-    layout: tuple[LabelLayout, ...]
+    layout: tuple[LabelTerms, ...]  # the labels it writes; the others go to the sink page
+    # Its growth per label as the peak-fit ledger reads it (its prefill bound is set when it is
+    # tried for admission); made with `count` at ingest, never recounted.
+    peak_shape: PeakShape
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival: int = 0  # arrival order
     output: list[int] = field(default_factory=list)
@@ -139,6 +113,33 @@ class Request:
         return min(len(self.prompt), self.num_tokens - 1) // self.page_size
 
 
+def build_request(
+    model: CapacityModel,
+    rid: str,
+    prompt: list[int],
+    shape: RequestShape,
+    count: PageCount,
+    sampling: SamplingParams | None = None,
+    arrival: int = 0,
+) -> Request:
+    """A request from its shape and the capacity function's count of it, made once at ingest
+    (engine.py) and carried: nothing on the serving path counts its pages again."""
+    req = Request(
+        rid=rid,
+        prompt=prompt,
+        shape=shape,
+        count=count,
+        layout=tuple(label_terms(model, shape).values()),
+        peak_shape=peak_shape(model, shape, count=count),
+        sampling=sampling or SamplingParams(),
+        arrival=arrival,
+        page_size=model.page_size,
+    )
+    req.worst = count.total
+    req.cacheable = all(label.keyed for label in req.layout)
+    return req
+
+
 def make_request(
     model: CapacityModel,
     rid: str,
@@ -149,17 +150,8 @@ def make_request(
     sampling: SamplingParams | None = None,
     arrival: int = 0,
 ) -> Request:
+    """A request counted here (for callers that hold no count: tests and tools)."""
     shape = RequestShape(len(prompt), max_tokens, dict(extra_tokens or {}), labels)
-    req = Request(
-        rid=rid,
-        prompt=list(prompt),
-        shape=shape,
-        count=count_pages(model, shape),
-        layout=layout_for(model, shape),
-        sampling=sampling or SamplingParams(),
-        arrival=arrival,
-        page_size=model.page_size,
+    return build_request(
+        model, rid, list(prompt), shape, count_pages(model, shape), sampling, arrival
     )
-    req.worst = req.count.total
-    req.cacheable = all(label.keyed for label in req.layout)
-    return req

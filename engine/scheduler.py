@@ -10,18 +10,27 @@ A step's rows, in this order:
 3. New admissions from the waiting head (the policy decides), each with a first chunk.
 A prompt longer than what is left of the budget is chunked. Its first chunk's admission takes the
 pages of the whole prompt, so later chunks take no more and a half-written prompt never waits on
-pages (the seed review's 48-page wedge).
+pages (a prompt that took its pages chunk by chunk could wedge a full pool).
+
+Admission runs one way: the policy reads the queues and the cache through a read-only
+`AdmissionView` and yields decisions (engine/admission/actions.py); `carry_out` does each, and
+the policy hears of the pages that moved through its `on_*` events.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from kvbank.capacity import CapacityModel
+from kvbank.engine.admission.actions import Action, Pin, Preempt, Reject, Start
 from kvbank.engine.admission.policy import AdmissionPolicy
+from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains, KVCache
 from kvbank.engine.kv.pages import OutOfPages
+from kvbank.engine.kv.view import CacheView
 from kvbank.engine.request import FinishReason, Request, Status
 from kvbank.engine.runner import RowInput, StepBatch, StepResult
 
@@ -68,8 +77,18 @@ class Scheduler:
     _admissions: int = 0
 
     def __post_init__(self) -> None:
-        self.policy.bind(self)
-        self.kv.protected = self.policy.protected_pages
+        self.view = AdmissionView(
+            model=self.model,
+            kv=CacheView(self.kv),
+            waiting=self.waiting,
+            waiting_by_rid=MappingProxyType(self.waiting_by_rid),
+            running=MappingProxyType(self.running),
+            max_batch_tokens=self.max_batch_tokens,
+            max_running=self.max_running,
+            can_start=self.can_start,
+            scheduled=self._scheduled,
+        )
+        self.policy.bind(self.view)
 
     # ---- queue ---------------------------------------------------------------------------------
 
@@ -91,12 +110,34 @@ class Scheduler:
     def can_start(self) -> bool:
         return self.budget_left > 0 and len(self.running) < self.max_running
 
+    def _scheduled(self, rid: str) -> bool:
+        return rid in self.rows
+
+    def cancel(self, req: Request) -> None:
+        """A waiting request leaves before admission (its client went away): its pins go."""
+        self.dequeue(req)
+        self.kv.unpin(req)
+        self.policy.on_cancel(req)
+
+    def carry_out(self, action: Action) -> None:
+        """Do what the policy decided."""
+        if isinstance(action, Start):
+            self.start(action.req, action.lease)
+        elif isinstance(action, Pin):
+            self.kv.pin(action.req, action.max_idle, action.sole_costs)
+        elif isinstance(action, Reject):
+            self.kv.unpin(action.req)
+            self.dequeue(action.req)
+            self.finish(action.req, FinishReason.REJECTED)
+        elif isinstance(action, Preempt):
+            self.preempt(action.req)
+
     def start(self, req: Request, chains: Chains) -> None:
         """Admit `req`: lease its cached prefix, take the pages of its whole prompt (or, resumed
         after preemption, of everything it had), and give it a first chunk if budget is left."""
         self.dequeue(req)
         leased = self.kv.lease(req, chains)
-        grown = self.kv.grow_reloading(req, req.num_tokens)
+        grown = self.kv.grow_reloading(req, req.num_tokens, self._protected)
         if grown:
             self.policy.on_take(req, grown)
         req.status = Status.RUNNING
@@ -124,7 +165,8 @@ class Scheduler:
         for req in pending:
             if req.rid in self.running and self.budget_left > 0:
                 self._prefill_row(req)
-        self.policy.admit()
+        for action in self.policy.admit():
+            self.carry_out(action)
         rows = [self._row_input(row) for row in self.rows.values()]
         return StepBatch(step, rows, self.kv.take_moves())
 
@@ -132,14 +174,14 @@ class Scheduler:
         positions = len(req.prompt) + len(req.output) + self.model.speculative_tokens
         while True:
             try:
-                grown = self.kv.grow(req, positions)
+                grown = self.kv.grow(req, positions, self._protected)
             except OutOfPages:
                 victim = self.policy.on_shortage(req)
                 if victim is None:
                     self.stats.stalled_rows += 1
                     return
-                self.preempt(victim)
-                if victim is req:
+                self.preempt(victim.req)
+                if victim.req is req:
                     return
                 continue
             if grown:
@@ -147,6 +189,15 @@ class Scheduler:
             break
         self.rows[req.rid] = Row(req, req.num_computed, 1, True)
         self.budget_left -= 1
+
+    def _protected(self) -> Collection[int]:
+        """Pages the waiting head will reuse: eviction takes them only after every other idle
+        page (when the policy has not pinned them instead). Asked only when an eviction
+        happens, so the common step pays nothing for it."""
+        if not self.policy.protects_head or not self.waiting:
+            return frozenset()
+        chains = self.kv.peek(self.waiting[0])
+        return frozenset(page for chain in chains.values() for page in chain)
 
     def _prefill_row(self, req: Request) -> None:
         remaining = req.num_tokens - req.num_computed

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbank.fields import FieldError, FieldReader, SpecError, check_size, key_path, quote
+from kvbank.mode import DEFAULT_MODE, AdmissionMode
 
 __all__ = ["FieldError", "FieldReader", "SpecError"]  # re-exported: readers of specs use them
 
@@ -100,19 +101,21 @@ class Admission:
     # once and no head-of-line wait for small requests (docs/benchmarks.md "Default policy").
     # Capacity and `kvbank check` judge the pool by the conservative worst case whatever the
     # policy: that is what the pool is guaranteed to hold at once.
-    policy: str = "peak"
-    backfill: bool = True
+    policy: str = "peak" if DEFAULT_MODE.peak else "conservative"
+    backfill: bool = DEFAULT_MODE.backfill
+
+    @property
+    def mode(self) -> AdmissionMode:
+        return AdmissionMode.of_spec(self.policy, self.backfill)
 
     @property
     def ledger_policy(self) -> str:
-        """The name the engine and the sidecar run this as: banker, banker+backfill, peak or
-        peak+backfill."""
-        base = "peak" if self.policy == "peak" else "banker"
-        return base + ("+backfill" if self.backfill else "")
+        """The name the engine and the sidecar run this as (kvbank/mode.py)."""
+        return self.mode.name
 
 
 # What `kvbank serve` and `kvbank sidecar` run unless told otherwise.
-DEFAULT_POLICY = Admission().ledger_policy
+DEFAULT_POLICY = DEFAULT_MODE.name
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from kvbank.operator.render.names import (
     Workload,
     config_name,
 )
-from kvbank.operator.render.status import ACCEPTED, READY, Condition, conditions
+from kvbank.operator.render.status import ACCEPTED, READY, Condition, status_patch
 from kvbank.operator.render.token import MissingSidecarToken
 
 
@@ -72,15 +72,9 @@ async def _refuse(
     cluster: Cluster, owner: Owner, decision: Decision, doc: Mapping[str, Any], now: str
 ) -> Outcome:
     """Accepted=False with every violation; nothing rendered, nothing running touched."""
-    generation = int(doc["metadata"].get("generation") or 0)
     text = message(owner.namespace, owner.name, decision)
-    current = (doc.get("status") or {}).get("conditions")
     update = Condition(ACCEPTED, False, decision.reason, text)
-    status = {
-        "observedGeneration": generation,
-        "conditions": conditions(current, [update], generation, now),
-    }
-    await patch_status(cluster, owner, status)
+    await patch_status(cluster, owner, status_patch(doc, [update], now))
     return Outcome(False, text)
 
 
@@ -89,16 +83,10 @@ async def _refuse_untokened(
 ) -> Outcome:
     """The spec is fine; the operator is not set up to run it. Ready too, since the live timer
     (which owns Ready) skips a pool that is not accepted."""
-    generation = int(doc["metadata"].get("generation") or 0)
     text = f"{owner.namespace}/{owner.name}: no pods rendered: {error}"
     reason = "SidecarTokenMissing"
-    current = (doc.get("status") or {}).get("conditions")
     updates = [Condition(ACCEPTED, False, reason, text), Condition(READY, False, reason, text)]
-    status = {
-        "observedGeneration": generation,
-        "conditions": conditions(current, updates, generation, now),
-    }
-    await patch_status(cluster, owner, status)
+    await patch_status(cluster, owner, status_patch(doc, updates, now))
     return Outcome(False, text)
 
 
@@ -125,23 +113,21 @@ async def reconcile(
     await prune_config_maps(
         cluster, owner.namespace, owner.name, config_name(owner.name, rendered.config_hash)
     )
-    held, generation = decision.held, int(doc["metadata"].get("generation") or 0)
+    held = decision.held
     text = (
         f"worst-case request {held.worst_request_pages} pages; the pool ({held.pages} pages) "
         f"holds {held.worst_concurrency} worst-case requests at once"
     )
-    current = (doc.get("status") or {}).get("conditions")
-    status = {
-        "observedGeneration": generation,
-        "replicas": decision.pool.replicas,
-        "pages": held.pages,
-        "worstRequestPages": held.worst_request_pages,
-        "worstConcurrency": held.worst_concurrency,
-        "workload": kind.value,
-        "configHash": rendered.config_hash,
-        "conditions": conditions(
-            current, [Condition(ACCEPTED, True, "Holdable", text)], generation, now
-        ),
-    }
+    status = status_patch(
+        doc,
+        [Condition(ACCEPTED, True, "Holdable", text)],
+        now,
+        replicas=decision.pool.replicas,
+        pages=held.pages,
+        worstRequestPages=held.worst_request_pages,
+        worstConcurrency=held.worst_concurrency,
+        workload=kind.value,
+        configHash=rendered.config_hash,
+    )
     await patch_status(cluster, owner, status)
     return Outcome(True, text, tuple(applied))

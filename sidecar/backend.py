@@ -20,33 +20,66 @@ Races, and why they are safe:
   only slack no decision has counted: the engine pins only while no report is in flight, within
   the `headroom` of the last reply less what pins took since (banker: supply - outstanding).
 - Under peak-fit a decision starts some steps after it was made: the sidecar's ledger keeps it
-  open-ended (kvbank.peaktimeline.open_ended) until the engine's `start` event arrives.
+  open-ended (kvbank.ledger.open_ended) until the engine's `start` event arrives.
 - A cancel crossing an admission: `cancel` of a request this backend already saw decided sends
   nothing (the engine releases the admitted request when it applies the decision), and a cancel
   queued while the deciding report was in flight is dropped when that reply arrives.
 - The sidecar restarts (SIGKILL) or drops the session: the backend opens a new session that
   re-registers what runs and resubmits what waits, counting nothing twice (how: see
-  kvbank.sidecar.backend_wire, which keeps the session, the registry of running requests and
+  sidecar/backend_wire.py, which keeps the session, the registry of running requests and
   the wire; this module is the `AdmissionBackend` API the engine calls).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
-from kvbank.ledger import Admitted, Decision, Hit, InvalidPages, InvariantBreach, UnknownRequest
-from kvbank.peakfit import PeakShape
-from kvbank.peaktimeline import PeakPolicy
+from kvbank.ledger import (
+    Admitted,
+    Decision,
+    Hit,
+    InvalidPages,
+    InvariantBreach,
+    PeakPolicy,
+    PeakShape,
+    UnknownRequest,
+)
 from kvbank.proto import admission_pb2 as pb
-from kvbank.sidecar.backend_wire import BackendWire, as_ledger_error, submit_to_wire
-from kvbank.sidecar.client import SessionLost, SidecarClient, SidecarError
+from kvbank.sidecar.backend_wire import BackendBooks, ReportWire, submit_to_wire
+from kvbank.sidecar.client import SidecarClient, SidecarError
 from kvbank.sidecar.peakpass import hit_to_wire, pace_of, shape_to_wire
 
 
-class SidecarBackend(BackendWire):
+class SidecarBackend:
     """What the engine calls: events queue up for the next report, decisions come back from
-    `poll` (blocking) or `collect` (non-blocking); see the module docstring for the two modes."""
+    `poll` (blocking) or `collect` (non-blocking); see the module docstring for the two modes.
+    Its parts: the books it keeps between reports and the wire that carries them
+    (sidecar/backend_wire.py)."""
+
+    def __init__(
+        self,
+        client: SidecarClient,
+        total_pages: int,
+        engine_id: str = "engine",
+        blocking: bool = True,
+        lease_s: float = 10.0,
+    ) -> None:
+        self.blocking = blocking
+        self.books = BackendBooks()
+        self.wire = ReportWire(client, self.books, total_pages, engine_id, lease_s)
+
+    @property
+    def sessions_opened(self) -> int:
+        return self.wire.sessions_opened
+
+    @property
+    def policy(self) -> str:
+        return self.books.policy
+
+    @property
+    def last_pool(self) -> pb.PoolFigures | None:
+        return self.books.last_pool
 
     @property
     def defers(self) -> bool:
@@ -59,20 +92,20 @@ class SidecarBackend(BackendWire):
         self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None
     ) -> None:
         wire = shape_to_wire(shape) if shape is not None else None
-        self._waiting[rid] = (pages, refusal or "", wire)
-        self._events.append(pb.Event(submit=submit_to_wire(rid, pages, refusal or "", wire)))
+        self.books.waiting[rid] = (pages, refusal or "", wire)
+        self.books.events.append(pb.Event(submit=submit_to_wire(rid, pages, refusal or "", wire)))
 
     def cancel(self, rid: str) -> None:
-        self._hits.pop(rid, None)
-        self._chunks.pop(rid, None)
-        if self._waiting.pop(rid, None) is not None:
-            self._events.append(pb.Event(cancel=pb.Cancel(rid=rid)))
+        self.books.hits.pop(rid, None)
+        self.books.chunks.pop(rid, None)
+        if self.books.waiting.pop(rid, None) is not None:
+            self.books.events.append(pb.Event(cancel=pb.Cancel(rid=rid)))
 
     def report_hits(self, hits: Mapping[str, Hit]) -> None:
-        self._hits.update(hits)
+        self.books.hits.update(hits)
 
     def take(self, rid: str, pages: int) -> None:
-        entry = self._running.get(rid)
+        entry = self.books.running.get(rid)
         if entry is None:
             raise UnknownRequest(f"request {rid!r} is not running")
         if pages < 0 or entry[1] + pages > entry[0]:
@@ -80,98 +113,97 @@ class SidecarBackend(BackendWire):
                 f"request {rid!r} would hold {entry[1] + pages} pages but reserved {entry[0]}"
             )
         entry[1] += pages
-        self._outstanding -= pages
-        self._supply_in_ledger = False
-        self._events.append(pb.Event(take=pb.Take(rid=rid, pages=pages)))
+        self.books.outstanding -= pages
+        self.books.supply_in_ledger = False
+        self.books.events.append(pb.Event(take=pb.Take(rid=rid, pages=pages)))
 
     def release(self, rid: str) -> None:
-        entry = self._running.pop(rid, None)
+        entry = self.books.running.pop(rid, None)
         if entry is None:
             raise UnknownRequest(f"request {rid!r} is not running")
-        self._outstanding -= entry[0] - entry[1]
-        self._events.append(pb.Event(release=pb.Release(rid=rid)))
+        self.books.outstanding -= entry[0] - entry[1]
+        self.books.events.append(pb.Event(release=pb.Release(rid=rid)))
 
     def set_supply(self, free: int, evictable: int) -> None:
-        if self._supply == (free, evictable) and self._supply_in_ledger:
+        if self.books.supply == (free, evictable) and self.books.supply_in_ledger:
             return
-        self._supply, self._supply_in_ledger = (free, evictable), True
+        self.books.supply, self.books.supply_in_ledger = (free, evictable), True
         event = pb.Event(supply=pb.Supply(free=free, evictable=evictable))
-        if self._events and self._events[-1].HasField("supply"):
-            self._events[-1] = event  # back-to-back supply reports: the last one stands
+        if self.books.events and self.books.events[-1].HasField("supply"):
+            self.books.events[-1] = event  # back-to-back supply reports: the last one stands
         else:
-            self._events.append(event)
+            self.books.events.append(event)
 
     def outstanding(self) -> int:
-        return self._outstanding
+        return self.books.outstanding
 
     def headroom(self) -> int:
         """Pages a pin may take off the supply now: the ledger's headroom in the last reply
         (after its decisions), less what pins took since the report it answers. Releases since
         only add to the true figure, so this never overstates it."""
-        known = self.last_pool.headroom if self.last_pool is not None else 0
-        return max(0, known - self._pin_cost_inflight - self._pin_cost_pending)
+        known = self.books.last_pool.headroom if self.books.last_pool is not None else 0
+        return max(0, known - self.books.pin_cost_inflight - self.books.pin_cost_pending)
 
     def note_pin(self, cost: int) -> None:
         """A pin took `cost` pages of headroom (idle pages, and pages one request held alone)."""
-        self._pin_cost_pending += cost
+        self.books.pin_cost_pending += cost
 
     # ---- the peak-fit ledger (kvbank.engine.admission.backend.PeakBackend) ------------------
 
     def configure(self, policy: str, peak: PeakPolicy) -> None:
         """The session this backend opens asks the sidecar for `policy`; a sidecar whose ledger
         runs another answers FAILED_PRECONDITION."""
-        if self._session:
+        if self.wire.session:
             raise InvariantBreach(f"a session is open already; {policy} cannot apply to it")
-        self.policy, self._pace = policy, pace_of(peak)
+        self.books.policy, self.books.pace = policy, pace_of(peak)
 
     def set_prefill_chunks(self, rid: str, chunks: int) -> None:
-        self._chunks[rid] = chunks
-        entry = self._waiting.get(rid)
+        self.books.chunks[rid] = chunks
+        entry = self.books.waiting.get(rid)
         if entry is not None and entry[2] is not None:
             entry[2].prefill_chunks = chunks  # a resubmission after a reconnect sends it
 
-    def admit_pass(
-        self, peek: Callable[[str], Hit | None], started: Callable[[Admitted], None]
-    ) -> None:
-        """A stepwise pass (kvbank.sidecar.peakpass): the sidecar names each candidate, this
-        engine starts what was admitted and answers. Blocking only: the answer depends on the
-        engine's state at the question, which a later step no longer has."""
+    def admissions(self, peek: Callable[[str], Hit | None]) -> Iterator[Admitted]:
+        """A stepwise pass (sidecar/peakpass.py): the sidecar names each candidate, this engine
+        acts on each admission yielded and then answers. Blocking only: the answer depends on
+        the engine's state at the question, which a later step no longer has."""
         if not self.blocking:
             raise InvariantBreach(
                 "a non-blocking backend defers its decisions (`defers`): the engine admits "
                 "through collect and poll, never through a stepwise pass"
             )
-        request = self._build(0, admit=True)
+        books, wire = self.books, self.wire
+        request = wire.build(0, admit=True)
         request.stepwise = True
         while True:
-            reply = self._send(request)
-            self._absorb(reply)
-            ready, self._ready = self._ready, []
+            reply = wire.send(request)
+            books.absorb(reply)
+            ready, books.ready = books.ready, []
             for decision in sorted(ready, key=lambda d: d.seq):
-                self._applied_seq = max(self._applied_seq, decision.seq)
+                books.applied_seq = max(books.applied_seq, decision.seq)
                 if not isinstance(decision, Admitted):
                     raise InvariantBreach(f"the sidecar refused {decision.rid!r}: {decision}")
-                started(decision)
+                yield decision
             if not reply.peek:
                 return
             hit = peek(reply.peek)
             head = pb.HeadHit(rid=reply.peek, stop=hit is None)
             if hit is not None:
                 head.hit.CopyFrom(hit_to_wire(hit))
-            chunks = self._chunks.pop(reply.peek, None)
+            chunks = books.chunks.pop(reply.peek, None)
             if chunks is not None:
                 head.prefill_chunks = chunks
-            self._hits.clear()
-            request = self._build(0, admit=True)
+            books.hits.clear()
+            request = wire.build(0, admit=True)
             request.stepwise = request.resume = True
             request.hits.append(head)
 
     def start(self, rid: str, prefill_chunks: int) -> None:
         """The engine started a request this backend's sidecar admitted (non-blocking peak)."""
-        self._events.append(pb.Event(start=pb.Start(rid=rid, prefill_chunks=prefill_chunks)))
+        self.books.events.append(pb.Event(start=pb.Start(rid=rid, prefill_chunks=prefill_chunks)))
 
     def set_exclusive(self, rid: str, pages: int) -> None:
-        self._events.append(pb.Event(exclusive=pb.Exclusive(rid=rid, pages=pages)))
+        self.books.events.append(pb.Event(exclusive=pb.Exclusive(rid=rid, pages=pages)))
 
     def advance(
         self,
@@ -189,45 +221,45 @@ class SidecarBackend(BackendWire):
         )
         if exclusive is not None:
             progress.exclusive = exclusive
-        self._events.append(pb.Event(advance=progress))
+        self.books.events.append(pb.Event(advance=progress))
 
     def end_step(self) -> list[str]:
         """Blocking: sent at once, so the stalled requests are known now. Non-blocking: they
         come with a later reply (`stalled_steps`)."""
-        self._events.append(pb.Event(end_step=pb.EndStep()))
+        self.books.events.append(pb.Event(end_step=pb.EndStep()))
         if not self.blocking:
             return []
-        self._stalled = []
-        self._absorb(self._send(self._build(0, admit=False)))
-        return self._stalled
+        self.books.stalled = []
+        self.wire.exchange(0, admit=False)
+        return self.books.stalled
 
     def stalled_steps(self) -> int:
-        return self._stalled_steps
+        return self.books.stalled_steps
 
     # ---- decisions -----------------------------------------------------------------------------
 
     def poll(self, room: int) -> list[Decision]:
         if self.blocking:
-            self._absorb(self._send(self._build(room, admit=True)))
+            self.wire.exchange(room, admit=True)
         else:
-            self._poll_async(room)
+            self.wire.send_async(room)
         return self._hand_over()
 
     def collect(self) -> list[Decision]:
         """The decisions of the report in flight if its reply is here; sends nothing."""
         if not self.blocking:
-            self._read_inflight()
+            self.wire.read_inflight()
         return self._hand_over()
 
     def settled(self) -> bool:
         """No report in flight: every decision the sidecar made is known here. Only then may
         the engine pin (a decision still on its way may have counted the pages a pin takes)."""
-        return self._inflight is None
+        return self.wire.inflight is None
 
     def _hand_over(self) -> list[Decision]:
-        ready, self._ready = self._ready, []
+        ready, self.books.ready = self.books.ready, []
         if ready:
-            self._applied_seq = max(self._applied_seq, max(d.seq for d in ready))
+            self.books.applied_seq = max(self.books.applied_seq, max(d.seq for d in ready))
         return ready
 
     def flush(self) -> None:
@@ -238,41 +270,34 @@ class SidecarBackend(BackendWire):
         has passed, so a live idle engine keeps its session and a hung one loses it. An idle
         engine that never flushes loses its session after the lease; its next report re-opens
         one, restoring what runs, so that costs nothing but the re-open."""
-        if self._inflight is not None:
-            future, self._inflight = self._inflight, None
-            try:
-                self._absorb(future.result())
-            except SessionLost:
-                self._open()
-            except SidecarError as exc:
-                raise as_ledger_error(exc) from exc
-        quiet_s = time.monotonic() - self._last_report_at
-        if self._events or (self._session and quiet_s > self.lease_ms / 3000):
-            self._absorb(self._send(self._build(0, admit=False)))
+        self.wire.wait_inflight()
+        quiet_s = time.monotonic() - self.wire.last_report_at
+        if self.books.events or (self.wire.session and quiet_s > self.wire.lease_ms / 3000):
+            self.wire.exchange(0, admit=False)
 
     def check_integrity(self, free: int, evictable: int) -> None:
         """Blocking mode flushes and compares the sidecar's figures with the pool's; both modes
         check the registry's outstanding against the supply."""
         # A peak-fit ledger promises less than the sum of worst cases: its own check (in the
         # sidecar, with --debug) is the one that holds; the figures are compared below.
-        if self._pace is None and free + evictable < self._outstanding:
+        if self.books.pace is None and free + evictable < self.books.outstanding:
             raise InvariantBreach(
-                f"outstanding {self._outstanding} pages exceed supply {free + evictable} (free "
-                f"{free} + evictable {evictable})"
+                f"outstanding {self.books.outstanding} pages exceed supply {free + evictable} "
+                f"(free {free} + evictable {evictable})"
             )
         if not self.blocking:
             return
-        self._absorb(self._send(self._build(0, admit=False)))
-        pool = self.last_pool
+        self.wire.exchange(0, admit=False)
+        pool = self.books.last_pool
         if pool is not None and (pool.free, pool.evictable, pool.outstanding) != (
             free,
             evictable,
-            self._outstanding,
+            self.books.outstanding,
         ):
             raise InvariantBreach(
                 f"the sidecar's ledger (free {pool.free}, evictable {pool.evictable}, "
                 f"outstanding {pool.outstanding}) differs from the engine's (free {free}, "
-                f"evictable {evictable}, outstanding {self._outstanding})"
+                f"evictable {evictable}, outstanding {self.books.outstanding})"
             )
 
 

@@ -1,7 +1,7 @@
 """The peak-fit ledger in the sidecar: its mode, the wire forms of what it reads, and the
 stepwise admission pass.
 
-A peak-fit pass (`Ledger.admit_ready`) asks the engine for each candidate's hit in turn, and
+A peak-fit pass (`Ledger.admissions`) asks the engine for each candidate's hit in turn, and
 the answer depends on what the engine started before the question (a started request leases
 pages, so a later candidate's idle and sole pages change, and so does its prefill bound). The
 engine cannot be called back, so the pass runs as a conversation of reports: the reply names the
@@ -18,24 +18,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger
-from kvbank.peakfit import PeakShape
-from kvbank.peaktimeline import PeakPolicy
+from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger, PeakPolicy, PeakShape
+from kvbank.mode import AdmissionMode
 from kvbank.proto import admission_pb2 as pb
-
-# The policies whose ledger the sidecar runs: (peak, backfill) for each.
-SIDECAR_MODES: dict[str, tuple[bool, bool] | None] = {
-    "banker": None,
-    "peak": (True, False),
-    "peak+backfill": (True, True),
-    "banker+backfill": (False, True),
-}
 
 
 def peak_policy(policy: str, pace: pb.LedgerPace | None) -> PeakPolicy | None:
-    """The ledger's PeakPolicy for `policy` with the engine's pace (None: the banker)."""
-    mode = SIDECAR_MODES[policy]
-    if mode is None:
+    """The ledger's PeakPolicy for the mode `policy` names (kvbank/mode.py) with the engine's
+    pace (None: the banker, which follows no progress)."""
+    try:
+        mode = AdmissionMode.parse(policy)
+    except ValueError as exc:
+        raise InvalidPages(f"OpenSession names no ledger policy: {exc}") from None
+    if not mode.follows_progress:
         return None
     if pace is None:
         raise InvalidPages(
@@ -47,8 +42,8 @@ def peak_policy(policy: str, pace: pb.LedgerPace | None) -> PeakPolicy | None:
         return PeakPolicy(
             pace.page_size,
             pace.speculative_tokens,
-            mode[0],
-            mode[1],
+            mode.peak,
+            mode.backfill,
             backfill_depth=pace.backfill_depth,
             max_advance=max_advance,
         )

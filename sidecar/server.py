@@ -26,12 +26,12 @@ from prometheus_client import start_http_server
 
 from kvbank.capacity import holdability, pool_pages
 from kvbank.manifests import ManifestError, load_documents
+from kvbank.mode import LEDGER_MODE_NAMES
 from kvbank.modelpool import SpecError, parse_modelpool
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.auth import TokenInterceptor
 from kvbank.sidecar.decision_log import DecisionLog
-from kvbank.sidecar.peakpass import SIDECAR_MODES
 from kvbank.sidecar.reports import DEFAULT_MAX_WAITING
 from kvbank.sidecar.service import AdmissionService
 from kvbank.sidecar.state import AdmissionState
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policy",
-        choices=sorted(SIDECAR_MODES),
+        choices=sorted(LEDGER_MODE_NAMES),
         help="the ledger's admission policy (default: the --pool's spec.admission, else the "
         "policy the engine asks for); an engine that asks for another gets FAILED_PRECONDITION",
     )
@@ -133,7 +133,7 @@ def _read_pool(path: str) -> tuple[int, str]:
             f"--pool {where}: `kvbank check` refuses this pool, so this sidecar will not "
             f"serve it: " + "; ".join(str(v) for v in held.violations)
         )
-    return pool_pages(pool), pool.admission.ledger_policy
+    return pool_pages(pool), pool.admission.mode.name
 
 
 def is_loopback(listen: str) -> bool:

@@ -25,9 +25,10 @@ Races between deciding (here) and applying (in the engine, one step later when i
 A report is all-or-nothing: it is applied to a copy of the ledger, which replaces the ledger
 only when every event succeeded, so bad input leaves the ledger as it was.
 
-This module keeps the session's life (open, expire), a report's checks and commit, and status.
-The session record and its errors are in kvbank.sidecar.session, what the events do to a ledger
-in kvbank.sidecar.reports, and the rounds of a stepwise pass in kvbank.sidecar.stepwise.
+This module keeps the session's life (open, expire), a report's checks and commit, the rounds of
+a stepwise pass, and status. The session record and its errors are in sidecar/session.py, what
+the events do to a ledger in sidecar/reports.py, and how a report's decisions are recorded in
+sidecar/recorder.py.
 """
 
 from __future__ import annotations
@@ -36,11 +37,18 @@ import itertools
 import time
 from collections.abc import Callable
 
-from kvbank.ledger import InvalidPages, Ledger
+from kvbank.ledger import Admitted, InvalidPages, Ledger, Refused
+from kvbank.mode import AdmissionMode
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.decision_log import DecisionLog
 from kvbank.sidecar.metrics import SidecarMetrics
-from kvbank.sidecar.peakpass import SIDECAR_MODES, OpenPass, hit_from_wire, peak_policy
+from kvbank.sidecar.peakpass import (
+    OpenPass,
+    check_answer,
+    hit_from_wire,
+    peak_policy,
+)
+from kvbank.sidecar.recorder import Recorder
 from kvbank.sidecar.reports import (
     DEFAULT_MAX_WAITING,
     apply_events,
@@ -48,7 +56,6 @@ from kvbank.sidecar.reports import (
     peek_within_room,
 )
 from kvbank.sidecar.session import OutOfOrder, PolicyMismatch, PoolMismatch, Session, SessionGone
-from kvbank.sidecar.stepwise import StepwiseRounds
 
 __all__ = [
     "AdmissionState",
@@ -61,8 +68,9 @@ __all__ = [
 ]
 
 
-class AdmissionState(StepwiseRounds):
-    """The state the sidecar's service serves: one engine session, its ledger, the log."""
+class AdmissionState:
+    """The state the sidecar's service serves: one engine session, its ledger, and the recorder
+    of its decisions (the log and the metrics)."""
 
     def __init__(
         self,
@@ -75,11 +83,7 @@ class AdmissionState(StepwiseRounds):
         max_waiting: int = DEFAULT_MAX_WAITING,
     ) -> None:
         # None: no pool and no --policy given; each session runs the ledger its engine asks for.
-        if policy is not None and policy not in SIDECAR_MODES:
-            raise ValueError(
-                f"the sidecar runs the ledger of {', '.join(SIDECAR_MODES)}, not {policy!r}"
-            )
-        self.policy = policy
+        self.policy = None if policy is None else AdmissionMode.parse(policy).name
         self.max_waiting = max_waiting
         self.pool_pages = pool_pages
         self.debug = debug
@@ -89,8 +93,8 @@ class AdmissionState(StepwiseRounds):
         self.ledger: Ledger | None = Ledger(pool_pages, debug=debug) if pool_pages else None
         self.session: Session | None = None
         self.metrics = SidecarMetrics(lambda: self.ledger)
+        self.recorder = Recorder(self.log, self.metrics)
         self._session_ids = itertools.count(int(time.time() * 1000) << 8)
-        self._arrived: dict[str, float] = {}  # rid -> arrival time, for the wait histogram
 
     # ---- the engine session --------------------------------------------------------------------
 
@@ -123,7 +127,7 @@ class AdmissionState(StepwiseRounds):
         lease_s = req.lease_ms / 1000 if req.lease_ms else self.default_lease_s
         self.session = Session(next(self._session_ids), req.engine_id, lease_s, self._clock())
         self.ledger = ledger
-        self._arrived.clear()
+        self.recorder.arrived.clear()
         self.log.reset(req.next_seq)
         for res in restored:
             self.log.append(
@@ -144,7 +148,7 @@ class AdmissionState(StepwiseRounds):
             return False
         self.session = None
         self.ledger = Ledger(self.pool_pages, debug=self.debug) if self.pool_pages else None
-        self._arrived.clear()
+        self.recorder.arrived.clear()
         self.metrics.sessions_dropped.inc()
         return True
 
@@ -211,14 +215,72 @@ class AdmissionState(StepwiseRounds):
         # Every event succeeded: commit.
         self._commit(ledger)
         s.report_seq, s.applied_seq, s.last_report = req.report_seq, req.applied_seq, now
-        for rid in arrived:
-            self._arrived[rid] = now
+        self.recorder.arrive(arrived, now)
         reply = pb.ReportReply(waiting=ledger.waiting_count())
-        self._record_all(reply, decisions, s, now, unapplied)
+        self.recorder.record_all(reply, decisions, s, now, unapplied)
         s.unapplied_idle = unapplied
         if waited:
             self.metrics.waits.inc()
-        return self._close(reply, req, s, ledger, stalled)
+        return self.recorder.close(reply, req, s, ledger, stalled)
+
+    # ---- a stepwise pass ----------------------------------------------------------------------
+
+    def _resume(
+        self,
+        req: pb.ReportRequest,
+        s: Session,
+        committed: tuple[Ledger, list[Admitted | Refused], list[str], list[str]] | None = None,
+    ) -> pb.ReportReply:
+        """One round of a stepwise pass (see sidecar/peakpass.py). `committed`: the round
+        that opens it, with the ledger after that report's events and what they decided."""
+        open_pass = s.open_pass
+        assert open_pass is not None or committed is None
+        if open_pass is None:
+            raise OutOfOrder("no admission pass is open; send an admit report to open one")
+        if committed is None:
+            if not (req.resume and req.admit and req.stepwise):
+                raise OutOfOrder(
+                    f"an admission pass waits for the hit of {open_pass.asked!r}; answer it "
+                    f"with a stepwise admit report with resume set before anything else"
+                )
+            answer = check_answer(req, open_pass.asked)
+            open_pass.answers.append(answer)
+            try:
+                ledger, admitted, asked = open_pass.replay()
+            except BaseException:
+                open_pass.answers.pop()
+                raise
+            decided: list[Admitted | Refused] = []
+            arrived: list[str] = []
+            stalled: list[str] = []
+        else:
+            ledger, decided, arrived, stalled = committed
+            ledger, admitted, asked = open_pass.replay()
+            # The events before the pass stand on their own: a later round replays from here.
+            open_pass.base = committed[0]
+            self._commit(committed[0])
+        if self.debug and not asked:
+            ledger.check_integrity()
+        now = self._clock()
+        s.report_seq, s.applied_seq, s.last_report = req.report_seq, req.applied_seq, now
+        self.recorder.arrive(arrived, now)
+        reply = pb.ReportReply(peek=asked)
+        self.recorder.record_all(
+            reply, [*decided, *admitted[open_pass.told :]], s, now, s.unapplied_idle
+        )
+        open_pass.told, open_pass.asked = len(admitted), asked
+        if not asked:  # the pass is over: its ledger is the ledger
+            self._commit(ledger)
+            s.open_pass = None
+            if ledger.head is not None and ledger.promised is None:
+                self.metrics.waits.inc()
+        reply.waiting = ledger.waiting_count()
+        return self.recorder.close(reply, req, s, ledger, stalled)
+
+    def _commit(self, ledger: Ledger) -> None:
+        """`ledger` replaces the ledger; the steps it closed with a stalled request count."""
+        self.recorder.stalled(self.ledger, ledger)
+        self.ledger = ledger
 
     # ---- status --------------------------------------------------------------------------------
 

@@ -2,28 +2,35 @@
 
 The engine never reads or changes a `Ledger` directly; it sends events to an `AdmissionBackend`
 and applies the decisions the backend has ready. Two implementations sit behind the protocol: the
-embedded one here, which wraps `kvbank.ledger.Ledger` in-process and decides synchronously, and a
+embedded one here, which wraps kvbank.ledger's `Ledger` in-process and decides synchronously, and a
 gRPC one that forwards the same events to a sidecar and may answer a step later. The step loop
 never blocks on either: `poll()` returns what is decided now, possibly nothing.
 
 Events carry only numbers the engine computed itself: a request's page need comes from
-`kvbank.capacity.count_pages` over the server's own token counts, never from a client.
+`count_pages` (kvbank/capacity/count.py) over the server's own token counts, never from a client.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Protocol
 
-from kvbank.ledger import NO_HIT, Admitted, Decision, Hit, InvariantBreach, Ledger, Refused
-from kvbank.peakfit import PeakShape
-from kvbank.peaktimeline import PeakPolicy
+from kvbank.ledger import (
+    NO_HIT,
+    Admitted,
+    Decision,
+    Hit,
+    InvariantBreach,
+    Ledger,
+    PeakPolicy,
+    PeakShape,
+    Refused,
+)
 
 # A peak-fit admission pass asks the engine for each candidate's hit in turn (None: that
-# request cannot start now), and tells it of each admission before the next question.
+# request cannot start now); the engine acts on each admission before the next question.
 Peek = Callable[[str], Hit | None]
-Started = Callable[[Admitted], None]
 
 
 class AdmissionBackend(Protocol):
@@ -37,7 +44,7 @@ class AdmissionBackend(Protocol):
 
     def report_hits(self, hits: Mapping[str, Hit]) -> None:
         """The cached hit of the waiting head, computed by peek. The engine has pinned these
-        pages (see `kvbank.engine.admission.banker`), so they hold until a decision is
+        pages (see engine/admission/banker.py), so they hold until a decision is
         applied; a hit reported again for the same request only grows, and has no idle part
         (pinned pages are held)."""
         ...
@@ -82,7 +89,7 @@ class AdmissionBackend(Protocol):
 
 
 class PeakBackend(AdmissionBackend, Protocol):
-    """What the peak-fit policies (kvbank.engine.admission.peak) need beyond the banker's
+    """What the peak-fit policies (engine/admission/peak.py) need beyond the banker's
     events: the ledger's mode, a step-by-step admission pass, and each running request's
     progress."""
 
@@ -90,7 +97,7 @@ class PeakBackend(AdmissionBackend, Protocol):
         self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None
     ) -> None:
         """As AdmissionBackend.submit, with `shape` the request's growth per label
-        (kvbank.peakfit.peak_shape, from the engine's own count) for a peak-fit ledger."""
+        (kvbank.ledger.peak_shape, from the engine's own count) for a peak-fit ledger."""
         ...
 
     def configure(self, policy: str, peak: PeakPolicy) -> None:
@@ -103,10 +110,10 @@ class PeakBackend(AdmissionBackend, Protocol):
         prefill queued ahead of it)."""
         ...
 
-    def admit_pass(self, peek: Peek, started: Started) -> None:
-        """Admit heads (and backfill) as `Ledger.admit_ready` does, asking `peek` for each
-        candidate's hit and calling `started` for each admission before the next question.
-        Only for a backend that does not defer."""
+    def admissions(self, peek: Peek) -> Iterator[Admitted]:
+        """Admit heads (and backfill) as `Ledger.admissions` does, asking `peek` for each
+        candidate's hit and yielding each admission; the engine starts it before the next
+        question. Only for a backend that does not defer."""
         ...
 
     @property
@@ -190,10 +197,10 @@ class EmbeddedBackend:
         if shape is not None and shape.prefill_chunks != chunks:
             ledger.set_shape(rid, replace(shape, prefill_chunks=chunks))
 
-    def admit_pass(self, peek: Peek, started: Started) -> None:
+    def admissions(self, peek: Peek) -> Iterator[Admitted]:
         if self._refused:  # the engine refuses a request the pool can never hold before this
             raise InvariantBreach(f"the ledger refused requests: {self._refused}")
-        self.ledger.admit_ready(peek, started)
+        return self.ledger.admissions(peek)
 
     defers = False  # decides during the engine's own calls
 
@@ -245,6 +252,11 @@ class EmbeddedBackend:
 
     def collect(self) -> list[Decision]:
         return []  # decides only when polled
+
+    def take_refused(self) -> list[Refused]:
+        """The refusals made at submit and not yet polled, handed over once."""
+        refused, self._refused = self._refused, []
+        return refused
 
     def settled(self) -> bool:
         return True

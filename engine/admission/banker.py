@@ -21,66 +21,56 @@ applied one is skipped, so a backend that resends is harmless.
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Generator, Iterator
 
+from kvbank.engine.admission.actions import Action, Preempt, Reject, Start
 from kvbank.engine.admission.backend import AdmissionBackend
-from kvbank.engine.admission.decisions import DecisionReader, HeadPin, pinned_chains
-from kvbank.engine.admission.policy import AdmissionPolicy, register
+from kvbank.engine.admission.decisions import LedgerParts
+from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.engine.request import Request
-from kvbank.ledger import Decision, InvariantBreach, UnknownRequest
+from kvbank.ledger import Decision
 
 
 class BankerPolicy(AdmissionPolicy):
     name = "banker"
+    protects_head = False  # the head's hit is pinned, not merely protected
 
     def __init__(self, backend: AdmissionBackend) -> None:
+        self._parts = LedgerParts()
+        self._reader, self._pin = self._parts.reader, self._parts.pin
         self.backend = backend
         self._take = backend.take  # bound once: a busy step takes pages for many requests
-        self._reader = DecisionReader()
-        self._pin = HeadPin()
 
     def on_arrival(self, req: Request) -> None:
         # The page need is the engine's own count_pages result, never a client's number.
         self.backend.submit(req.rid, req.count.total)
 
-    def on_cancel(self, req: Request) -> None:
-        self.sched.kv.unpin(req)
-        self._pin.forget(req.rid)
-        # A remote ledger may have admitted it already: `_apply` releases that Admitted.
-        with contextlib.suppress(UnknownRequest):
-            self.backend.cancel(req.rid)
-
-    def admit(self) -> None:
-        sched, backend = self.sched, self.backend
-        self._apply(backend.collect())
+    def admit(self) -> Iterator[Action]:
+        view, backend = self.view, self.backend
+        yield from self._apply(backend.collect())
         while True:
             if backend.settled():
-                self._pin_and_report()
-            room = 1 if sched.can_start() else 0
+                # Idle pages only up to the slack, so the ledger stays safe while the pin waits.
+                yield from self._pin.grow(view, backend, self._slack)
+            room = 1 if view.can_start() else 0
             decisions = self.backend.poll(room)
-            if not self._apply(decisions) or not room:
+            admitted = yield from self._apply(decisions)
+            if not admitted or not room:
                 return
 
-    def _pin_and_report(self) -> None:
-        # Idle pages only up to the slack, so the ledger stays safe while the pin waits.
-        kv, backend = self.sched.kv, self.backend
-        self._pin.grow(self.sched, backend, lambda: max(0, kv.supply - backend.outstanding()))
+    def _slack(self) -> int:
+        return max(0, self.view.kv.supply - self.backend.outstanding())
 
-    def _apply(self, decisions: list[Decision]) -> bool:
-        """Apply decisions in sequence order; True when any request was admitted."""
-        sched = self.sched
+    def _apply(self, decisions: list[Decision]) -> Generator[Action, None, bool]:
+        """Apply decisions in sequence order; returns whether any request was admitted."""
         admitted = False
-        for req, _ in self._reader.admissions(sched, self.backend, decisions, self._pin.forget):
-            sched.start(req, pinned_chains(req))
+        for item in self._reader.admissions(self.view, self.backend, decisions, self._pin.forget):
+            if isinstance(item, Reject):
+                yield item
+                continue
+            yield Start(item.req, item.lease)
             admitted = True
         return admitted
-
-    def on_shortage(self, req: Request) -> Request | None:
-        raise InvariantBreach(
-            f"request {req.rid!r} could not grow: it holds {req.held} of its {req.count.total} "
-            f"reserved pages, supply is {self.sched.kv.supply}, ledger outstanding "
-            f"{self.backend.outstanding()}"
-        )
 
     def on_take(self, req: Request, pages: int) -> None:
         self._take(req.rid, pages)  # raises if past the reservation: a bug, never absorbed
@@ -89,21 +79,14 @@ class BankerPolicy(AdmissionPolicy):
         self.backend.release(req.rid)
 
     def end_step(self) -> None:
-        kv = self.sched.kv
+        kv = self.view.kv
         self.backend.set_supply(kv.free, kv.evictable)
 
+    def on_cancel(self, req: Request) -> None:
+        self._parts.cancel(self.backend, req)
+
+    def on_shortage(self, req: Request) -> Preempt | None:
+        self._parts.shortage(self.name, self.view, self.backend, req)
+
     def check_integrity(self) -> None:
-        kv = self.sched.kv
-        self.backend.check_integrity(kv.free, kv.evictable)
-
-    def protected_pages(self) -> frozenset[int]:
-        return frozenset()  # the head's hit is pinned, not merely protected
-
-
-def _banker(backend: AdmissionBackend | None) -> AdmissionPolicy:
-    if backend is None:
-        raise ValueError("the banker policy needs an admission backend")
-    return BankerPolicy(backend)
-
-
-register("banker", _banker)
+        self._parts.check(self.view, self.backend)

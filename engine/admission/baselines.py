@@ -1,8 +1,8 @@
-"""The policies other engines use, run by the same engine for comparison (DESIGN.md "Baseline
-policies"). Each admits FIFO from the head and differs in what it counts and what it does when a
-running request cannot grow:
+"""The policies other engines use, run by the same engine for comparison (docs/benchmarks.md
+compares them). Each admits FIFO from the head and differs in what it counts and what it does
+when a running request cannot grow:
 
-- optimistic   (the seed's main) admit when the prompt's uncached pages fit; grow on demand;
+- optimistic   (a plain engine) admit when the prompt's uncached pages fit; grow on demand;
                a request that cannot grow stalls. Can deadlock.
 - preempt      (vLLM, recompute) admit like optimistic; on a shortage preempt the most recently
                admitted running request and requeue it at the head.
@@ -17,9 +17,10 @@ running request cannot grow:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
-from kvbank.engine.admission.backend import AdmissionBackend
-from kvbank.engine.admission.policy import AdmissionPolicy, register
+from kvbank.engine.admission.actions import Action, Preempt, Start
+from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
 from kvbank.ledger import InvariantBreach
@@ -28,25 +29,25 @@ from kvbank.ledger import InvariantBreach
 class FifoPolicy(AdmissionPolicy):
     """Admit from the head while `fits` says so; leasing the head's hit as it starts."""
 
-    def admit(self) -> None:
-        sched = self.sched
-        while sched.waiting and sched.can_start():
-            req = sched.waiting[0]
-            chains = sched.kv.peek(req)
+    def admit(self) -> Iterator[Action]:
+        view = self.view
+        while view.waiting and view.can_start():
+            req = view.waiting[0]
+            chains = view.kv.peek(req)
             if not self.fits(req, chains):
                 return
-            sched.start(req, chains)
+            yield Start(req, chains)
 
     def fits(self, req: Request, chains: Chains) -> bool:
         raise NotImplementedError
 
     def _hit(self, chains: Chains) -> tuple[int, int]:
         """(pages, idle pages) of a hit."""
-        return sum(len(c) for c in chains.values()), self.sched.kv.idle_pages(chains)
+        return sum(len(c) for c in chains.values()), self.view.kv.idle_pages(chains)
 
     def _prompt_fits(self, req: Request, chains: Chains) -> bool:
         hit, idle = self._hit(chains)
-        return req.pages_at(req.num_tokens) - hit <= self.sched.kv.supply - idle
+        return req.pages_at(req.num_tokens) - hit <= self.view.kv.supply - idle
 
 
 class OptimisticPolicy(FifoPolicy):
@@ -59,21 +60,22 @@ class OptimisticPolicy(FifoPolicy):
 class PreemptPolicy(OptimisticPolicy):
     name = "preempt"
 
-    def on_shortage(self, req: Request) -> Request | None:
-        return next(reversed(self.sched.running.values()))  # most recently admitted
+    def on_shortage(self, req: Request) -> Preempt | None:
+        running = self.view.running
+        return Preempt(running[next(reversed(running))])  # the most recently admitted
 
 
 class NoEvictPolicy(FifoPolicy):
     name = "no-evict"
 
     def fits(self, req: Request, chains: Chains) -> bool:
-        claims = sum(r.worst - r.held for r in self.sched.running.values())
-        return claims + req.count.total <= self.sched.kv.supply
+        claims = sum(r.worst - r.held for r in self.view.running.values())
+        return claims + req.count.total <= self.view.kv.supply
 
-    def on_shortage(self, req: Request) -> Request | None:
+    def on_shortage(self, req: Request) -> Preempt | None:
         raise InvariantBreach(
             f"no-evict request {req.rid!r} could not grow: it holds {req.held} of its "
-            f"{req.count.total} pages and supply is {self.sched.kv.supply}"
+            f"{req.count.total} pages and supply is {self.view.kv.supply}"
         )
 
 
@@ -95,27 +97,24 @@ class RatioPolicy(FifoPolicy):
 
     def fits(self, req: Request, chains: Chains) -> bool:
         hit, idle = self._hit(chains)
-        expected = sum(max(0, self._estimate(r) - r.held) for r in self.sched.running.values())
-        return expected + self._estimate(req) - hit <= self.sched.kv.supply - idle
+        expected = sum(max(0, self._estimate(r) - r.held) for r in self.view.running.values())
+        return expected + self._estimate(req) - hit <= self.view.kv.supply - idle
 
-    def on_shortage(self, req: Request) -> Request | None:
-        running = self.sched.running.values()
+    def on_shortage(self, req: Request) -> Preempt | None:
+        running = self.view.running.values()
         victim = min(running, key=lambda r: (len(r.output), -r.admitted_at))
         self.ratio = self.INITIAL
         self.retractions += 1
-        return victim
+        return Preempt(victim)
 
     def end_step(self) -> None:
         step = (self.INITIAL - self.FLOOR) / self.DECAY_STEPS
         self.ratio = max(self.FLOOR, self.ratio - step)
 
 
-def _factory(cls: type[AdmissionPolicy]):  # type: ignore[no-untyped-def]
-    def make(backend: AdmissionBackend | None) -> AdmissionPolicy:
-        return cls()
-
-    return make
-
-
-for _cls in (OptimisticPolicy, PreemptPolicy, NoEvictPolicy, RatioPolicy):
-    register(_cls.name, _factory(_cls))
+BASELINES: tuple[type[FifoPolicy], ...] = (
+    OptimisticPolicy,
+    PreemptPolicy,
+    NoEvictPolicy,
+    RatioPolicy,
+)

@@ -1,22 +1,38 @@
-"""Applying a backend's decisions in the engine: once each, in sequence order; and pinning the
-waiting head's hit for a backend that decides later.
+"""What the two ledger policies share (`LedgerParts`): reading a backend's decisions in the
+engine, once each, in sequence order; and pinning the waiting head's hit for a backend that
+decides later.
 
-Both ledger policies (kvbank.engine.admission.banker, and kvbank.engine.admission.peak when its
-backend defers) read decisions that may arrive late, twice, or for a request that left meanwhile.
-What they share is here: a decision at or below the last applied sequence number is skipped (a
+Both ledger policies (engine/admission/banker.py, and engine/admission/peak.py when its backend
+defers) read decisions that may arrive late, twice, or for a request that left meanwhile. What
+they share is here: a decision at or below the last applied sequence number is skipped (a
 backend that resends is harmless); an admission of a request that is gone is released at once; a
-refusal finishes its request as rejected; an admission must reserve what the engine counts and lease
-no more than is pinned for it, and its pins past the hit are dropped. Starting the request is the
-caller's (the policies start it differently), one admission at a time, in order."""
+refusal becomes a `Reject`; an admission must reserve what the engine counts and lease no more
+than is pinned for it, and it leases the pins up to its hit (the scheduler drops the rest).
+Starting the request is the caller's (the policies start it differently), one admission at a
+time, in order."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import NoReturn
 
+from kvbank.engine.admission.actions import Action, Pin, Reject
 from kvbank.engine.admission.backend import AdmissionBackend
-from kvbank.engine.request import FinishReason, Request
-from kvbank.engine.scheduler import Scheduler
-from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach
+from kvbank.engine.admission.view import AdmissionView
+from kvbank.engine.kv.cache import Chains
+from kvbank.engine.request import Request
+from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, UnknownRequest
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An admission to start: its request, the ledger's decision and the pins it leases."""
+
+    req: Request
+    decision: Admitted
+    lease: Chains
 
 
 class DecisionReader:
@@ -25,51 +41,45 @@ class DecisionReader:
 
     def admissions(
         self,
-        sched: Scheduler,
+        view: AdmissionView,
         backend: AdmissionBackend,
         decisions: list[Decision],
         forget: Callable[[str], None],
-    ) -> Iterator[tuple[Request, Admitted]]:
-        """The admissions to start, each with its waiting request, its pins cut to its hit;
-        `forget(rid)` runs for every decided request still waiting."""
+    ) -> Iterator[Admission | Reject]:
+        """The admissions to start, each with its waiting request and the pins it leases, and
+        the refusals; `forget(rid)` runs for every decided request still waiting."""
         for decision in sorted(decisions, key=lambda d: d.seq):
             if decision.seq <= self.last_seq:
                 continue  # a resent decision: applied once
             self.last_seq = decision.seq
-            req = sched.waiting_by_rid.get(decision.rid)
+            req = view.waiting_by_rid.get(decision.rid)
             if req is None:  # it left while the decision was on its way
                 if isinstance(decision, Admitted):
                     backend.release(decision.rid)
                 continue
             forget(req.rid)
             if not isinstance(decision, Admitted):
-                sched.kv.unpin(req)
-                sched.dequeue(req)
-                sched.finish(req, FinishReason.REJECTED)
+                yield Reject(req)
                 continue
             if decision.reserved != req.count.total:
                 raise InvariantBreach(
                     f"request {req.rid!r} was admitted for {decision.reserved} pages but the "
                     f"engine counts {req.count.total}"
                 )
-            pinned = sched.kv.pinned_pages(req)
+            pinned = view.kv.pinned_pages(req)
             if decision.hit.pages > pinned:
                 raise InvariantBreach(
                     f"request {req.rid!r} was admitted with a {decision.hit.pages}-page hit but "
                     f"only {pinned} pages are pinned for it"
                 )
-            sched.kv.unpin(req, keep=decision.hit.pages // max(1, len(req.layout)))
-            yield req, decision
-
-
-def pinned_chains(req: Request) -> dict[str, list[int]]:
-    """What an admitted request leases: the pages still pinned for it."""
-    return {name: list(chain) for name, chain in req.pinned.items()}
+            keep = decision.hit.pages // max(1, len(req.layout))
+            lease = {name: chain[:keep] for name, chain in req.pinned.items()} if keep else {}
+            yield Admission(req, decision, lease)
 
 
 class HeadPin:
-    """The waiting head's cached hit, pinned for a backend that may decide later and reported to it
-    (kvbank.engine.admission.banker explains why only the head). A pin only grows while its
+    """The waiting head's cached hit, pinned for a backend that may decide later and reported to
+    it (engine/admission/banker.py explains why only the head). A pin only grows while its
     request waits, within the budget the caller gives; with the head, the index and the budget
     as they were at the last pin, it cannot grow, so the busy step costs one comparison, not a
     peek."""
@@ -83,27 +93,59 @@ class HeadPin:
 
     def grow(
         self,
-        sched: Scheduler,
+        view: AdmissionView,
         backend: AdmissionBackend,
         budget: Callable[[], int],
         sole_costs: bool = False,
-    ) -> list[int]:
-        """Pin more of the head's hit (`KVCache.pin`) and, when the pin changed, report the
-        pool's supply and the hit: pinned pages are held, so the hit has no idle part, and no
-        running request counts one as its own any more, so no sole part. Returns the pages
-        pinned now (empty when nothing changed)."""
-        if not sched.waiting or not sched.waiting[0].cacheable:
+    ) -> Generator[Action, None, list[int]]:
+        """Pin more of the head's hit (a `Pin` the scheduler carries out) and, when the pin
+        changed, report the pool's supply and the hit: pinned pages are held, so the hit has no
+        idle part, and no running request counts one as its own any more, so no sole part.
+        Returns the pages pinned now (empty when nothing changed)."""
+        if not view.waiting or not view.waiting[0].cacheable:
             return []
-        head, kv = sched.waiting[0], sched.kv
+        head, kv = view.waiting[0], view.kv
         allowed = budget()
-        if (head.rid, kv.index.version, allowed) == self._at:
+        if (head.rid, kv.index_version, allowed) == self._at:
             return []
         depth = len(next(iter(head.pinned.values()), ()))
-        pinned = kv.pin(head, allowed, sole_costs)
-        self._at = (head.rid, kv.index.version, budget())
+        yield Pin(head, allowed, sole_costs)
+        pinned = kv.pinned_pages(head)
+        self._at = (head.rid, kv.index_version, budget())
         if pinned == self._reported.get(head.rid, 0):
             return []
         self._reported[head.rid] = pinned
         backend.set_supply(kv.free, kv.evictable)
         backend.report_hits({head.rid: Hit(pinned, 0, 0)})
         return [page for chain in head.pinned.values() for page in chain[depth:]]
+
+
+class LedgerParts:
+    """What the two ledger policies (engine/admission/banker.py, engine/admission/peak.py) hold
+    alike and do alike: the decision reader, the head's pin, and what they do as a request
+    leaves the queue, cannot grow, or the pool is checked. Each policy holds one."""
+
+    def __init__(self) -> None:
+        self.reader = DecisionReader()
+        self.pin = HeadPin()
+
+    def cancel(self, backend: AdmissionBackend, req: Request) -> None:
+        self.pin.forget(req.rid)
+        # A remote ledger may have admitted it already: the reader releases that admission.
+        with contextlib.suppress(UnknownRequest):
+            backend.cancel(req.rid)
+
+    @staticmethod
+    def shortage(
+        name: str, view: AdmissionView, backend: AdmissionBackend, req: Request
+    ) -> NoReturn:
+        """A ledger policy never preempts: a request that cannot grow is a broken promise."""
+        raise InvariantBreach(
+            f"request {req.rid!r} could not grow under {name}: it holds {req.held} of its "
+            f"{req.count.total} reserved pages, supply is {view.kv.supply}, ledger "
+            f"outstanding {backend.outstanding()}"
+        )
+
+    @staticmethod
+    def check(view: AdmissionView, backend: AdmissionBackend) -> None:
+        backend.check_integrity(view.kv.free, view.kv.evictable)

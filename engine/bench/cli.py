@@ -14,12 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvbank.engine.admission.policy import policy_names
+from kvbank.engine.admission.registry import policy_names
 from kvbank.engine.bench.classplot import plot_classes
 from kvbank.engine.bench.classtable import has_classes, render_classes
 from kvbank.engine.bench.plot import check_target, plot
 from kvbank.engine.bench.scenario import Scenario, ScenarioError, load_scenario
 from kvbank.engine.bench.simulate import RunResult, run_policy
+from kvbank.mode import LEDGER_MODE_NAMES
 
 __all__ = ["add_arguments", "plot", "render_table", "run"]
 
@@ -146,9 +147,7 @@ def _backend(sidecar: str | None, policy: str, scenario: Scenario) -> Any:
     """The sidecar backend when --sidecar is given, for every policy whose ledger the sidecar
     runs (the sidecar must run that one: see `kvbank sidecar --policy`); it waits for each
     answer, which is free on the virtual clock and makes the run identical to the embedded."""
-    from kvbank.sidecar.peakpass import SIDECAR_MODES
-
-    if sidecar is None or policy not in SIDECAR_MODES:
+    if sidecar is None or policy not in LEDGER_MODE_NAMES:
         return None
     from kvbank.sidecar.backend import connect
 

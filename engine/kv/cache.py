@@ -27,9 +27,6 @@ class KVCache:
         if self.host is not None:
             self.index.spill = self._spill
         self.page_size = page_size
-        # Pages the waiting head will reuse; eviction takes them only after every other idle
-        # page. Called only when an eviction happens, so the common step pays nothing for it.
-        self.protected: Callable[[], Collection[int]] = frozenset
 
     @property
     def free(self) -> int:
@@ -103,7 +100,9 @@ class KVCache:
 
     def lease(self, req: Request, chains: Chains) -> int:
         """Give an admitted request its cached prefix: it skips those positions. Pages already
-        pinned for it keep their reference; the rest are held now. Returns pages leased."""
+        pinned for it keep their reference (pins past the leased depth are dropped); the rest
+        are held now. Returns pages leased."""
+        self.unpin(req, keep=len(next(iter(chains.values()), ())))
         pinned = req.pinned
         leased = 0
         for name, chain in chains.items():
@@ -137,9 +136,15 @@ class KVCache:
                 missing += want - have
         return missing
 
-    def grow(self, req: Request, positions: int) -> int:
+    def grow(
+        self,
+        req: Request,
+        positions: int,
+        protected: Callable[[], Collection[int]] = frozenset,
+    ) -> int:
         """Allocate room for `positions` positions, evicting idle cached pages if the free list
-        runs out. All or nothing: raises OutOfPages, changing nothing, when supply is short."""
+        runs out, the `protected` ones last (asked only when an eviction happens). All or
+        nothing: raises OutOfPages, changing nothing, when supply is short."""
         if positions <= req.room:
             return 0
         missing = self.need(req, positions)
@@ -149,15 +154,15 @@ class KVCache:
         if missing > self.supply:
             raise OutOfPages(f"request {req.rid!r} needs {missing} pages, supply is {self.supply}")
         prompt_len = len(req.prompt)
-        protected: Collection[int] | None = None
+        spared: Collection[int] | None = None
         for lay in req.layout:
             want = pages_for(lay.tokens_at(positions, prompt_len), self.page_size)
             table = req.pages.setdefault(lay.name, [])
             while len(table) < want:
                 if not self.pool.free:
-                    if protected is None:
-                        protected = self.protected()
-                    self.index.evict(protected)
+                    if spared is None:
+                        spared = protected()
+                    self.index.evict(spared)
                 table.append(self.pool.allocate())
         req.held += missing
         req.room = self._room(req)
@@ -165,18 +170,23 @@ class KVCache:
 
     # ---- the host tier -------------------------------------------------------------------------
 
-    def grow_reloading(self, req: Request, positions: int) -> int:
+    def grow_reloading(
+        self,
+        req: Request,
+        positions: int,
+        protected: Callable[[], Collection[int]] = frozenset,
+    ) -> int:
         """`grow`, for a request just admitted with its device hit leased: the prompt pages that
         follow the hit on the host tier are copied into the pages allocated for them instead
         of being computed (indexed, and skipped like a hit). Admission counted them as pages
         to allocate, which they are; only the prefill work goes. Returns pages allocated."""
         reload = self.host_hit(req)
         if not reload or self.host is None:
-            return self.grow(req, positions)
+            return self.grow(req, positions, protected)
         entries = [entry for depth in reload for entry in depth.values()]
         self.host.pin(entries)  # evictions below copy pages to host: they must not take these
         try:
-            grown = self.grow(req, positions)
+            grown = self.grow(req, positions, protected)
         finally:
             self.host.unpin(entries)
         start = req.indexed

@@ -14,7 +14,7 @@ allocated, never freed and never counted as supply.
 from __future__ import annotations
 
 from kvbank.capacity import SINK_PAGES
-from kvbank.ledger import InvariantBreach
+from kvbank.ledger import InvariantBreach, pool_usable_pages
 
 SINK_PAGE = 0
 
@@ -28,20 +28,13 @@ class PagePool:
     handed out first, which keeps recently touched memory warm on a real device."""
 
     def __init__(self, total_pages: int) -> None:
-        if total_pages <= SINK_PAGES:
-            raise ValueError(
-                f"a pool needs at least {SINK_PAGES + 1} pages (one is the sink), got {total_pages}"
-            )
+        self.usable_pages = pool_usable_pages(total_pages)  # raises for a pool without one
         self.total_pages = total_pages
         self.refcount = [0] * total_pages
         # Reversed so that page 1 is allocated first: tests can name exact page ids.
         self._free = list(range(total_pages - 1, SINK_PAGES - 1, -1))
         self.held = 0
         self.cached = 0
-
-    @property
-    def usable_pages(self) -> int:
-        return self.total_pages - SINK_PAGES
 
     @property
     def free(self) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvbank.engine.engine import RequestOutput
-from kvbank.modelpool import DEFAULT_POLICY
+from kvbank.mode import DEFAULT_MODE, LEDGER_MODE_NAMES
 
 if TYPE_CHECKING:  # torch, uvicorn and the model load only when serve runs
     import uvicorn
@@ -28,9 +28,8 @@ if TYPE_CHECKING:  # torch, uvicorn and the model load only when serve runs
 
 log = logging.getLogger("kvbank.serve")
 
-# The policies whose ledger `kvbank sidecar` runs (kvbank.sidecar.peakpass.SIDECAR_MODES; kept
-# here so an engine installed without the sidecar's gRPC stack can still check its options).
-SIDECAR_POLICIES = ("banker", "peak", "peak+backfill", "banker+backfill")
+# The policies whose ledger `kvbank sidecar` runs: the ledger's modes (kvbank/mode.py).
+SIDECAR_POLICIES = LEDGER_MODE_NAMES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policy",
-        default=DEFAULT_POLICY,
+        default=DEFAULT_MODE.name,
         help="admission policy: peak+backfill (the default), peak, banker, banker+backfill "
         "(these four also with --sidecar), or a baseline: optimistic, preempt, no-evict, ratio",
     )
@@ -140,7 +139,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         raise ValueError(
             f"--host-pages must be at least 0 (0: no host tier), got {args.host_pages}"
         )
-    from kvbank.engine.admission.policy import policy_names
+    from kvbank.engine.admission.registry import policy_names
 
     if args.policy not in policy_names():
         raise ValueError(

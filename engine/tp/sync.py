@@ -28,8 +28,7 @@ import torch.distributed as dist
 
 from kvbank.engine.admission.backend import AdmissionBackend, EmbeddedBackend
 from kvbank.engine.runner import SamplingParams, StepBatch, StepResult
-from kvbank.ledger import Admitted, Decision, Hit, Ledger
-from kvbank.peakfit import PeakShape
+from kvbank.ledger import Admitted, Decision, Hit, Ledger, PeakShape
 
 IDLE = "idle"
 NO_ROWS = "no rows"
@@ -184,14 +183,25 @@ class RecordingBackend:
         self.inner.check_integrity(free, evictable)
 
 
-class FollowerBackend(EmbeddedBackend):
-    """A follower's backend: its own ledger sees the same events as rank 0's, but it decides
-    nothing; `poll` replays rank 0's decisions, checking each one can be applied here."""
+class FollowerBackend:
+    """A follower's backend: its own ledger (an embedded backend's) sees the same events as
+    rank 0's, but it decides nothing; `poll` replays rank 0's decisions, checking each one can
+    be applied here."""
 
     def __init__(self, total_pages: int, debug: bool = False) -> None:
-        super().__init__(Ledger(total_pages, debug=debug))
+        self.embedded = EmbeddedBackend(Ledger(total_pages, debug=debug))
+        self.ledger = self.embedded.ledger
         self._planned: list[Answer] = []
         self._last_seq = -1
+        # The events go to the follower's own ledger as they do on rank 0.
+        self.submit = self.embedded.submit
+        self.cancel = self.embedded.cancel
+        self.report_hits = self.embedded.report_hits
+        self.take = self.embedded.take
+        self.release = self.embedded.release
+        self.set_supply = self.embedded.set_supply
+        self.outstanding = self.embedded.outstanding
+        self.check_integrity = self.embedded.check_integrity
 
     def expect(self, polls: list[Answer]) -> None:
         left = [d for batch in self._planned if isinstance(batch, list) for d in batch]
@@ -217,8 +227,7 @@ class FollowerBackend(EmbeddedBackend):
         decisions = self._planned.pop(0)
         if not isinstance(decisions, list):
             raise TPDiverged(f"this rank polled for decisions where rank 0 answered {decisions}")
-        refused = {r.rid for r in self._refused}
-        self._refused.clear()
+        refused = {r.rid for r in self.embedded.take_refused()}
         ledger = self.ledger
         for decision in sorted(decisions, key=lambda d: d.seq):
             if decision.seq <= self._last_seq:

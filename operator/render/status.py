@@ -43,3 +43,17 @@ def conditions(
         }
     order = {ACCEPTED: 0, READY: 1, DEGRADED: 2}
     return sorted(by_type.values(), key=lambda c: (order.get(c["type"], 9), str(c["type"])))
+
+
+def status_patch(
+    doc: Mapping[str, Any], updates: Sequence[Condition], now: str, **figures: Any
+) -> dict[str, Any]:
+    """A reconcile's /status patch: the generation it saw, `figures`, and the pool's current
+    conditions (read off `doc`) with `updates` applied."""
+    generation = int(doc["metadata"].get("generation") or 0)
+    current = (doc.get("status") or {}).get("conditions")
+    return {
+        "observedGeneration": generation,
+        **figures,
+        "conditions": conditions(current, updates, generation, now),
+    }

@@ -134,8 +134,11 @@ class TestRefusal:
         assert refusal(make_model(max_seq_len=4096), RequestShape(944, 160), 96) is None
 
     def test_message_names_pages_pool_and_the_largest_max_tokens(self) -> None:
-        message = refusal(make_model(max_seq_len=4096), RequestShape(944, 1000), 96)
-        assert message is not None
+        refused = refusal(make_model(max_seq_len=4096), RequestShape(944, 1000), 96)
+        assert refused is not None
+        message = refused.message
+        assert (refused.param, refused.pages, refused.usable_pages) == ("max_tokens", 122, 95)
+        assert (refused.max_tokens_fit, refused.pool_pages_needed) == (575, 123)
         # 944 + 1000 + 1 = 1945 tokens = 122 pages; 95 usable pages hold 1520 tokens
         assert "needs 122 KV pages" in message
         assert "holds 95 pages" in message
@@ -145,8 +148,9 @@ class TestRefusal:
         assert count_pages(make_model(), RequestShape(944, 576)).total == 96
 
     def test_a_prompt_too_big_for_the_pool_says_to_shorten_it(self) -> None:
-        message = refusal(make_model(), RequestShape(2000, 10), 96)
-        assert message is not None and "shorten the prompt" in message
+        refused = refusal(make_model(), RequestShape(2000, 10), 96)
+        assert refused is not None and "shorten the prompt" in refused.message
+        assert refused.param == "prompt" and refused.max_tokens_fit is None
 
 
 @pytest.mark.parametrize("pages", [0, -1])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 from engine_builders import drain, make_engine, tiny_model
 
@@ -113,7 +115,8 @@ def test_bad_requests_are_rejected_with_a_reason_and_change_nothing() -> None:
     assert expected is not None
     with pytest.raises(RequestRejected) as caught:
         engine.add_request("big", list(range(30)), max_tokens=16)
-    assert expected in str(caught.value)
+    assert expected.message in str(caught.value)
+    assert caught.value.refusal == expected and caught.value.param == expected.param
     assert not engine.has_work() and engine.sched.stats.rejected == 1
     engine.add_request("a", [1, 2])
     with pytest.raises(RequestRejected, match="already in use"):
@@ -189,3 +192,25 @@ def test_decisions_that_arrive_a_step_late_are_applied_safely() -> None:
     assert all(o.finish_reason is FinishReason.LENGTH for o in finished.values())
     assert engine.sched.stats.preemptions == 0 and engine.sched.stats.hit_tokens > 0
     assert backend.outstanding() == 0 and engine.kv.pool.held == 0
+
+
+@pytest.mark.parametrize("policy", ["banker", "peak+backfill", "no-evict"])
+def test_a_request_is_counted_once_from_ingest_to_its_last_page(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[RequestShape] = []
+    real = count_pages
+
+    def counted(model, request, cached_pages=0):  # type: ignore[no-untyped-def]
+        calls.append(request)
+        return real(model, request, cached_pages)
+
+    # Every module on the serving path that could count a request again.
+    names = ("capacity.count", "capacity.refusal", "engine.engine", "engine.request")
+    for name in names:
+        monkeypatch.setattr(importlib.import_module(f"kvbank.{name}"), "count_pages", counted)
+    engine, _ = make_engine(64, policy=policy)
+    for i in range(5):
+        engine.add_request(f"r{i}", [1, 2, 3, 4, 5][: i + 1], max_tokens=6)
+    finished, _ = drain(engine)
+    assert len(finished) == 5 and len(calls) == 5

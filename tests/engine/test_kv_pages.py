@@ -105,9 +105,10 @@ def test_the_waiting_heads_pages_are_evicted_only_after_idle_ones() -> None:
     idle_chain = computed(kv, "b", list(range(100, 108)))  # pages 3, 4
     kv.release(idle_chain)  # released first: normally older than the head's chain
     kv.release(head_chain)
-    kv.protected = lambda: frozenset({1, 2})
     grower = make_request("g", [7])
-    kv.grow(grower, 13)  # 4 pages: the free one (5), then 4, 3, and only then the leaf 2
+    kv.grow(
+        grower, 13, protected=lambda: frozenset({1, 2})
+    )  # 4 pages: the free one (5), then 4, 3, and only then the leaf 2
     assert grower.pages["main"] == [5, 4, 3, 2]
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvbank.engine.admission.policy import policy_names
+from kvbank.engine.admission.registry import policy_names
 from kvbank.engine.engine import Engine
 from kvbank.engine.serve.http.metrics import ServeMetrics
 from kvbank.sidecar.backend import SidecarBackend
@@ -63,4 +63,4 @@ def test_sidecar(policy: str, sidecar_address: str) -> None:
     # Decisions reach the engine a report after they are made; once applied, the gauge agrees.
     assert seen[-1][0] == seen[-1][1] > 0, seen
     backend.flush()
-    assert backend.client.status().outstanding == seen[-1][0]
+    assert backend.wire.client.status().outstanding == seen[-1][0]

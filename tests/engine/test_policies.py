@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvbank.capacity import SINK_PAGES, RequestShape, count_pages
-from kvbank.engine.admission.policy import policy_names
+from kvbank.engine.admission.registry import policy_names
 from kvbank.engine.bench.scenario import Scenario, load_scenario
 from kvbank.engine.bench.simulate import run_policy
 

@@ -123,6 +123,24 @@ def test_a_request_the_pool_can_never_hold_is_refused_with_what_to_change(
         "/v1/completions", json={"prompt": "x", "max_tokens": 2, "pages": 100000}
     )
     assert fine.status_code == 200
+
+
+def test_a_refusal_blames_the_parameter_to_change_as_the_client_named_it(
+    server: LiveServer,
+) -> None:
+    # 1100 prompt tokens + 1 output token need 69 pages of the 63: no max_tokens fits, and the
+    # message still counts "1 max_tokens", which the parameter must not be read from.
+    long_prompt = server.client.post(
+        "/v1/completions", json={"prompt": [5] * 1100, "max_tokens": 1}
+    )
+    assert long_prompt.status_code == 400
+    error = _error(long_prompt)
+    assert error["param"] == "prompt" and "shorten the prompt" in str(error["message"])
+    messages = [{"role": "user", "content": "x"}]
+    for named in ("max_completion_tokens", "max_tokens"):
+        chat = server.client.post("/v1/chat/completions", json={"messages": messages, named: 1500})
+        assert chat.status_code == 400 and _error(chat)["param"] == named, chat.text
+    server.wait_for(kvbank_running_requests=0, kvbank_waiting_requests=0)
     server.wait_for(kvbank_running_requests=0, kvbank_outstanding_pages=0)
 
 

@@ -1,6 +1,8 @@
 """`kvbank serve` refuses option combinations that would not do what they say, before loading
 anything."""
 
+import argparse
+
 import pytest
 
 from kvbank import cli
@@ -23,11 +25,17 @@ def test_a_sidecar_refuses_a_policy_that_keeps_its_own_books() -> None:
         options_from_args(parse("--sidecar", "127.0.0.1:50051", "--policy", "preempt"))
 
 
-def test_the_serve_list_of_sidecar_policies_is_the_sidecar_s() -> None:
-    from kvbank.engine.serve.command import SIDECAR_POLICIES
-    from kvbank.sidecar.peakpass import SIDECAR_MODES
+def test_every_ledger_mode_is_a_policy_of_the_engine_and_of_the_sidecar() -> None:
+    from kvbank.engine.admission.registry import policy_names
+    from kvbank.mode import LEDGER_MODE_NAMES, AdmissionMode
+    from kvbank.sidecar.server import add_arguments
 
-    assert tuple(SIDECAR_MODES) == SIDECAR_POLICIES
+    assert set(LEDGER_MODE_NAMES) <= set(policy_names())
+    assert [AdmissionMode.parse(name).name for name in LEDGER_MODE_NAMES] == [*LEDGER_MODE_NAMES]
+    sidecar = argparse.ArgumentParser()
+    add_arguments(sidecar)
+    for name in LEDGER_MODE_NAMES:
+        assert sidecar.parse_args(["--policy", name]).policy == name
 
 
 def test_an_unknown_policy_names_the_choices() -> None:

@@ -14,9 +14,7 @@ import random
 from dataclasses import dataclass, field
 
 from kvbank.capacity import CapacityModel, RequestShape, label_growth, pages_for
-from kvbank.ledger import Hit, Ledger
-from kvbank.peakfit import peak_shape
-from kvbank.peaktimeline import PeakPolicy
+from kvbank.ledger import Hit, Ledger, PeakPolicy, peak_shape
 
 
 class PageDenied(AssertionError):

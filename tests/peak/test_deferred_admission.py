@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbank.ledger import NO_HIT, Hit, InvalidPages, Ledger, UnknownRequest
-from kvbank.peakfit import PeakShape
-from kvbank.peaktimeline import PeakPolicy
+from kvbank.ledger import NO_HIT, Hit, InvalidPages, Ledger, PeakPolicy, PeakShape, UnknownRequest
 
 POLICY = PeakPolicy(4, 0, peak=True, backfill=False, max_advance=1)
 # `a`: a 4-token prompt (1 page) that may write 4 more: 2 pages at worst, done within 5 steps.

@@ -6,10 +6,17 @@ import numpy as np
 import pytest
 
 from kvbank.capacity import CapacityModel, RequestShape, label_growth
-from kvbank.ledger import Hit, InvalidPages, InvariantBreach, Ledger
+from kvbank.ledger import (
+    Hit,
+    InvalidPages,
+    InvariantBreach,
+    Ledger,
+    PeakPolicy,
+    PeakShape,
+    Timeline,
+    peak_shape,
+)
 from kvbank.modelpool import KvSlot
-from kvbank.peakfit import PeakShape, peak_shape
-from kvbank.peaktimeline import Hold, PeakPolicy, Timeline
 
 TEXT = {"main": KvSlot(1, 1, 0)}
 
@@ -20,7 +27,7 @@ def text_model(page_size: int, max_tokens: int = 32, spec: int = 0) -> CapacityM
 
 def decoding(timeline: Timeline, rid: str, shape: PeakShape, held: int, produced: int) -> None:
     """A running request past its prefill, holding `held` pages after `produced` tokens."""
-    timeline.add(rid, shape, shape.pages, Hold(0, 0))
+    timeline.add(rid, shape, shape.pages, Hit(0, 0, 0))
     timeline.take(rid, held)
     timeline.advance(rid, produced, None, 0, None)
 
@@ -86,7 +93,7 @@ def test_a_prefill_may_end_early_so_it_grows_from_the_next_step_but_finishes_lat
     # also take all 3 chunks, so its pages come back only after step 3 + 8 - 1 = 10.
     timeline = Timeline(PeakPolicy(4))
     shape = peak_shape(text_model(4), RequestShape(8, 8), prefill_chunks=3)
-    timeline.add("chunked", shape, shape.pages, Hold(0, 0))
+    timeline.add("chunked", shape, shape.pages, Hit(0, 0, 0))
     assert demand(timeline, 0, 1, 4, 5, 10, 11) == [2, 3, 3, 4, 4, 0]
 
 
@@ -98,9 +105,9 @@ def test_a_shared_hit_stops_the_earliest_finisher_returning_those_pages() -> Non
     decoding(timeline, "early", peak_shape(text_model(4), RequestShape(4, 8)), 3, 6)
     decoding(timeline, "late", peak_shape(text_model(4), RequestShape(4, 8)), 3, 0)
     newcomer = peak_shape(text_model(4), RequestShape(8, 8))
-    timeline.add("new", newcomer, newcomer.pages, Hold(2, 0, sole=2))
+    timeline.add("new", newcomer, newcomer.pages, Hit(2, 0, 2))
     assert (timeline.tracks["early"].exclusive, timeline.tracks["late"].exclusive) == (1, 1)
-    timeline.add("third", newcomer, newcomer.pages, Hold(2, 0, sole=0))
+    timeline.add("third", newcomer, newcomer.pages, Hit(2, 0, 0))
     assert (timeline.tracks["early"].exclusive, timeline.tracks["late"].exclusive) == (1, 1)
 
 
@@ -132,7 +139,7 @@ def test_peak_admits_what_the_sum_of_worst_cases_refuses() -> None:
         ledger.submit(rid, shape.pages, shape=shape)
     assert [a.rid for a in ledger.admit_ready()] == ["r2"]
     assert ledger.head == "r3"
-    assert ledger._timeline is not None and ledger._timeline.peak() == (3, 1)
+    assert ledger.timeline is not None and ledger.timeline.peak() == (3, 1)
     ledger.check_integrity()
 
 
@@ -204,7 +211,7 @@ def test_backfill_on_the_conservative_reading_uses_worst_cases() -> None:
 
 def test_bad_progress_reports_are_refused_and_change_nothing() -> None:
     ledger, _ = two_running(PeakPolicy(4))
-    timeline = ledger._timeline
+    timeline = ledger.timeline
     assert timeline is not None
     before = (timeline.tracks["r0"].produced, timeline.tracks["r0"].tokens[:])
     with pytest.raises(InvalidPages, match="reports 5 output tokens; it had 6"):

@@ -11,12 +11,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvbank.peakprofile
+import kvbank.ledger.profile
 from kvbank.capacity import CapacityModel, RequestShape
+from kvbank.ledger import NEVER, Hit, PeakPolicy, Timeline, peak_shape
+from kvbank.ledger.profile import Profile
 from kvbank.modelpool import KvSlot
-from kvbank.peakfit import NEVER, peak_shape
-from kvbank.peakprofile import Profile
-from kvbank.peaktimeline import Hold, PeakPolicy, Timeline
 
 OPS = ["add", "add", "restore", "start", "take", "advance", "deviate", "exclusive", "step"]
 OPS += ["end_step", "remove", "supply"]
@@ -66,7 +65,7 @@ def advance_as_bound(timeline: Timeline, rid: str) -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_a_followed_profile_equals_a_rebuild(data: st.DataObject) -> None:
-    with patch.object(kvbank.peakprofile, "FOLLOW_FROM", 0):
+    with patch.object(kvbank.ledger.profile, "FOLLOW_FROM", 0):
         drive(data)
 
 
@@ -97,7 +96,7 @@ def drive(data: st.DataObject) -> None:
             )
             pages = data.draw(st.integers(0, 3))
             idle = data.draw(st.integers(0, pages))
-            hit = Hold(pages, idle, data.draw(st.integers(0, pages - idle)))
+            hit = Hit(pages, idle, data.draw(st.integers(0, pages - idle)))
             given = data.draw(st.sampled_from([shape, None]))
             deferred = given is not None and data.draw(st.booleans())  # started later
             timeline.add(rid, given, shape.pages, hit, deferred=deferred)
@@ -150,19 +149,19 @@ def test_a_typical_step_evaluates_only_the_requests_that_took_a_page(monkeypatch
     timeline = Timeline(PeakPolicy(4, 1, max_advance=1))
     for i in range(8):
         shape = peak_shape(model, RequestShape(5 + i, 8 + 2 * i), prefill_chunks=0)
-        timeline.add(f"r{i}", shape, shape.pages, Hold(0, 0))
+        timeline.add(f"r{i}", shape, shape.pages, Hit(0, 0, 0))
         timeline.take(f"r{i}", shape.pages - 3)
     timeline.end_step()
     timeline.profile()
     rows: list[int] = []
-    evaluate = kvbank.peakprofile.demand_of
+    evaluate = kvbank.ledger.profile.demand_of
 
     def counting(lines, ks):  # type: ignore[no-untyped-def]
         rows.append(len(lines.rows))
         return evaluate(lines, ks)
 
-    monkeypatch.setattr(kvbank.peakprofile, "demand_of", counting)
-    monkeypatch.setattr(kvbank.peakprofile, "FOLLOW_FROM", 0)
+    monkeypatch.setattr(kvbank.ledger.profile, "demand_of", counting)
+    monkeypatch.setattr(kvbank.ledger.profile, "FOLLOW_FROM", 0)
     for rid in timeline.tracks:
         advance_as_bound(timeline, rid)
     timeline.take("r3", 1)

@@ -4,10 +4,8 @@ applies every report to a copy and keeps the original when one event fails)."""
 from __future__ import annotations
 
 from kvbank.capacity import CapacityModel, RequestShape
-from kvbank.ledger import Ledger
+from kvbank.ledger import Ledger, PeakPolicy, peak_shape
 from kvbank.modelpool import KvSlot
-from kvbank.peakfit import peak_shape
-from kvbank.peaktimeline import PeakPolicy
 
 
 def test_a_copy_of_a_peak_ledger_moves_without_the_original() -> None:
@@ -18,15 +16,15 @@ def test_a_copy_of_a_peak_ledger_moves_without_the_original() -> None:
         ledger.submit(rid, shape.pages, shape=shape)
     assert [a.rid for a in ledger.admit_ready()] == ["r0", "r1"]
     ledger.take("r0", 1)
-    peak_before = ledger._timeline.peak() if ledger._timeline else None
+    peak_before = ledger.timeline.peak() if ledger.timeline else None
     twin = ledger.copy()
     twin.take("r0", 1)
     assert twin.end_step() == []  # both were admitted in this step
     twin.advance("r0", 1, {"main": 5})
     assert twin.end_step() == ["r1"]  # r1 did not advance in the copy
-    assert ledger._timeline is not None and twin._timeline is not None
-    assert ledger._timeline.tracks["r0"].held == 1 and twin._timeline.tracks["r0"].held == 2
-    assert ledger._timeline.tracks["r0"].tokens == [4] and twin._timeline.tracks["r0"].tokens == [5]
+    assert ledger.timeline is not None and twin.timeline is not None
+    assert ledger.timeline.tracks["r0"].held == 1 and twin.timeline.tracks["r0"].held == 2
+    assert ledger.timeline.tracks["r0"].tokens == [4] and twin.timeline.tracks["r0"].tokens == [5]
     assert (ledger.stalled_steps, twin.stalled_steps) == (0, 1)
-    assert ledger._timeline.peak() == peak_before
+    assert ledger.timeline.peak() == peak_before
     ledger.check_integrity()

@@ -168,6 +168,18 @@ def test_a_session_for_another_pool_is_refused(opened: tuple[SidecarClient, int]
     assert client.status_reply() == before
 
 
+def test_a_session_naming_no_ledger_policy_is_an_invalid_argument(
+    opened: tuple[SidecarClient, int],
+) -> None:
+    client, _ = opened
+    before = client.status_reply()
+    with pytest.raises(SidecarError) as caught:
+        client.open_session(pb.OpenSessionRequest(total_pages=101, policy="peak+yolo"))
+    assert caught.value.code == "INVALID_ARGUMENT"
+    assert "choose one of banker, peak, peak+backfill, banker+backfill" in caught.value.message
+    assert client.status_reply() == before
+
+
 def test_an_oversized_message_is_resource_exhausted(sidecar: ThreadSidecar) -> None:
     big = SidecarClient(sidecar.address, max_message_bytes=8 << 20, retry_budget_s=1)
     session = big.open_session(pb.OpenSessionRequest(engine_id="e", total_pages=101)).session

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -54,12 +55,10 @@ class StartOrder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
 
-    def admit_pass(self, peek: Any, started: Any) -> None:
-        def start(decision: Any) -> None:
+    def admissions(self, peek: Any) -> Iterator[Any]:
+        for decision in self._backend.admissions(peek):
             self._record.append(decision.rid)
-            started(decision)
-
-        self._backend.admit_pass(peek, start)
+            yield decision
 
 
 @pytest.mark.timeout(180)

@@ -104,7 +104,10 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> FastA
             ids = tokenizer.encode_chat(messages)
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), "messages") from exc
-        return await _generate(request, ids, gen, chat=True)
+        # The output limit as the client named it: parse_generation reads either.
+        legacy = "max_tokens" in body and "max_completion_tokens" not in body
+        limit = "max_tokens" if legacy else "max_completion_tokens"
+        return await _generate(request, ids, gen, chat=True, max_tokens_param=limit)
 
     def _check_model(gen: Generation) -> None:
         if gen.max_tokens is not None and gen.max_tokens > served.max_tokens:
@@ -120,7 +123,13 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> FastA
                 "model_not_found",
             )
 
-    async def _generate(request: Request, ids: list[int], gen: Generation, chat: bool) -> Response:
+    async def _generate(
+        request: Request,
+        ids: list[int],
+        gen: Generation,
+        chat: bool,
+        max_tokens_param: str = "max_tokens",
+    ) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         outputs: asyncio.Queue[Any] = asyncio.Queue()
         sub = Submission(
@@ -134,7 +143,8 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> FastA
             raise
         except RequestRejected as exc:
             metrics.requests.labels("rejected").inc()
-            param = "max_tokens" if "max_tokens" in str(exc) else "prompt"
+            # The parameter the refusal names, as the client named it.
+            param = max_tokens_param if exc.param == "max_tokens" else exc.param
             return error(400, str(exc), "invalid_request_error", param, "request_too_large")
         except QueueFull as exc:
             metrics.requests.labels("queue_full").inc()

@@ -1,4 +1,5 @@
-"""Peak-fit admission: the pages admitted requests may hold at each future step, and its peak.
+"""Peak-fit admission: the pages admitted requests may hold at each future step, and its peak;
+a waiting request's `PeakShape` and a running one's `Track`.
 
 Every running request advances at least one token per step (the scheduler's promise, checked
 each step by `Timeline.end_step`) and at most `advance` (1 + spec when every draft token may be
@@ -17,7 +18,7 @@ step chunks + remaining - 1. Summed over the running
 requests, extra demand (pages beyond what each holds now, minus what finished ones return) only
 rises between two finishes, so its peak is at the step before a finish: one candidate step per
 running request. The timeline keeps that demand at the candidates (the profile,
-kvbank/peakprofile.py: carried from step to step, re-evaluating only the requests whose curve
+kvbank/ledger/profile.py: carried from step to step, re-evaluating only the requests whose curve
 changed), and an admission test evaluates only the newcomer's curve at them.
 
 Why this keeps the promise, and where each assumption is kept: docs/admission.md.
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvbank.capacity import CapacityModel, RequestShape, label_growth, pages_for
+from kvbank.capacity import CapacityModel, PageCount, RequestShape, label_growth, pages_for
 
 Steps = npt.NDArray[np.int64]
 NEVER = 1 << 40  # the finish step of a request whose progress the ledger is not told
@@ -64,9 +65,15 @@ class PeakShape:
             )
 
 
-def peak_shape(model: CapacityModel, request: RequestShape, prefill_chunks: int = 1) -> PeakShape:
-    """The shape of a request, read off the capacity function (never recounted here)."""
-    growth, count = label_growth(model, request)
+def peak_shape(
+    model: CapacityModel,
+    request: RequestShape,
+    prefill_chunks: int = 1,
+    count: PageCount | None = None,
+) -> PeakShape:
+    """The shape of a request, read off the capacity function (or `count`, its result for this
+    request: never recounted here)."""
+    growth, count = label_growth(model, request, count)
     labels = list(growth.values())
     return PeakShape(
         tuple(g.base for g in labels),
@@ -144,12 +151,6 @@ def track_for(shape: PeakShape, held: int, exclusive: int, peak: bool) -> Track:
         shape.base,
         shape.labels,
     )
-
-
-def flat_track(pages: int, page_size: int, held: int) -> Track:
-    """A request whose shape the ledger was not given: its worst case, until it is released."""
-    worst = (pages * page_size,)
-    return Track(list(worst), (0,), worst, 0, NEVER, held, 0, NEVER, (0,))
 
 
 def newcomer(

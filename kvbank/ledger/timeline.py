@@ -1,10 +1,10 @@
 """The ledger's timeline of running requests: their progress, the peak-fit test and the EASY
-backfill promise. The ledger owns one when it is built with a `PeakPolicy`; without one it keeps
-its conservative reading alone.
+backfill promise. A ledger built with a `PeakPolicy` holds one; without one it holds the
+trivial timeline of kvbank/ledger/conservative.py, which takes the same calls.
 
 Cost: a test reads the cached profile and evaluates the newcomer at its candidate steps (one
 numpy pass over about as many steps as there are running requests); the profile is brought up to
-date once after any change, from the previous one (kvbank/peakprofile.py: O(changed requests x
+date once after any change, from the previous one (kvbank/ledger/profile.py: O(changed requests x
 candidates) in a typical step), so a run of checks between steps pays it once.
 """
 
@@ -13,62 +13,35 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from kvbank.peakfit import (
+from kvbank.ledger.books import Books, Waiting
+from kvbank.ledger.policy import PeakPolicy
+from kvbank.ledger.profile import Profile
+from kvbank.ledger.shape import (
     NEVER,
     Pace,
     PeakShape,
+    Steps,
     Track,
-    flat_track,
+    flat_shape,
     newcomer,
     steps_for,
     track_for,
 )
-from kvbank.peakprofile import Profile
+from kvbank.ledger.types import NO_HIT, Hit, InvalidPages, InvariantBreach
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PeakPolicy:
-    """How the ledger admits. `peak`: against the peak of the timeline (else the conservative
-    sum of worst cases). `backfill`: a request behind a blocked head may start if it cannot
-    delay the step the head is promised; at most `backfill_depth` of them are tried per pass."""
-
-    page_size: int
-    speculative_tokens: int = 0
-    peak: bool = True
-    backfill: bool = False
-    backfill_depth: int = 8
-    # Most tokens a step adds to a request: None for 1 + speculative_tokens (every draft token
-    # may be accepted); 1 for an engine that writes one token per decode row.
-    max_advance: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.page_size < 1 or self.speculative_tokens < 0 or self.backfill_depth < 0:
-            raise ValueError(
-                f"page_size {self.page_size} must be >= 1, speculative_tokens "
-                f"{self.speculative_tokens} and backfill_depth {self.backfill_depth} >= 0"
-            )
-        Pace.of(self.speculative_tokens, self.max_advance)  # raises on a pace out of range
-
-
-@dataclass(frozen=True)
-class Hold:
-    """A hit as the timeline needs it: pages leased, of which `idle` only the index held and
-    `sole` exactly one running request held (it no longer returns them when it finishes)."""
-
-    pages: int
-    idle: int
-    sole: int = 0
-
-
 class Timeline:
+    """The running requests' progress, step by step, under a `PeakPolicy`."""
+
     def __init__(self, policy: PeakPolicy):
-        self.policy = policy
+        self.policy: PeakPolicy | None = policy
+        self.peak_policy = policy
         self.pace = Pace.of(policy.speculative_tokens, policy.max_advance)
         self.tracks: dict[str, Track] = {}
         self.stalled_steps = 0  # steps in which a running request did not advance
@@ -91,14 +64,60 @@ class Timeline:
         twin.unstarted = dict(self.unstarted)
         return twin
 
+    def copy(self) -> Timeline:
+        return copy.deepcopy(self)
+
     @property
     def peak_active(self) -> bool:
-        return self.policy.peak and not self.fallback
+        return self.peak_policy.peak and not self.fallback
+
+    @property
+    def backfill(self) -> bool:
+        return self.peak_policy.backfill
+
+    @property
+    def backfill_depth(self) -> int:
+        return self.peak_policy.backfill_depth
+
+    def shape_of(self, waiting: Waiting, deferred: bool) -> PeakShape:
+        """A waiting request as the tests read it: its shape (open-ended when the engine starts
+        it later, `deferred`), or its worst case when it came without one."""
+        if waiting.shape is None:
+            return flat_shape(waiting.pages, self.peak_policy.page_size)
+        return open_ended(waiting.shape) if deferred else waiting.shape
+
+    def check(self, books: Books, between_steps: bool) -> None:
+        """Raise InvariantBreach unless the promises fit the supply. A peak-fit reading holds
+        only between steps (mid-step, some requests' tracks still start a step behind), so it is
+        checked only then."""
+        if not self.peak_policy.peak:
+            books.check_conservative()
+            return
+        if not between_steps:
+            return
+        # Pages released but not yet reported back by the pool still count as supply.
+        supply = books.supply + self.pending_return
+        highest, step = self.peak()
+        if highest > supply:
+            raise InvariantBreach(
+                f"the running requests may need {highest} more pages at step {step} from now "
+                f"but supply is {supply} (free {books.free} + evictable {books.evictable} + "
+                f"{self.pending_return} released, not yet reported)"
+            )
+
+    def headroom(self, books: Books) -> int:
+        """Pages the pool could lose now with every promise kept (see Ledger.headroom)."""
+        if not self.peak_policy.peak:
+            return books.supply - books.outstanding
+        highest, _ = self.peak()
+        return books.supply + self.pending_return - highest
 
     def profile(self) -> Profile:
         if self._profile is None:
             if self._followed is None:
-                self._profile = Profile(self.tracks, self.policy.page_size, self.pace, self.clock)
+                self._profile = Profile(
+                    self.tracks, self.peak_policy.page_size, self.pace, self.clock
+                )
             else:
                 self._profile = self._followed.follow(self.tracks, self.clock)
             self._followed = self._profile
@@ -110,7 +129,7 @@ class Timeline:
     # ---- membership ----------------------------------------------------------------------------
 
     def add(
-        self, rid: str, shape: PeakShape | None, reserved: int, hit: Hold, deferred: bool = False
+        self, rid: str, shape: PeakShape | None, reserved: int, hit: Hit, deferred: bool = False
     ) -> None:
         """An admitted request. The sole-held part of its hit was exclusive to some running
         holder, which no longer returns it when it finishes. The ledger is not told which
@@ -123,13 +142,14 @@ class Timeline:
         until `start` its track is `open_ended` (it may start at any later step)."""
         self._pin(hit.sole)
         if shape is None:
-            self.tracks[rid] = flat_track(reserved, self.policy.page_size, hit.pages)
-            self.tracks[rid].exclusive = hit.idle
+            flat = flat_shape(reserved, self.peak_policy.page_size)
+            self.tracks[rid] = track_for(flat, hit.pages, hit.idle_pages, False)
         else:
             if deferred:
                 self.unstarted[rid] = shape
                 shape = open_ended(shape)
-            self.tracks[rid] = track_for(shape, hit.pages, hit.idle, self.policy.peak)
+            track = track_for(shape, hit.pages, hit.idle_pages, self.peak_policy.peak)
+            self.tracks[rid] = track
         self._changed()
 
     def start(self, rid: str, prefill_chunks: int) -> None:
@@ -138,12 +158,17 @@ class Timeline:
         open-ended track becomes the usual one: a curve that starts now lies under the open
         end's at every step, so nothing promised before can break. A request that was not
         deferred (restored, or admitted without a shape) keeps its flat track."""
+        track = self.tracks[rid]
+        if rid not in self.unstarted and track.budget != NEVER:
+            raise InvalidPages(
+                f"request {rid!r} was started already (or admitted for an engine that starts "
+                f"what it is told at once); report start only for deferred admissions"
+            )
         shape = self.unstarted.pop(rid, None)
         if shape is None:
             return
-        track = self.tracks[rid]
         shape = replace(shape, prefill_chunks=prefill_chunks)
-        started = track_for(shape, track.held, track.exclusive, self.policy.peak)
+        started = track_for(shape, track.held, track.exclusive, self.peak_policy.peak)
         self.tracks[rid] = started
         self._changed()
 
@@ -159,7 +184,8 @@ class Timeline:
     def restore(self, rid: str, reserved: int, held: int) -> None:
         """A request re-registered after a restart: worst case until released, and none of
         its pages counted as returning (which of them are shared is not known)."""
-        self.tracks[rid] = flat_track(reserved, self.policy.page_size, held)
+        flat = flat_shape(reserved, self.peak_policy.page_size)
+        self.tracks[rid] = track_for(flat, held, 0, False)
         self._changed()
 
     def remove(self, rid: str) -> None:
@@ -241,7 +267,7 @@ class Timeline:
         if track.budget != NEVER:
             track.produced, track.chunks = produced, chunks_left
             track.remaining = track.budget - produced
-            if self.policy.peak:
+            if self.peak_policy.peak:
                 for i, label in enumerate(track.labels):
                     implied = track.base[i] + track.per_output[i] * produced
                     told = tokens_per_label[label] if tokens_per_label else implied
@@ -275,9 +301,9 @@ class Timeline:
 
     # ---- the tests -----------------------------------------------------------------------------
 
-    def fits(self, shape: PeakShape, hit: Hold, supply: int) -> bool:
+    def fits(self, shape: PeakShape, hit: Hit, supply: int) -> bool:
         """Whether the newcomer, started now with `hit`, keeps the peak within supply."""
-        return self._highest(shape, 0, hit, None) <= supply - hit.idle
+        return self._highest(shape, 0, hit, None) <= supply - hit.idle_pages
 
     def promise(self, rid: str, head: PeakShape, supply: int) -> int | None:
         """Steps from now until the head surely fits, counting no cached hit for it (a hit only
@@ -289,26 +315,26 @@ class Timeline:
         if self._promise is not None and self._promise[0] == rid:
             starts.add(max(0, self._promise[1] - self.clock))
         for start in sorted(starts):
-            if self._highest(head, start, Hold(0, 0), None) <= supply:
+            if self._highest(head, start, NO_HIT, None) <= supply:
                 self._promise = (rid, self.clock + start)
                 return start
         self._promise = None
         return None
 
     def fits_behind(
-        self, head: PeakShape, start: int, shape: PeakShape, hit: Hold, supply: int
+        self, head: PeakShape, start: int, shape: PeakShape, hit: Hit, supply: int
     ) -> bool:
         """Whether the newcomer may start now without delaying the head promised `start`."""
         if not self.fits(shape, hit, supply):
             return False
-        return self._highest(head, start, Hold(0, 0), (shape, hit)) <= supply - hit.idle
+        return self._highest(head, start, NO_HIT, (shape, hit)) <= supply - hit.idle_pages
 
     def _highest(
         self,
         shape: PeakShape,
         start: int,
-        hit: Hold,
-        beside: tuple[PeakShape, Hold] | None,
+        hit: Hit,
+        beside: tuple[PeakShape, Hit] | None,
     ) -> int:
         """Highest extra demand with the newcomer started at `start` (and, if given, another
         request started now beside the running ones)."""
@@ -335,10 +361,10 @@ class Timeline:
             total += profile.returned(ks) - profile.returned(ks, pinned=shared)
         return int(total.max())
 
-    def _newcomer(self, shape: PeakShape, ks: np.ndarray, start: int, hit: Hold) -> np.ndarray:
-        policy = self.policy
+    def _newcomer(self, shape: PeakShape, ks: Steps, start: int, hit: Hit) -> Steps:
+        page_size = self.peak_policy.page_size
         return newcomer(
-            shape, self.pace, policy.page_size, ks, start, hit.pages, hit.idle, self.peak_active
+            shape, self.pace, page_size, ks, start, hit.pages, hit.idle_pages, self.peak_active
         )
 
     def peak(self) -> tuple[int, int]:

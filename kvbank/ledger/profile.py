@@ -25,9 +25,8 @@ from operator import is_
 import numpy as np
 import numpy.typing as npt
 
-from kvbank.peakfit import NEVER, Pace, Track
+from kvbank.ledger.shape import NEVER, Pace, Steps, Track
 
-Steps = npt.NDArray[np.int64]
 # Below this many (request-label rows x candidates), a rebuild costs less than following the
 # previous profile: finding what changed costs a few dozen small numpy calls.
 FOLLOW_FROM = 16_384

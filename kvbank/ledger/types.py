@@ -1,6 +1,6 @@
 """The ledger's records and errors: what callers pass in (`Hit`), get back (`Admitted`,
 `Refused`, `Reservation`, `LedgerSnapshot`) and catch (`LedgerError` and its kinds, which the
-sidecar maps to gRPC status codes)."""
+sidecar maps to gRPC status codes). The peak-fit timeline reads a leased hit as the same `Hit`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,13 @@ class Hit:
     # Of the held part, pages exactly one running request holds (a policy ledger stops
     # counting them as that request's to return). None: not known, so all of the held part.
     sole_pages: int | None = None
+
+    @property
+    def sole(self) -> int:
+        """Of the held part, the pages one running request held alone and no longer returns
+        when it finishes (all of the held part when not known: never fewer than the truth)."""
+        held = self.pages - self.idle_pages
+        return held if self.sole_pages is None else min(held, self.sole_pages)
 
 
 NO_HIT = Hit()

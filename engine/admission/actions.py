@@ -1,0 +1,47 @@
+"""The decisions a policy returns and the scheduler carries out (engine/scheduler.py
+`Scheduler.carry_out`), one at a time: a policy's `admit` yields each and resumes once it is
+done, so the policy reads the cache as the decision left it. Admission only decides; it never
+calls the scheduler or changes the cache itself.
+
+- `Start`: admit a waiting request, leasing `lease` (its cached prefix, per label). Pins past
+  the lease are dropped.
+- `Pin`: hold more of a waiting request's cached hit so that eviction cannot take it before a
+  decision that counted it is applied, within `max_idle` pages of headroom.
+- `Reject`: finish a waiting request the ledger refused.
+- `Preempt`: recompute-preempt a running request (requeued at the head). The baselines return it
+  on a shortage; a request class that may be preempted yields it from `admit` to make room for
+  a request that may not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbank.engine.kv.cache import Chains
+from kvbank.engine.request import Request
+
+
+@dataclass(frozen=True)
+class Start:
+    req: Request
+    lease: Chains = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pin:
+    req: Request
+    max_idle: int
+    sole_costs: bool = False  # a page exactly one holder has costs as much as an idle one
+
+
+@dataclass(frozen=True)
+class Reject:
+    req: Request
+
+
+@dataclass(frozen=True)
+class Preempt:
+    req: Request
+
+
+Action = Start | Pin | Reject | Preempt

@@ -1,0 +1,54 @@
+"""The engine's admission policies by name: the ledger's modes (kvbank/mode.py) and the
+baselines, in the order `kvbank bench --policy all` runs them. One table, built when this module
+is imported, so nothing depends on which policy module was imported first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+from kvbank.engine.admission.backend import AdmissionBackend, PeakBackend
+from kvbank.engine.admission.banker import BankerPolicy
+from kvbank.engine.admission.baselines import BASELINES
+from kvbank.engine.admission.peak import PeakFitPolicy
+from kvbank.engine.admission.policy import AdmissionPolicy
+from kvbank.mode import BANKER, LEDGER_MODES, AdmissionMode
+
+PolicyFactory = Callable[[AdmissionBackend | None], AdmissionPolicy]
+
+
+def _ledger(mode: AdmissionMode) -> PolicyFactory:
+    def make(backend: AdmissionBackend | None) -> AdmissionPolicy:
+        if mode == BANKER:
+            if backend is None:
+                raise ValueError("the banker policy needs an admission backend")
+            return BankerPolicy(backend)
+        return PeakFitPolicy(mode, cast("PeakBackend | None", backend))
+
+    return make
+
+
+def _baseline(cls: type[AdmissionPolicy]) -> PolicyFactory:
+    return lambda backend: cls()
+
+
+# The banker first (the design), then the baselines, then the ledger's other modes.
+POLICIES: dict[str, PolicyFactory] = {
+    BANKER.name: _ledger(BANKER),
+    **{cls.name: _baseline(cls) for cls in BASELINES},
+    **{mode.name: _ledger(mode) for mode in LEDGER_MODES if mode != BANKER},
+}
+
+
+def make_policy(name: str, backend: AdmissionBackend | None = None) -> AdmissionPolicy:
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown admission policy {name!r}; choose one of {', '.join(POLICIES)}"
+        ) from None
+    return factory(backend)
+
+
+def policy_names() -> list[str]:
+    return list(POLICIES)

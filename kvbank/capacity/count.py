@@ -1,0 +1,228 @@
+"""The one capacity function, `count_pages`: how many KV pages a request may need, and what is
+read off it (a label's growth, the model's worst-case request)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from kvbank.modelpool import KvSlot, ModelPool
+
+SINK_PAGES = 1  # one page absorbs padding rows and unread labels; it is never allocated
+
+
+@dataclass(frozen=True)
+class CapacityModel:
+    """What the capacity function needs to know about a model and its pool's page size."""
+
+    kv_slots: Mapping[str, KvSlot]
+    page_size: int
+    max_seq_len: int
+    max_tokens: int  # the limit, and the budget of a request that sends no max_tokens
+    speculative_tokens: int = 0
+
+    @classmethod
+    def from_pool(cls, pool: ModelPool) -> CapacityModel:
+        return cls(
+            pool.kv_slots,
+            pool.kv.page_size,
+            pool.limits.max_seq_len,
+            pool.limits.max_tokens,
+            pool.kv.speculative_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """A request as the model and the server's tokenizer count it (never the client)."""
+
+    prompt_tokens: int
+    max_tokens: int | None = None  # None: the model's limit
+    # Tokens the model itself adds to a label for this request (an image's tokens, say); they
+    # are the model's own count and are reserved whole, even past max_seq_len.
+    extra_tokens: Mapping[str, int] = field(default_factory=dict)
+    # The labels this request writes; the others go to the sink page. None: every label.
+    labels: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class PageCount:
+    per_label: Mapping[str, int]
+    tokens_per_label: Mapping[str, int]
+    output_tokens: int  # the output budget after the max_seq_len cap
+    cached: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_label.values())
+
+    @property
+    def need(self) -> int:
+        """Pages still to find once the cached prefix is leased."""
+        return self.total - self.cached
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def output_budget(model: CapacityModel, prompt_tokens: int, max_tokens: int | None) -> int:
+    """Output tokens a request may produce: its max_tokens (the model's limit when it sends none),
+    capped so that prompt plus output stays within max_seq_len."""
+    budget = model.max_tokens if max_tokens is None else max_tokens
+    return max(0, min(budget, model.max_seq_len - prompt_tokens))
+
+
+@dataclass(frozen=True)
+class LabelTerms:
+    """What one request writes into one label: tokens per prompt token, per output position,
+    and its own tokens (the label's fixed tokens plus the model's extra tokens for this
+    request), which are reserved whole and written with its first chunk. The engine lays out a
+    request's page tables from these, so it writes exactly what count_pages counts."""
+
+    name: str
+    per_prompt: int
+    per_output: int
+    own: int
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the label's tokens are exactly the prompt tokens, so the prefix cache may key
+        it: anything else (an image's tokens, an encoder window) is not described by the prompt,
+        so two equal prompts do not mean equal KV there."""
+        return self.per_prompt == 1 and self.own == 0
+
+    def tokens_at(self, positions: int, prompt_tokens: int) -> int:
+        """Label tokens once `positions` positions (prompt first, then output) are written."""
+        if positions <= 0:
+            return 0
+        prompt_part = min(positions, prompt_tokens)
+        return (
+            self.per_prompt * prompt_part + self.own + self.per_output * (positions - prompt_part)
+        )
+
+
+def label_terms(model: CapacityModel, request: RequestShape) -> dict[str, LabelTerms]:
+    """The labels a request writes, in the model's order; the others go to the sink page."""
+    return {
+        label: LabelTerms(
+            label, slot.prompt, slot.output, slot.fixed + request.extra_tokens.get(label, 0)
+        )
+        for label, slot in model.kv_slots.items()
+        if request.labels is None or label in request.labels
+    }
+
+
+def count_pages(model: CapacityModel, request: RequestShape, cached_pages: int = 0) -> PageCount:
+    """Pages one request may need, per label: its prompt, its output budget and one speculative
+    step. A label's prompt count (prompt tokens x multiplier, fixed tokens, the model's extra
+    tokens) is reserved whole; what decode adds is capped at max_seq_len positions."""
+    output = output_budget(model, request.prompt_tokens, request.max_tokens)
+    decode_positions = output + model.speculative_tokens
+    per_label: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for label, terms in label_terms(model, request).items():
+        label_tokens = (
+            terms.per_prompt * request.prompt_tokens
+            + terms.own
+            + terms.per_output * decode_positions
+        )
+        tokens[label] = label_tokens
+        per_label[label] = pages_for(label_tokens, model.page_size)
+    total = sum(per_label.values())
+    return PageCount(per_label, tokens, output, min(cached_pages, total))
+
+
+@dataclass(frozen=True)
+class LabelGrowth:
+    """How one label of one request fills as it decodes: `base` tokens once its prompt is in,
+    `per_output` more per output token, never more than `worst` (count_pages's count, which
+    includes the speculative step)."""
+
+    base: int
+    per_output: int
+    worst: int
+
+
+def label_growth(
+    model: CapacityModel, request: RequestShape, count: PageCount | None = None
+) -> tuple[dict[str, LabelGrowth], PageCount]:
+    """Per label, the request's token timeline, read off count_pages (or `count`, its result
+    for this request when the caller has it) so that the worst case a timeline reaches is
+    exactly the one the ledger reserves."""
+    if count is None:
+        count = count_pages(model, request)
+    decode_positions = count.output_tokens + model.speculative_tokens
+    growth = {}
+    for label, worst in count.tokens_per_label.items():
+        rate = model.kv_slots[label].output
+        growth[label] = LabelGrowth(worst - rate * decode_positions, rate, worst)
+    return growth, count
+
+
+def pages_for_labels(tokens_per_label: Mapping[str, int], page_size: int) -> int:
+    """Pages a request holds with these tokens per label (the sum count_pages takes)."""
+    return sum(pages_for(tokens, page_size) for tokens in tokens_per_label.values())
+
+
+def worst_case(model: CapacityModel) -> tuple[RequestShape, PageCount]:
+    """The request of this model that needs the most pages, computed exactly.
+
+    Along prompt + output = max_seq_len every label's tokens are linear in the prompt length p
+    (`rise x p + base`), so the total page count is a sum of step functions. It lies within one
+    page per label of the linear sum of tokens / page_size, whose maximum is at an end of the
+    range; so only prompts where that linear sum comes within a page per label of the best end
+    can do better, and among those only the prompts where a rising label steps up. That leaves a
+    handful of candidates even at page size 1 and a million positions (one to a few per label),
+    except for specs whose rises cancel out exactly, where it is one per page per rising label.
+    """
+    longest_output = min(model.max_tokens, model.max_seq_len - 1)
+    lo, hi = model.max_seq_len - longest_output, model.max_seq_len - 1  # prompt lengths
+    page, spec = model.page_size, model.speculative_tokens
+
+    def at(prompt: int) -> tuple[RequestShape, PageCount]:
+        shape = RequestShape(prompt, model.max_seq_len - prompt)
+        return shape, count_pages(model, shape)
+
+    best = max(at(lo), at(hi), key=lambda found: found[1].total)
+    lines = [
+        (slot.prompt - slot.output, slot.fixed + slot.output * (model.max_seq_len + spec))
+        for slot in model.kv_slots.values()
+    ]
+    # Prompts whose summed tokens exceed (best + 1 - labels) pages could still beat the best end.
+    slope = sum(rise for rise, _ in lines)
+    offset = sum(base for _, base in lines)
+    threshold = (best[1].total + 1 - len(lines)) * page - offset  # need slope x p > threshold
+    if slope > 0:
+        lo = max(lo, threshold // slope + 1)
+    elif slope < 0:
+        hi = min(hi, -(-threshold // slope) - 1)
+    elif threshold >= 0:
+        return best
+    for rise, base in lines:
+        if rise <= 0 or lo > hi:
+            continue
+        for step in range((rise * lo + base) // page, (rise * hi + base) // page + 1):
+            prompt = -(-(step * page + 1 - base) // rise)  # first prompt past the step
+            if lo <= prompt <= hi:
+                found = at(prompt)
+                if found[1].total > best[1].total:
+                    best = found
+    return best
+
+
+def usable_pages(pool_pages: int) -> int:
+    return pool_pages - SINK_PAGES
+
+
+def largest_fitting(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+    """Largest value in [lo, hi] for which the monotone predicate `fits` holds (binary search)."""
+    if not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
