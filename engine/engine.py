@@ -31,6 +31,7 @@ class EngineConfig:
     policy: str = "banker"
     max_batch_tokens: int = 2048  # tokens one step may compute, decode rows included
     max_running: int = 256
+    host_pages: int = 0  # a host tier for evicted prefix pages; 0: none
     debug: bool = False  # deep integrity checks after every step (tests turn it on)
 
 
@@ -69,7 +70,7 @@ class Engine:
         self.config = config
         self.runner = runner
         self.backend = admission_backend
-        self.kv = KVCache(config.total_pages, config.model.page_size)
+        self.kv = KVCache(config.total_pages, config.model.page_size, config.host_pages)
         self.policy = make_policy(config.policy, admission_backend)
         self.sched = Scheduler(
             config.model, self.kv, self.policy, config.max_batch_tokens, config.max_running
@@ -170,7 +171,7 @@ class Engine:
         self.last_schedule_s = time.perf_counter() - started  # scheduling and admission
         self.steps += 1
         self.last_rows = len(batch.rows)
-        result = self.runner.run(batch) if batch.rows else StepResult({}, 0.0)
+        result = self.runner.run(batch) if batch.rows or batch.moves else StepResult({}, 0.0)
         self.last_result = result
         sched.postprocess(result, self.runner.eos_token_id)
         outputs = self._outputs(result)

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvbank.engine.kv.host import HostMove
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -36,6 +38,9 @@ class RowInput:
 class StepBatch:
     step: int
     rows: Sequence[RowInput]
+    # Pages copied between the device pool and the host tier, in the order the scheduler
+    # decided them; the runner copies them, in this order, before the forward pass.
+    moves: Sequence[HostMove] = ()
 
     @property
     def num_tokens(self) -> int:

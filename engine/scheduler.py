@@ -137,7 +137,7 @@ class Scheduler:
         after preemption, of everything it had), and give it a first chunk if budget is left."""
         self.dequeue(req)
         leased = self.kv.lease(req, chains)
-        grown = self.kv.grow(req, req.num_tokens, self._protected)
+        grown = self.kv.grow_reloading(req, req.num_tokens, self._protected)
         if grown:
             self.policy.on_take(req, grown)
         req.status = Status.RUNNING
@@ -167,7 +167,8 @@ class Scheduler:
                 self._prefill_row(req)
         for action in self.policy.admit():
             self.carry_out(action)
-        return StepBatch(step, [self._row_input(row) for row in self.rows.values()])
+        rows = [self._row_input(row) for row in self.rows.values()]
+        return StepBatch(step, rows, self.kv.take_moves())
 
     def _decode_row(self, req: Request) -> None:
         positions = len(req.prompt) + len(req.output) + self.model.speculative_tokens

@@ -89,6 +89,7 @@ class KvPool:
     pages: int | None = None  # per rank; None when sized by memory_fraction
     memory_fraction: float | None = None  # of the GPU memory left after weights and reserve
     speculative_tokens: int = 0
+    host_pages: int = 0  # per rank, in host memory: evicted prefix pages kept for reload
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,9 @@ def parse_modelpool(doc: Any) -> ModelPool:
     reserved = r.number(gpu_obj, "reservedGiB", "spec.gpu", lo=0, hi=4096, default=0.0)
 
     kv_obj = r.mapping(spec.get("kv"), "spec.kv") or {}
-    r.unknown(kv_obj, "spec.kv", {"pageSize", "pages", "memoryFraction", "speculativeTokens"})
+    r.unknown(
+        kv_obj, "spec.kv", {"pageSize", "pages", "memoryFraction", "speculativeTokens", "hostPages"}
+    )
     page_size = r.integer(kv_obj, "pageSize", "spec.kv", lo=1, hi=MAX_PAGE_SIZE)
     pages: int | None = None
     fraction: float | None = None
@@ -280,6 +283,7 @@ def parse_modelpool(doc: Any) -> ModelPool:
     spec_tokens = r.integer(
         kv_obj, "speculativeTokens", "spec.kv", lo=0, hi=MAX_SPECULATIVE, default=0
     )
+    host_pages = r.integer(kv_obj, "hostPages", "spec.kv", lo=0, hi=MAX_PAGES, default=0)
 
     slots = _kv_slots(r, spec.get("kvSlots"))
 
@@ -312,7 +316,7 @@ def parse_modelpool(doc: Any) -> ModelPool:
         raise SpecError(r.errors)
     assert arch and memory and util and reserved is not None and page_size and tp
     assert replicas is not None and spec_tokens is not None and max_seq_len and max_tokens
-    assert min_conc is not None and policy
+    assert min_conc is not None and policy and host_pages is not None
     return ModelPool(
         name=name,
         namespace=str(namespace),
@@ -321,7 +325,7 @@ def parse_modelpool(doc: Any) -> ModelPool:
         replicas=replicas,
         tensor_parallel=tp,
         gpu=Gpu(memory, util, reserved),
-        kv=KvPool(page_size, pages, fraction, spec_tokens),
+        kv=KvPool(page_size, pages, fraction, spec_tokens, host_pages),
         kv_slots=slots,
         limits=Limits(max_seq_len, max_tokens),
         admission=Admission(min_conc, policy, bool(backfill)),

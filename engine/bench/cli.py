@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbank.engine.admission.registry import policy_names
+from kvbank.engine.bench.classplot import plot_classes
+from kvbank.engine.bench.classtable import has_classes, render_classes
 from kvbank.engine.bench.plot import check_target, plot
 from kvbank.engine.bench.scenario import Scenario, ScenarioError, load_scenario
 from kvbank.engine.bench.simulate import RunResult, run_policy
@@ -77,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="plot pages held and requests running to this file (its folder must exist)",
     )
     parser.add_argument(
+        "--plot-classes",
+        metavar="FILE.png",
+        help="plot pages held by each request class over time, one panel per policy",
+    )
+    parser.add_argument(
         "--debug", action="store_true", help="deep integrity checks after every step (slower)"
     )
     parser.add_argument(
@@ -126,9 +133,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.plot and (problem := check_target(Path(args.plot))) is not None:
-        print(f"kvbank bench: {problem}", file=sys.stderr)
-        return 2
+    for target in (args.plot, args.plot_classes):
+        if target and (problem := check_target(Path(target))) is not None:
+            print(f"kvbank bench: {problem}", file=sys.stderr)
+            return 2
     results = [
         run_policy(scenario, name, args.debug, True, _backend(args.sidecar, name, scenario))
         for name in policies
@@ -140,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(scenario, results, Path(args.plot))
         print(f"kvbank bench: plot written to {Path(args.plot).resolve()}", file=sys.stderr)
+    if args.plot_classes:
+        plot_classes(scenario, results, Path(args.plot_classes))
+        print(f"kvbank bench: plot written to {Path(args.plot_classes).resolve()}", file=sys.stderr)
     return 1 if any(r.metrics["invariant_breaches"] for r in results) else 0
 
 
@@ -197,4 +208,6 @@ def render_table(scenario: Scenario, results: list[RunResult]) -> str:
         lines += ["", "stopped early: " + "; ".join(stops)]
     width = max(len(name) for name, _ in LEGEND)
     lines += ["", *(f"{name.rjust(width)}  {meaning}" for name, meaning in LEGEND)]
+    if has_classes(scenario):
+        lines += ["", *render_classes(results)]
     return "\n".join(lines)

@@ -7,6 +7,7 @@ model does not have. Nothing is guessed.
 
 from __future__ import annotations
 
+import enum
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +38,28 @@ class Span:
         return self.low if self.low == self.high else rng.randint(self.low, self.high)
 
 
+class ServiceClass(enum.StrEnum):
+    """What a request is promised: `strict` is never preempted or paused; `best-effort` runs on
+    what strict requests do not need and may be preempted."""
+
+    STRICT = "strict"
+    BEST_EFFORT = "best-effort"
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A class's latency objective: a completed request met it when its time to first token
+    and its mean time per output token are both within these (goodput counts those)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met(self, ttft_s: float, tpot_s: float | None) -> bool:
+        if self.ttft_s is not None and ttft_s > self.ttft_s:
+            return False
+        return self.tpot_s is None or tpot_s is None or tpot_s <= self.tpot_s
+
+
 @dataclass(frozen=True)
 class RequestClass:
     name: str
@@ -48,6 +71,8 @@ class RequestClass:
     shared_prefix_tokens: int = 0
     fixed_label_tokens: Mapping[str, int] | None = None
     only_labels: frozenset[str] | None = None
+    service_class: ServiceClass = ServiceClass.STRICT
+    slo: Slo | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +94,7 @@ class Scenario:
     cost: CostModel
     time_limit_s: float
     workload: Workload
+    host_pages: int = 0  # a host tier beside the device pool; 0: none
 
 
 class _Reader:
@@ -143,9 +169,12 @@ def parse_scenario(data: Any, source: str = "scenario") -> Scenario:
         {"name", "about", "pool", "model", "cost_model", "time_limit_s", "workload"},
         {"name", "pool", "model", "workload"},
     )
-    pool = r.mapping(top.get("pool", {}), "pool", {"pages", "page_size"}, {"pages", "page_size"})
+    pool = r.mapping(
+        top.get("pool", {}), "pool", {"pages", "page_size", "host_pages"}, {"pages", "page_size"}
+    )
     pages = r.integer(pool.get("pages", 2), "pool.pages", 2)
     page_size = r.integer(pool.get("page_size", 1), "pool.page_size", 1)
+    host_pages = r.integer(pool.get("host_pages", 0), "pool.host_pages")
     model, tp = _model(r, top.get("model", {}), page_size)
     cost = _cost(r, top.get("cost_model", {}))
     limit = r.number(top.get("time_limit_s", 3600), "time_limit_s", positive=True)
@@ -153,7 +182,8 @@ def parse_scenario(data: Any, source: str = "scenario") -> Scenario:
     if r.problems:
         raise ScenarioError(source, r.problems)
     name = top.get("name")
-    return Scenario(str(name), str(top.get("about", "")), pages, model, tp, cost, limit, workload)
+    about = str(top.get("about", ""))
+    return Scenario(str(name), about, pages, model, tp, cost, limit, workload, host_pages)
 
 
 def _model(r: _Reader, value: Any, page_size: int) -> tuple[CapacityModel, int]:
@@ -182,7 +212,10 @@ def _model(r: _Reader, value: Any, page_size: int) -> tuple[CapacityModel, int]:
 
 
 def _cost(r: _Reader, value: Any) -> CostModel:
-    names = ("step_base_ms", "prefill_ms_per_token", "decode_ms_per_row", "attn_ms_per_page")
+    names = (
+        "step_base_ms", "prefill_ms_per_token", "decode_ms_per_row", "attn_ms_per_page",
+        "host_ms_per_page",
+    )  # fmt: skip
     body = r.mapping(value, "cost_model", set(names), set())
     defaults = CostModel()
     numbers = {
@@ -217,7 +250,8 @@ def _workload(r: _Reader, value: Any, labels: set[str]) -> Workload:
 def _class(r: _Reader, value: Any, path: str, labels: set[str]) -> RequestClass:
     fields = {
         "name", "weight", "prompt_tokens", "shared_prefix", "shared_prefix_tokens",
-        "max_tokens", "output_tokens", "fixed_label_tokens", "only_labels",
+        "max_tokens", "output_tokens", "fixed_label_tokens", "only_labels", "service_class",
+        "slo",
     }  # fmt: skip
     body = r.mapping(value, path, fields, {"weight", "prompt_tokens", "output_tokens"})
     name = str(body.get("name", path))
@@ -253,7 +287,37 @@ def _class(r: _Reader, value: Any, path: str, labels: set[str]) -> RequestClass:
                     f"({', '.join(sorted(labels))})"
                 )
             only = frozenset(str(x) for x in raw_only)
+    service = _service_class(r, body.get("service_class", "strict"), f"{path}.service_class")
+    if service is ServiceClass.BEST_EFFORT and fixed and any(fixed.values()):
+        r.problems.append(
+            f"{path}.service_class: a class with fixed_label_tokens (an image's or an audio "
+            f"window's KV, which cannot be rebuilt) is always strict; remove service_class or "
+            f"set it to strict"
+        )
+    slo = _slo(r, body["slo"], f"{path}.slo") if "slo" in body else None
     return RequestClass(
         name, weight, prompt, output, max_tokens,
-        str(prefix) if prefix is not None else None, prefix_tokens, fixed, only,
+        str(prefix) if prefix is not None else None, prefix_tokens, fixed, only, service, slo,
     )  # fmt: skip
+
+
+def _service_class(r: _Reader, value: Any, path: str) -> ServiceClass:
+    try:
+        return ServiceClass(value)
+    except ValueError:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        r.problems.append(
+            f"{path}: must be one of {', '.join(c.value for c in ServiceClass)}, got {shown}"
+        )
+        return ServiceClass.STRICT
+
+
+def _slo(r: _Reader, value: Any, path: str) -> Slo:
+    body = r.mapping(value, path, {"ttft_s", "tpot_s"}, set())
+    if isinstance(value, Mapping) and not body:
+        r.problems.append(f"{path}: set ttft_s, tpot_s or both (seconds), or remove slo")
+    bounds = {
+        key: r.number(body[key], f"{path}.{key}", positive=True) if key in body else None
+        for key in ("ttft_s", "tpot_s")
+    }
+    return Slo(bounds["ttft_s"], bounds["tpot_s"])

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbank.engine.admission.backend import AdmissionBackend
+from kvbank.engine.bench.outcomes import Outcome, RowObserver, admission_by_class, class_metrics
 from kvbank.engine.bench.scenario import Scenario
 from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.bench.workload import RequestSpec, generate
@@ -27,18 +28,14 @@ DEADLOCK_S = 30.0
 
 
 @dataclass
-class _Track:
-    spec: RequestSpec
-    sent_s: float
-    first_token_s: float | None = None
-
-
-@dataclass
 class RunResult:
     scenario: str
     policy: str
     metrics: dict[str, Any]
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (s, held, running)
+    # (s, pages held by the running requests of each class, in the workload's class order; a
+    # page two requests share counts for both)
+    class_timeline: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -61,15 +58,18 @@ def run_policy(
     """`backend` replaces the embedded ledger (kvbank.sidecar.backend for a sidecar);
     `prepare` sees the engine before the first request, `after_step` runs after every step
     (a benchmark that times the policy, or paces steps in wall time)."""
-    config = EngineConfig(scenario.model, scenario.pages, policy=policy, debug=debug)
+    config = EngineConfig(
+        scenario.model, scenario.pages, policy=policy, host_pages=scenario.host_pages, debug=debug
+    )
     runner = VirtualRunner(scenario.cost, seed=scenario.workload.seed)
-    engine = Engine(config, runner, backend)
+    tracks: dict[str, Outcome] = {}  # requests in flight
+    outcomes: list[Outcome] = []  # every request sent and taken
+    engine = Engine(config, RowObserver(runner, tracks), backend)
     if prepare is not None:
         prepare(engine)
     workload = scenario.workload
     specs = generate(workload)
     upcoming: deque[RequestSpec] = deque()
-    tracks: dict[str, _Track] = {}
     ttft: dict[str, list[float]] = {}
     e2e: list[float] = []
     counts = {"completed": 0, "rejected": 0, "failed": 0}
@@ -77,13 +77,15 @@ def run_policy(
     breaches = 0
     stop = ""
     timeline: list[tuple[float, int, int]] = []
+    class_timeline: list[tuple[float, tuple[int, ...]]] = []
+    class_index = {c.name: i for i, c in enumerate(workload.classes)}
     usable = engine.kv.pool.usable_pages
     bar = _progress_bar(workload.requests, f"{scenario.name}/{policy}") if progress else None
 
     def send(spec: RequestSpec) -> None:
         cls = spec.cls
         try:
-            engine.add_request(
+            req = engine.add_request(
                 spec.rid,
                 spec.prompt,
                 cls.max_tokens,
@@ -96,7 +98,8 @@ def run_policy(
                 bar.update(1)
             return
         runner.stop_after(spec.rid, spec.output_tokens)
-        tracks[spec.rid] = _Track(spec, clock)
+        tracks[spec.rid] = outcome = Outcome(cls, req, clock)
+        outcomes.append(outcome)
 
     def refill() -> None:
         if workload.concurrency is not None:
@@ -145,11 +148,12 @@ def run_policy(
             if out.new_token_ids:
                 last_progress = clock
                 if track.first_token_s is None:
-                    track.first_token_s = clock
-                    ttft.setdefault(track.spec.cls.name, []).append(clock - track.sent_s)
+                    ttft.setdefault(track.cls.name, []).append(clock - track.sent_s)
+                track.on_tokens(len(out.new_token_ids), clock)
             if out.finished:
                 del tracks[out.rid]
                 if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    track.completed = True
                     counts["completed"] += 1
                     e2e.append(clock - track.sent_s)
                 else:
@@ -157,6 +161,10 @@ def run_policy(
                 if bar is not None:
                     bar.update(1)
         timeline.append((clock, engine.kv.pool.held, engine.num_running))
+        by_class = [0] * len(class_index)
+        for running in engine.sched.running.values():
+            by_class[class_index[tracks[running.rid].cls.name]] += running.held
+        class_timeline.append((clock, tuple(by_class)))
         if after_step is not None:
             after_step()
         if clock - last_progress > DEADLOCK_S:
@@ -167,6 +175,10 @@ def run_policy(
             break
     if bar is not None:
         bar.close()
+    # Imported here, not at the top: importing a policy module registers its policies, and the
+    # registry's order (banker first) is the order of `--policy all`.
+    from kvbank.engine.admission.baselines import FifoPolicy
+
     stats = engine.sched.stats
     done = counts["completed"]
     all_ttft = [v for values in ttft.values() for v in values]
@@ -201,8 +213,15 @@ def run_policy(
         "max_running": max((r for _, _, r in timeline), default=0),
         "steps": engine.steps,
         "stopped": stop or "finished",
+        # How each class was admitted: said plainly, since kvbank's own policies have no
+        # best-effort admission yet.
+        "admitted_as": admission_by_class(workload.classes, isinstance(engine.policy, FifoPolicy)),
+        **class_metrics(outcomes, workload.classes, clock, _percentile),
+        "host_pages": scenario.host_pages,
+        "host_pages_saved": engine.kv.host.saved if engine.kv.host else 0,
+        "host_pages_reloaded": engine.kv.host.loaded if engine.kv.host else 0,
     }
-    return RunResult(scenario.name, policy, metrics, timeline)
+    return RunResult(scenario.name, policy, metrics, timeline, class_timeline)
 
 
 def _progress_bar(total: int, label: str) -> Any:

@@ -5,6 +5,7 @@ costs
 
     step_base_ms + prefill_ms_per_token x prefill tokens + decode_ms_per_row x decode rows
                  + attn_ms_per_page x pages the step reads
+                 + host_ms_per_page x pages the step copies to or from the host tier
 
 and every token is a pure function of (seed, request id, output index), so a run is
 deterministic for a seed. A request stops where its workload says the model would: the runner
@@ -28,13 +29,17 @@ class CostModel:
     prefill_ms_per_token: float = 0.02
     decode_ms_per_row: float = 0.05
     attn_ms_per_page: float = 0.002
+    host_ms_per_page: float = 0.0  # one page copied between device and host, either way
 
-    def step_seconds(self, prefill_tokens: int, decode_rows: int, pages_read: int) -> float:
+    def step_seconds(
+        self, prefill_tokens: int, decode_rows: int, pages_read: int, pages_moved: int = 0
+    ) -> float:
         return (
             self.step_base_ms
             + self.prefill_ms_per_token * prefill_tokens
             + self.decode_ms_per_row * decode_rows
             + self.attn_ms_per_page * pages_read
+            + self.host_ms_per_page * pages_moved
         ) / 1000.0
 
 
@@ -65,7 +70,8 @@ class VirtualRunner:
             pages += len(row.page_ids)
             if row.sample:
                 tokens[row.rid] = self._next_token(row.rid)
-        return StepResult(tokens, self.cost.step_seconds(prefill, decode, pages))
+        moved = len(batch.moves)
+        return StepResult(tokens, self.cost.step_seconds(prefill, decode, pages, moved))
 
     def _next_token(self, rid: str) -> int:
         index = self._sampled.get(rid, 0) + 1

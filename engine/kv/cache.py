@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 from kvbank.capacity import pages_for
+from kvbank.engine.kv.host import HostEntry, HostMove, HostTier
 from kvbank.engine.kv.pages import OutOfPages, PagePool
-from kvbank.engine.kv.prefix import PrefixIndex
+from kvbank.engine.kv.prefix import Node, PrefixIndex
 from kvbank.engine.request import Request
 from kvbank.ledger import InvariantBreach
 
@@ -19,9 +20,12 @@ Chains = dict[str, list[int]]  # label -> cached pages from the root, all labels
 
 
 class KVCache:
-    def __init__(self, total_pages: int, page_size: int) -> None:
+    def __init__(self, total_pages: int, page_size: int, host_pages: int = 0) -> None:
         self.pool = PagePool(total_pages)
-        self.index = PrefixIndex(self.pool, page_size)
+        self.host = HostTier(host_pages) if host_pages else None
+        self.index = PrefixIndex(self.pool, page_size, digests=self.host is not None)
+        if self.host is not None:
+            self.index.spill = self._spill
         self.page_size = page_size
 
     @property
@@ -164,6 +168,77 @@ class KVCache:
         req.room = self._room(req)
         return missing
 
+    # ---- the host tier -------------------------------------------------------------------------
+
+    def grow_reloading(
+        self,
+        req: Request,
+        positions: int,
+        protected: Callable[[], Collection[int]] = frozenset,
+    ) -> int:
+        """`grow`, for a request just admitted with its device hit leased: the prompt pages that
+        follow the hit on the host tier are copied into the pages allocated for them instead
+        of being computed (indexed, and skipped like a hit). Admission counted them as pages
+        to allocate, which they are; only the prefill work goes. Returns pages allocated."""
+        reload = self.host_hit(req)
+        if not reload or self.host is None:
+            return self.grow(req, positions, protected)
+        entries = [entry for depth in reload for entry in depth.values()]
+        self.host.pin(entries)  # evictions below copy pages to host: they must not take these
+        try:
+            grown = self.grow(req, positions, protected)
+        finally:
+            self.host.unpin(entries)
+        start = req.indexed
+        for offset, depth in enumerate(reload):
+            position = start + offset
+            for name, entry in depth.items():
+                table = req.pages[name]
+                self.host.load(entry, table[position])
+                parent = table[position - 1] if position else None
+                if not self.index.insert(name, parent, entry.key, table[position]):
+                    raise InvariantBreach(
+                        f"request {req.rid!r}: reloaded page {table[position]} is already indexed"
+                    )
+        req.indexed = start + len(reload)
+        req.num_computed = req.indexed * self.page_size
+        return grown
+
+    def host_hit(self, req: Request) -> list[dict[str, HostEntry]]:
+        """Host entries, per prompt page and label, continuing the request's leased chain
+        where the device index ends; a peek. Empty unless every label's device chain ends at
+        the same depth (a deeper label would already have that page indexed)."""
+        host = self.host
+        if host is None or not len(host) or not req.cacheable:
+            return []
+        depth = req.indexed
+        limit = req.max_hit_pages
+        parents = {}
+        for lay in req.layout:
+            table = req.pages.get(lay.name, [])[:depth]
+            if len(self.index.match(lay.name, req.prompt, depth + 1, table)) > depth:
+                return []
+            parents[lay.name] = self.index.node(table[-1]).digest if table else None
+        found: list[dict[str, HostEntry]] = []
+        while depth + len(found) < limit:
+            key = self.index.page_key(req.prompt, depth + len(found))
+            entries = {name: host.lookup(parent, name, key) for name, parent in parents.items()}
+            hits = {name: entry for name, entry in entries.items() if entry is not None}
+            if len(hits) < len(entries):
+                break
+            found.append(hits)
+            parents = {name: entry.digest for name, entry in hits.items()}
+        return found
+
+    def take_moves(self) -> list[HostMove]:
+        """The host copies of this step, in order, for the runner."""
+        return self.host.take_moves() if self.host is not None and self.host.moves else []
+
+    def _spill(self, node: Node) -> None:
+        if self.host is not None and node.digest is not None:
+            parent = node.parent.digest if node.parent is not None else None
+            self.host.save(node.digest, parent, node.label, node.key, node.page)
+
     def _room(self, req: Request) -> int:
         """Positions the request's pages cover: the most `positions` with nothing to allocate."""
         prompt_len = len(req.prompt)
@@ -220,6 +295,8 @@ class KVCache:
         self.pool.check_integrity(deep)
         if deep:
             self.index.check_integrity()
+            if self.host is not None:
+                self.host.check_integrity()
 
     def check_request(self, req: Request, deep: bool = False) -> None:
         """No request holds more pages than its worst case; (deep) its count matches its

@@ -15,9 +15,10 @@ eviction simple and its count exact:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
+from kvbank.engine.kv.host import Digest, chain_digest
 from kvbank.engine.kv.pages import OutOfPages, PagePool
 from kvbank.ledger import InvariantBreach
 
@@ -32,12 +33,17 @@ class Node:
     parent: Node | None
     stamp: int
     children: dict[Key, Node] = field(default_factory=dict)
+    digest: Digest | None = None  # the chain's identity on the host tier (kept only with one)
 
 
 class PrefixIndex:
-    def __init__(self, pool: PagePool, page_size: int) -> None:
+    def __init__(self, pool: PagePool, page_size: int, digests: bool = False) -> None:
         self.pool = pool
         self.page_size = page_size
+        # With a host tier, every node keeps its chain's digest, and an evicted page is handed
+        # to `spill` (which copies it to host) before its page returns to the free list.
+        self.digests = digests
+        self.spill: Callable[[Node], None] | None = None
         self._roots: dict[str, dict[Key, Node]] = {}
         self._nodes: dict[int, Node] = {}  # page id -> node
         self._leaves: list[tuple[int, int]] = []  # (stamp, page): idle leaves, lazily pruned
@@ -54,6 +60,9 @@ class PrefixIndex:
     def evictable(self) -> int:
         """Index-only pages eviction can reach; by the chain rule above, all cached pages."""
         return self.pool.cached
+
+    def node(self, page: int) -> Node:
+        return self._nodes[page]
 
     def page_key(self, tokens: Sequence[int], index: int) -> Key:
         start = index * self.page_size
@@ -105,6 +114,8 @@ class PrefixIndex:
         self._clock += 1
         self.version += 1
         node = Node(page, label, key, parent_node, self._clock)
+        if self.digests:
+            node.digest = chain_digest(parent_node.digest if parent_node else None, label, key)
         siblings[key] = node
         self._nodes[page] = node
         return True
@@ -148,6 +159,8 @@ class PrefixIndex:
             heapq.heappush(self._leaves, entry)
         if victim is None:
             raise OutOfPages("no free page and no idle cached page to evict")
+        if self.spill is not None:
+            self.spill(self._nodes[victim])
         self._remove(victim)
         return victim
 

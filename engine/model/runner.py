@@ -16,6 +16,7 @@ from kvbank.engine.model.attention import (
     build_paged_batch,
     make_attention,
 )
+from kvbank.engine.model.hostcache import HostCache
 from kvbank.engine.model.llama import CausalLM
 from kvbank.engine.model.sampling import Sampler
 from kvbank.engine.runner import StepBatch, StepResult
@@ -30,6 +31,7 @@ class TorchRunner:
         eos_token_id: int,
         attention: str = "torch",
         seed: int = 0,
+        host_pages: int = 0,
     ) -> None:
         param = model.embedding
         self.model = model
@@ -43,6 +45,8 @@ class TorchRunner:
             config.num_layers, num_pages, page_size, model.kv_heads, config.head_dim,
             self.dtype, self.device,
         )  # fmt: skip
+        # Evicted prefix pages copied out and reloaded (the scheduler's host tier).
+        self.host = HostCache(self.caches, host_pages) if host_pages else None
         self.backend: AttentionBackend = make_attention(
             attention,
             config.num_heads // model.parallel.world,
@@ -58,6 +62,13 @@ class TorchRunner:
 
     def forward(self, batch: StepBatch) -> dict[str, torch.Tensor]:
         """Run the step and return the float32 logits [vocab] of every row that samples."""
+        if batch.moves:
+            if self.host is None:
+                raise ValueError(
+                    f"step {batch.step} moves {len(batch.moves)} pages to or from a host tier, "
+                    f"but this runner has none; build it with host_pages"
+                )
+            self.host.apply(batch.moves, self.caches)
         if not batch.rows:
             return {}
         paged = self._paged(batch)

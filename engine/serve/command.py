@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--pages", type=int, default=1024, help="KV pages per rank, sink included")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    parser.add_argument(
+        "--host-pages",
+        type=int,
+        default=0,
+        help="pages of host memory per rank that keep evicted prefix pages for reload instead "
+        "of recompute (default 0: no host tier)",
+    )
     parser.add_argument("--max-seq-len", type=int, help="prompt + output limit (default: model's)")
     parser.add_argument(
         "--max-tokens",
@@ -128,6 +135,10 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.pages < 2:
         raise ValueError(f"--pages must be at least 2 (one is the sink page), got {args.pages}")
+    if args.host_pages < 0:
+        raise ValueError(
+            f"--host-pages must be at least 0 (0: no host tier), got {args.host_pages}"
+        )
     from kvbank.engine.admission.registry import policy_names
 
     if args.policy not in policy_names():
@@ -145,6 +156,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         model=args.model,
         pages=args.pages,
         page_size=args.page_size,
+        host_pages=args.host_pages,
         max_seq_len=args.max_seq_len,
         max_tokens=args.max_tokens,
         policy=args.policy,

@@ -34,6 +34,7 @@ class ServeOptions:
     model: str | None = None  # a Hugging Face folder; None: the built-in model
     pages: int = 1024  # per rank, the sink page included
     page_size: int = 16
+    host_pages: int = 0  # per rank: a host tier for evicted prefix pages; 0: none
     max_seq_len: int | None = None  # None: min(max_position_embeddings, 4096)
     max_tokens: int = 256
     policy: str = DEFAULT_POLICY
@@ -180,13 +181,16 @@ def build_stack(
         {KV_LABEL: KvSlot(prompt=1, output=1)}, options.page_size, max_seq_len, options.max_tokens
     )
     attention = options.attention or default_attention(device)
-    runner = TorchRunner(model, options.pages, options.page_size, eos, attention, options.seed)
+    runner = TorchRunner(
+        model, options.pages, options.page_size, eos, attention, options.seed, options.host_pages
+    )
     engine_config = EngineConfig(
         capacity,
         options.pages,
         policy=options.policy,
         max_batch_tokens=options.max_batch_tokens,
         max_running=options.max_running,
+        host_pages=options.host_pages,
         debug=options.debug,
     )
     engine = Engine(engine_config, runner, backend)

@@ -60,6 +60,8 @@ def batch_digest(batch: StepBatch) -> str:
     for row in batch.rows:
         h.update(repr((row.rid, list(row.token_ids), row.start_pos, list(row.page_ids),
                        row.sample)).encode())  # fmt: skip
+    if batch.moves:  # the host tier's copies: every rank must evict and reload alike
+        h.update(repr([(m.direction.value, m.page, m.slot) for m in batch.moves]).encode())
     return f"{len(batch.rows)} rows, {batch.num_tokens} tokens, {h.hexdigest()[:12]}"
 
 

@@ -56,6 +56,18 @@ class ServeMetrics:
             "prompt positions admissions took from the prefix cache instead of computing",
             registry=registry,
         )
+        self.host_pages = Gauge(
+            "kvbank_host_pages",
+            "evicted prefix pages kept on the host tier for reload",
+            registry=registry,
+        )
+        self.host_moves = Counter(
+            "kvbank_host_pages_moved",
+            "pages copied between the device pool and the host tier",
+            ["direction"],
+            registry=registry,
+        )
+        self._host_seen = {"to-host": 0, "to-device": 0}
         self.stalled_steps = Counter(
             "kvbank_peak_stalled_steps",
             "steps in which a running request could not advance, so peak-fit admission fell "
@@ -76,6 +88,12 @@ class ServeMetrics:
             self.prefix_hit_tokens.inc(hit_tokens - self._hit_tokens_seen)
             self._hit_tokens_seen = hit_tokens
         kv = engine.kv
+        if kv.host is not None:
+            self.host_pages.set(len(kv.host))
+            for direction, total in (("to-host", kv.host.saved), ("to-device", kv.host.loaded)):
+                if total > self._host_seen[direction]:
+                    self.host_moves.labels(direction).inc(total - self._host_seen[direction])
+                    self._host_seen[direction] = total
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
         self.free_pages.set(kv.free)
