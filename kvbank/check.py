@@ -10,10 +10,10 @@ import argparse
 import sys
 
 from kvbank.capacity import holdability
+from kvbank.deployment import parse_deployment
 from kvbank.fields import quote
 from kvbank.manifests import ManifestError, load_documents
 from kvbank.modelpool import KIND, SpecError, parse_modelpool
-from kvbank.operator.deployment import parse_deployment
 
 __all__ = ["ManifestError", "load_documents", "run"]  # the sidecar's --pool reads the same way
 

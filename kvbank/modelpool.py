@@ -38,7 +38,7 @@ MAX_POOL_NAME_LENGTH = 40  # leaves room for "-ranks", pod ordinals and revision
 MAX_MODEL_NAME_LENGTH = 253
 SPEC_FIELDS = ("model", "replicas", "tensorParallel", "gpu", "kv", "kvSlots", "limits", "admission")
 # Where the pods run, what they mount and which engine they start: read by the operator alone
-# (kvbank.operator.deployment, with spec.model.source), so this reader only lets them through.
+# (kvbank.deployment, with spec.model.source), so this reader only lets them through.
 POD_FIELDS = ("template", "engine", "apiKeySecret")
 
 

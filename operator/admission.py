@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbank.capacity import Holdability, holdability
+from kvbank.deployment import Deployment, HostPathSource, PodTemplate, parse_deployment
 from kvbank.modelpool import KIND, ModelPool, SpecError, parse_modelpool
 from kvbank.operator.cluster import KVBANK, Cluster
-from kvbank.operator.deployment import Deployment, HostPathSource, PodTemplate, parse_deployment
 from kvbank.operator.policy import (
     CapacityPolicy,
     PoolUsage,

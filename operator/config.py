@@ -9,9 +9,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbank.deployment import PodTemplate, parse_template
 from kvbank.fields import SpecError
 from kvbank.operator.certs import service_names
-from kvbank.operator.deployment import PodTemplate, parse_template
 from kvbank.operator.render.names import RenderSettings
 from kvbank.operator.webhook_tls import TLSSettings
 

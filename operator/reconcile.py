@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvbank.capacity import Holdability, holdability
+from kvbank.deployment import Deployment, parse_deployment
 from kvbank.modelpool import KIND, ModelPool, SpecError, parse_modelpool
 from kvbank.operator.admission import Decision, judge, message, neighbourhood
 from kvbank.operator.certs import CertBundle
@@ -32,7 +33,6 @@ from kvbank.operator.cluster import (
     KubeUnavailable,
     identity,
 )
-from kvbank.operator.deployment import Deployment, parse_deployment
 from kvbank.operator.pool_tls import ensure_pool_tls
 from kvbank.operator.pruning import prune_config_maps
 from kvbank.operator.render.bundle import render_pool

@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvbank.operator.cluster import Cluster
-from kvbank.operator.deployment import (
+from kvbank.deployment import (
     Deployment,
     HostPathSource,
     HuggingFaceSource,
     ImageSource,
     PvcSource,
 )
+from kvbank.operator.cluster import Cluster
 from kvbank.operator.render.status import Condition
 from kvbank.operator.render.weights import CHECK_CONTAINER
 

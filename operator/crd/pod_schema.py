@@ -1,4 +1,4 @@
-"""The schema of the ModelPool's pod-facing fields (`kvbank.operator.deployment` reads them):
+"""The schema of the ModelPool's pod-facing fields (`kvbank.deployment` reads them):
 `spec.model.source`, `spec.template`, `spec.engine` and `spec.apiKeySecret`, with CEL rules
 for what the schema alone cannot say (exactly one source; no engine flag the operator sets).
 
@@ -9,8 +9,7 @@ StatefulSet is applied: copying those schemas here would only let them drift fro
 
 from __future__ import annotations
 
-from kvbank.operator.crd.openapi import MAX_NAME_LENGTH, Schema, enum, integer, obj, rule, string
-from kvbank.operator.deployment import (
+from kvbank.deployment import (
     AFFINITY_KINDS,
     DEFAULT_API_KEY,
     DEFAULT_IMAGE_PATH,
@@ -26,6 +25,7 @@ from kvbank.operator.deployment import (
     TOLERATION_OPERATORS,
     WHEN_UNSATISFIABLE,
 )
+from kvbank.operator.crd.openapi import MAX_NAME_LENGTH, Schema, enum, integer, obj, rule, string
 
 PRESERVED: Schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbank.capacity import Holdability
+from kvbank.deployment import Deployment
 from kvbank.modelpool import ModelPool
-from kvbank.operator.deployment import Deployment
 from kvbank.operator.render.engine_config import config_data, config_hash, config_map
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
 from kvbank.operator.render.services import disruption_budget, headless_service, traffic_service

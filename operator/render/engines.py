@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbank.capacity import pool_pages
+from kvbank.deployment import Deployment, SecretKey
 from kvbank.modelpool import ModelPool
-from kvbank.operator.deployment import Deployment, SecretKey
 from kvbank.operator.render.names import CONFIG_DIR, POOL_FILE, RenderSettings
 from kvbank.operator.render.token import TOKEN_FILE
 from kvbank.operator.render.weights import model_path

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from kvbank.deployment import PodTemplate
 from kvbank.modelpool import API_GROUP, API_VERSION, KIND
-from kvbank.operator.deployment import PodTemplate
 
 MANAGED_BY = "kvbank-operator"
 LABEL_POOL = f"{API_GROUP}/pool"

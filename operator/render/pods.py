@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbank.deployment import Deployment
 from kvbank.modelpool import ModelPool
-from kvbank.operator.deployment import Deployment
 from kvbank.operator.render.engines import (
     api_key_mount,
     api_key_volume,

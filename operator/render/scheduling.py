@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbank.operator.deployment import PodTemplate
+from kvbank.deployment import PodTemplate
 from kvbank.operator.render.names import RenderSettings, selector_labels
 
 SHM_VOLUME = "dshm"

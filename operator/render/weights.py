@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvbank.operator.deployment import (
+from kvbank.deployment import (
     HostPathSource,
     HuggingFaceSource,
     ImageSource,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbank.deployment import Deployment
 from kvbank.modelpool import ModelPool
-from kvbank.operator.deployment import Deployment
 from kvbank.operator.render.engines import pods_per_group
 from kvbank.operator.render.names import (
     LWS_API_VERSION,

@@ -18,8 +18,8 @@ from test_chart import by_kind, env_of, helm, one, parsed_operator_config, rende
 
 from kvbank.capacity import holdability
 from kvbank.check import load_documents
+from kvbank.deployment import parse_deployment
 from kvbank.modelpool import parse_modelpool
-from kvbank.operator.deployment import parse_deployment
 from kvbank.operator.render.bundle import render_pool
 from kvbank.operator.render.names import Owner, Workload
 

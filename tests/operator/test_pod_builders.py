@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 from operator_specs import pool_doc
 
-from kvbank.modelpool import SpecError, parse_modelpool
-from kvbank.operator.deployment import (
+from kvbank.deployment import (
     Deployment,
     Engine,
     PodTemplate,
@@ -20,6 +19,7 @@ from kvbank.operator.deployment import (
     parse_deployment,
     parse_template,
 )
+from kvbank.modelpool import SpecError, parse_modelpool
 from kvbank.operator.render.engines import engine_command, sidecar_args
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
 from kvbank.operator.render.pods import pod_template

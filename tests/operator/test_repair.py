@@ -12,10 +12,10 @@ import pytest
 from operator_fakes import FakeCluster
 from operator_specs import namespace_doc, policy_doc, pool_doc, stored
 
+from kvbank.deployment import PvcSource
 from kvbank.operator.admission import review, review_scale
 from kvbank.operator.certs import CertBundle, new_ca
 from kvbank.operator.cluster import KubeError
-from kvbank.operator.deployment import PvcSource
 from kvbank.operator.pool_tls import POOL_CERT_LIFETIME, names_digest, renewal_due
 from kvbank.operator.reconcile import reconcile, repair
 from kvbank.operator.render.names import Owner, RenderSettings

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import pytest
 
-from kvbank.operator.deployment import HuggingFaceSource, ImageSource, PvcSource, SecretKey
+from kvbank.deployment import HuggingFaceSource, ImageSource, PvcSource, SecretKey
 from kvbank.operator.render.names import RenderSettings
 from kvbank.operator.render.weights import CHECK_SCRIPT, COPY_SCRIPT, weights
 

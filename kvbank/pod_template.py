@@ -1,5 +1,5 @@
 """`spec.template`: where a pool's rank pods run and what they ask of their nodes, and the
-chart's `pools.template` defaults it lays over, read as `kvbank.operator.deployment` reads the
+chart's `pools.template` defaults it lays over, read as `kvbank.deployment` reads the
 rest of the pod-facing fields (every problem a `FieldError` naming the field)."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbank.fields import FieldReader, SpecError
-from kvbank.operator.pod_template import (
+from kvbank.pod_template import (
     AFFINITY_KINDS,
     DNS_NAME,
     MAX_GPUS_PER_RANK,
