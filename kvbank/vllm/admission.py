@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbank.capacity import CapacityModel, RequestShape, count_pages, refusal
-from kvbank.ledger import Admitted, Hit, InvariantBreach, UnknownRequest
-from kvbank.peakfit import peak_shape
+from kvbank.ledger import Admitted, Hit, InvariantBreach, UnknownRequest, peak_shape
 from kvbank.vllm.layout import LABEL
 
 log = logging.getLogger(__name__)
@@ -114,7 +113,8 @@ class Admission:
         sched.running.sort(key=lambda r: r.num_tokens_with_spec - r.num_computed_tokens > 1)
         self._sync_supply()
         if self.waiting:
-            self.backend.admit_pass(self._peek, self._started)
+            for admitted in self.backend.admissions(self._peek):
+                self._started(admitted)
         self._peeked.clear()
 
     def _in_flight(self) -> int:

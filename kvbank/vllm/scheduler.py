@@ -22,7 +22,7 @@ from vllm.outputs import RequestError
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from kvbank.peaktimeline import PeakPolicy
+from kvbank.ledger import PeakPolicy
 from kvbank.vllm.admission import Admission
 from kvbank.vllm.layout import GroupSpec, UnsupportedLayout, capacity_model, check_layout
 from kvbank.vllm.settings import Settings, from_env
