@@ -262,9 +262,15 @@ up() {
         kubectl --kubeconfig="$kubeconfig" wait --for=condition=Ready "node/$node_name" --timeout=5s
     kubectl --kubeconfig="$kubeconfig" patch node "$node_name" --subresource=status --type=json \
         -p "[{\"op\": \"add\", \"path\": \"/status/capacity/nvidia.com~1gpu\", \"value\": \"$gpus\"}]" >/dev/null
+    # The kubelet derives allocatable (what the scheduler counts) at its next status update.
+    wait_until 60 "$gpus nvidia.com/gpu allocatable" gpus_allocatable "$kubeconfig"
     start_dns "$kubeconfig" "$(awk '$1 ~ /\/coredns:/ { print $1 }' <<<"$images")"
     log "cluster up after $((SECONDS - started)) s"
     echo "$kubeconfig"
+}
+
+gpus_allocatable() {
+    [[ "$(kubectl --kubeconfig="$1" get node "$node_name" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}')" == "$gpus" ]]
 }
 
 start_dns() {
