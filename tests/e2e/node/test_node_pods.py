@@ -338,11 +338,14 @@ def test_helm_uninstall_after_the_pools_leaves_nothing_behind(session: Session) 
     tools = session.tools
     listed = tools.helm("get", "manifest", RELEASE, "-n", SYSTEM)
     manifest = [d for d in yaml.safe_load_all(listed.stdout) if d]
-    tools.ok("delete", "modelpools", "--all", "-n", NAMESPACE, "--wait=true", "--timeout=180s")
-    tools.ok("delete", "namespace", NAMESPACE, "--wait=true", "--timeout=180s")
+    # The pools' pods stop gracefully first (engine.terminationGraceSeconds).
+    for args in (("modelpools", "--all", "-n", NAMESPACE), ("namespace", NAMESPACE)):
+        out = tools.kubectl("delete", *args, "--wait=true", "--timeout=180s", timeout=240)
+        assert out.returncode == 0, out.stderr
     out = tools.helm("uninstall", RELEASE, "-n", SYSTEM, "--wait", "--timeout", "3m", timeout=240)
     assert out.returncode == 0, out.stderr
-    tools.ok("delete", "namespace", SYSTEM, "--wait=true", "--timeout=180s")
+    out = tools.kubectl("delete", "namespace", SYSTEM, "--wait=true", "--timeout=180s", timeout=240)
+    assert out.returncode == 0, out.stderr
     left = []
     for doc in manifest:
         namespace = doc["metadata"].get("namespace")
