@@ -3,6 +3,7 @@
 # make vllm-venv: vLLM in its own environment (.venv-vllm; its torch pin differs from the
 #              engine's), with kvbank installed into it, for `vllm serve --scheduler-cls
 #              kvbank.vllm.KvbankScheduler` and `kvbank bench --engine vllm`.
+# make e2e-node: only the one-node cluster's tests (root: a kubelet, containerd and pods here).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -22,7 +23,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-$(shell cat pyproject.toml
 KVBANK_SOURCES := $(shell find kvbank engine sidecar proto -name '*.py' -o -name '*.proto')
 KVBANK_IN_VLLM := $(VLLM_VENV)/.kvbank-installed
 
-.PHONY: serve test test-vllm lint format venv vllm-venv clean
+.PHONY: serve test test-vllm e2e-node node-packages lint format venv vllm-venv clean
 venv: $(STAMP)
 vllm-venv: $(KVBANK_IN_VLLM)
 
@@ -57,13 +58,27 @@ format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint vllm-venv
+test: lint vllm-venv node-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-vllm
 
 # vLLM's real scheduler under kvbank's admission: a second pytest, in vLLM's environment.
 test-vllm: vllm-venv
 	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_BIN)/python -m pytest tests/vllm_scheduler $(PYTEST_ARGS)
+
+e2e-node: venv node-packages
+	$(BIN)/python -m pytest tests/e2e/node -m e2e $(PYTEST_ARGS)
+
+# The one-node cluster's Debian packages (containerd, runc, the CNI plugins, iptables, conntrack,
+# debootstrap for the image's base), installed once when any is missing; the tests run as root.
+NODE_PACKAGES := containerd runc containernetworking-plugins iptables conntrack debootstrap
+node-packages:
+	@missing=$$(for p in $(NODE_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing $$missing"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	fi
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -78,6 +78,9 @@ def vllm_args(pool: ModelPool, settings: RenderSettings, deployment: Deployment)
     return [
         "vllm", "serve", model_path(settings, pool.model_name),
         "--scheduler-cls", VLLM_SCHEDULER,
+        # kvbank's scheduler admits before each step; vLLM's async scheduling would run a step
+        # ahead of the ledger, so the class refuses to start under it.
+        "--no-async-scheduling",
         "--block-size", str(pool.kv.page_size),
         "--num-gpu-blocks-override", str(pool_pages(pool)),
         "--max-model-len", str(pool.limits.max_seq_len),

@@ -167,7 +167,11 @@ def pod_template(
             {"name": "grpc", "containerPort": settings.sidecar_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": settings.metrics_port, "protocol": "TCP"},
         ],
-        {"grpc": {"port": settings.sidecar_port}},
+        # The kubelet's gRPC probe speaks plaintext only: behind TLS, the sidecar is probed as
+        # a listening socket instead.
+        {"tcpSocket": {"port": "grpc"}}
+        if tls is not None
+        else {"grpc": {"port": settings.sidecar_port}},
         workload,
         settings,
     )

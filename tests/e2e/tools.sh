@@ -4,8 +4,14 @@
 #
 #   tools.sh ensure      build or reuse kube-controlplane, kubectl and helm;
 #                        the last line printed is the folder holding all three
-#   tools.sh start DIR   start the control plane in the background, logging to
-#                        DIR/controlplane.log; prints the admin kubeconfig path
+#   tools.sh ensure-node as ensure, plus what a node runs: kubelet, kube-proxy,
+#                        kube-scheduler, kube-controller-manager (from the same
+#                        module graph as the apiserver) and coredns; the last
+#                        line printed is the folder holding all of them
+#   tools.sh start DIR [ARG...]
+#                        start the control plane in the background, logging to
+#                        DIR/controlplane.log, with ARGs added to its command
+#                        line; prints the admin kubeconfig path
 #   tools.sh stop DIR    stop the control plane started in DIR
 #
 # Builds are cached under ${XDG_CACHE_HOME:-$HOME/.cache}/kvbank, keyed by what
@@ -15,6 +21,8 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 controlplane_src="$here/controlplane"
 helm_version=v3.22.0
+coredns_version=v1.14.7
+node_components=(kubelet kube-proxy kube-scheduler kube-controller-manager)
 cache_root="${XDG_CACHE_HOME:-$HOME/.cache}/kvbank"
 ready_timeout_s=120
 stop_timeout_s=30
@@ -104,6 +112,21 @@ build_kubectl() {
         go build "${go_build_flags[@]}" -ldflags="$(k8s_ldflags)" -o "$out" k8s.io/kubernetes/cmd/kubectl)
 }
 
+# One go build for the four, so the packages they share compile once and the
+# links run side by side. $out is a folder here, moved whole onto the target.
+build_node_components() {
+    local packages=("${node_components[@]/#/k8s.io/kubernetes/cmd/}")
+    mkdir -p "$out"
+    (cd "$controlplane_src" && go build "${go_build_flags[@]}" -ldflags="$(k8s_ldflags)" -o "$out/" "${packages[@]}")
+}
+
+# CoreDNS from its own module graph at a pinned release, as helm is; static
+# (no cgo), so its image needs nothing but the binary.
+build_coredns() {
+    (cd / && CGO_ENABLED=0 GOBIN="$out.d" go install "${go_build_flags[@]}" -ldflags="-s -w" "github.com/coredns/coredns@$coredns_version") &&
+        mv "$out.d/coredns" "$out" && rmdir "$out.d"
+}
+
 # go install with @version ignores any go.mod around it, and can only write
 # into a folder (GOBIN), not to a file name.
 build_helm() {
@@ -112,7 +135,7 @@ build_helm() {
 }
 
 ensure() {
-    local dir kubectl_dir helm_dir
+    local dir kubectl_dir helm_dir node_dir coredns_dir component with_node="${1:-}"
     local src="$controlplane_src"
     dir="$cache_root/controlplane-$(k8s_version)-$(build_hash "$(k8s_ldflags)" "$src"/go.{mod,sum} "$src"/*.go)"
     # kubectl depends only on the pinned modules, not on main.go; helm only on
@@ -133,6 +156,22 @@ ensure() {
     ln -sfn "../kube-controlplane" "$dir/bin/kube-controlplane"
     ln -sfn "$kubectl_dir/kubectl" "$dir/bin/kubectl"
     ln -sfn "$helm_dir/helm" "$dir/bin/helm"
+    if [[ "$with_node" == node ]]; then
+        # Like kubectl, the node's components depend only on the pinned modules.
+        node_dir="$cache_root/node-$(k8s_version)-$(build_hash "$(k8s_ldflags)" "$src"/go.{mod,sum})"
+        coredns_dir="$cache_root/coredns-$coredns_version-$(build_hash "CGO_ENABLED=0 -s -w")"
+        build_into "$node_dir/bin" build_node_components
+        build_into "$coredns_dir/coredns" build_coredns
+        dir="$dir/node"
+        mkdir -p "$dir/bin"
+        for component in kube-controlplane kubectl helm; do
+            ln -sfn "../../bin/$component" "$dir/bin/$component"
+        done
+        for component in "${node_components[@]}"; do
+            ln -sfn "$node_dir/bin/$component" "$dir/bin/$component"
+        done
+        ln -sfn "$coredns_dir/coredns" "$dir/bin/coredns"
+    fi
     flock -u 9
     echo "$dir/bin"
 }
@@ -149,6 +188,7 @@ running_pid() {
 
 start() {
     local dir="$1" bin pid kubeconfig waited=0
+    shift
     mkdir -p "$dir"
     dir="$(cd "$dir" && pwd)"
     kubeconfig="$dir/admin.kubeconfig"
@@ -161,7 +201,7 @@ start() {
     rm -f "$kubeconfig"
     # setsid: its own session, so a terminal hang-up or Ctrl-C aimed at the
     # caller does not reach it; only `stop` does.
-    setsid "$bin/kube-controlplane" -data-dir "$dir/data" -kubeconfig "$kubeconfig" \
+    setsid "$bin/kube-controlplane" -data-dir "$dir/data" -kubeconfig "$kubeconfig" "$@" \
         </dev/null >"$dir/controlplane.log" 2>&1 &
     pid=$!
     echo "$pid" >"$dir/controlplane.pid"
@@ -207,10 +247,11 @@ stop() {
 main() {
     case "${1:-}" in
     ensure) ensure ;;
-    start) start "${2:?usage: tools.sh start DIR}" ;;
+    ensure-node) ensure node ;;
+    start) start "${2:?usage: tools.sh start DIR [ARG...]}" "${@:3}" ;;
     stop) stop "${2:?usage: tools.sh stop DIR}" ;;
     *)
-        echo "usage: tools.sh ensure | start DIR | stop DIR" >&2
+        echo "usage: tools.sh ensure | ensure-node | start DIR | stop DIR" >&2
         exit 2
         ;;
     esac

@@ -239,7 +239,7 @@ class TestEngineCommand:
         assert command.image == SETTINGS.vllm_image
         assert command.args == [
             "vllm", "serve", "/models/llama-3.1-8b-instruct",
-            "--scheduler-cls", "kvbank.vllm.KvbankScheduler",
+            "--scheduler-cls", "kvbank.vllm.KvbankScheduler", "--no-async-scheduling",
             "--block-size", "16", "--num-gpu-blocks-override", "20000",
             "--max-model-len", "8192", "--port", "8000", "--tensor-parallel-size", "2",
             "--enforce-eager",
@@ -302,6 +302,20 @@ class TestPodTemplateWithDeployment:
         ]  # fmt: skip
         assert template["metadata"]["annotations"]["kvbank.dev/sidecar-tls-serial"] == "abc"
         assert spec["nodeSelector"] == {"gpu": "a"}
+
+    def test_a_tls_sidecar_is_probed_as_a_socket_a_plaintext_one_over_grpc(self) -> None:
+        # The kubelet's gRPC probe cannot speak TLS: probing a TLS sidecar with it never
+        # passes, and the pod never becomes Ready.
+        pool, deployment = parse_modelpool(pool_doc()), _deployment()
+        for tls, probe in (
+            (PoolTLS("llama-sidecar-tls", "abc"), {"tcpSocket": {"port": "grpc"}}),
+            (None, {"grpc": {"port": SETTINGS.sidecar_port}}),
+        ):
+            template = pod_template(
+                pool, SETTINGS, Workload.STATEFUL_SET, "h", TOKEN_SECRET, deployment, tls
+            )
+            sidecar = template["spec"]["containers"][1]
+            assert {k: v for k, v in sidecar["readinessProbe"].items() if k in probe} == probe
 
     def test_a_vllm_group_is_one_pod_with_all_its_gpus(self) -> None:
         pool = parse_modelpool(pool_doc(tensorParallel=4, replicas=3))

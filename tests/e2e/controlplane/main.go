@@ -1,15 +1,18 @@
 // kube-controlplane runs a real Kubernetes control plane for the end-to-end
-// tests in one process: an embedded etcd and kube-apiserver, both on
-// 127.0.0.1, plus the namespace, garbage-collector and service-account
-// controllers (controllers.go). No kubelet, scheduler or other controller
-// runs, so workload objects are stored and validated but never get pods.
+// tests in one process: an embedded etcd (on 127.0.0.1) and kube-apiserver,
+// plus the namespace, garbage-collector and service-account controllers
+// (controllers.go). It runs no scheduler or kubelet: the one-node cluster of
+// tests/e2e/node adds those as their own processes.
 //
 // Usage:
 //
-//	kube-controlplane -data-dir DIR [-kubeconfig FILE] [-secure-port N] [-- extra kube-apiserver flags]
+//	kube-controlplane -data-dir DIR [-kubeconfig FILE] [-address IP] [-secure-port N] [-- extra kube-apiserver flags]
 //
-// Once the apiserver is ready it writes an admin kubeconfig and prints one
-// line, "READY <kubeconfig path>", to stdout. SIGTERM or SIGINT stops the
+// The apiserver listens on 127.0.0.1 unless -address names another local
+// address: pods cannot reach loopback, so a one-node cluster passes its pod
+// bridge's address, which the apiserver then advertises for the "kubernetes"
+// Service. Once ready it writes an admin kubeconfig and prints one line,
+// "READY <kubeconfig path>", to stdout. SIGTERM or SIGINT stops the
 // controllers and the apiserver gracefully, then etcd.
 package main
 
@@ -44,10 +47,18 @@ import (
 	"k8s.io/kubernetes/cmd/kube-apiserver/app"
 )
 
+const serviceRange = "10.96.0.0/12"
+
+var (
+	loopback            = net.ParseIP("127.0.0.1")
+	kubernetesServiceIP = net.ParseIP("10.96.0.1")
+)
+
 func main() {
 	dataDir := flag.String("data-dir", "", "directory for etcd data, keys and certificates (required)")
 	kubeconfigPath := flag.String("kubeconfig", "", "where to write the admin kubeconfig (default DATA-DIR/admin.kubeconfig)")
-	securePort := flag.Int("secure-port", 0, "kube-apiserver HTTPS port on 127.0.0.1 (default: a free port)")
+	address := flag.String("address", "127.0.0.1", "local address the kube-apiserver listens on and advertises")
+	securePort := flag.Int("secure-port", 0, "kube-apiserver HTTPS port (default: a free port)")
 	readyTimeout := flag.Duration("ready-timeout", 2*time.Minute, "give up if the apiserver is not ready by then")
 	flag.Parse()
 	if *dataDir == "" {
@@ -57,13 +68,18 @@ func main() {
 	if *kubeconfigPath == "" {
 		*kubeconfigPath = filepath.Join(*dataDir, "admin.kubeconfig")
 	}
-	if err := run(*dataDir, *kubeconfigPath, *securePort, *readyTimeout, flag.Args()); err != nil {
+	ip := net.ParseIP(*address)
+	if ip == nil {
+		fmt.Fprintf(os.Stderr, "kube-controlplane: -address %q is not an IP address\n", *address)
+		os.Exit(2)
+	}
+	if err := run(*dataDir, *kubeconfigPath, ip, *securePort, *readyTimeout, flag.Args()); err != nil {
 		fmt.Fprintln(os.Stderr, "kube-controlplane:", err)
 		os.Exit(1)
 	}
 }
 
-func run(dataDir, kubeconfigPath string, securePort int, readyTimeout time.Duration, extraAPIServerArgs []string) error {
+func run(dataDir, kubeconfigPath string, address net.IP, securePort int, readyTimeout time.Duration, extraAPIServerArgs []string) error {
 	// Built first because it installs the SIGTERM/SIGINT handler whose context
 	// stops the apiserver; a signal that arrives while etcd starts is then
 	// still honored.
@@ -72,7 +88,7 @@ func run(dataDir, kubeconfigPath string, securePort int, readyTimeout time.Durat
 	if err := os.MkdirAll(dataDir, 0o700); err != nil {
 		return err
 	}
-	pki, err := writePKI(dataDir)
+	pki, err := writePKI(dataDir, address)
 	if err != nil {
 		return fmt.Errorf("generating keys and certificates: %w", err)
 	}
@@ -84,14 +100,14 @@ func run(dataDir, kubeconfigPath string, securePort int, readyTimeout time.Durat
 	defer etcd.Close()
 
 	if securePort == 0 {
-		if securePort, err = freePort(); err != nil {
+		if securePort, err = freePort(address); err != nil {
 			return err
 		}
 	}
 	apiserverCommand.SetArgs(append([]string{
 		"--etcd-servers=" + etcd.Config().ListenClientUrls[0].String(),
-		"--bind-address=127.0.0.1",
-		"--advertise-address=127.0.0.1",
+		"--bind-address=" + address.String(),
+		"--advertise-address=" + address.String(),
 		"--secure-port=" + strconv.Itoa(securePort),
 		"--tls-cert-file=" + pki.servingCert,
 		"--tls-private-key-file=" + pki.servingKey,
@@ -102,12 +118,12 @@ func run(dataDir, kubeconfigPath string, securePort int, readyTimeout time.Durat
 		"--service-account-signing-key-file=" + pki.serviceAccountKey,
 		"--service-account-key-file=" + pki.serviceAccountKey,
 		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-		// Only sets the range Service IPs are allocated from; nothing routes it.
-		"--service-cluster-ip-range=10.96.0.0/12",
-		// The endpoints of the "kubernetes" service would be 127.0.0.1, which
-		// Endpoints reject, so reconciling them only logs an error every 10 s;
-		// with no pods, nothing would use them anyway.
-		"--endpoint-reconciler-type=none",
+		// The range Service IPs are allocated from; only a node's kube-proxy routes it.
+		"--service-cluster-ip-range=" + serviceRange,
+		// On loopback the endpoints of the "kubernetes" Service would be
+		// 127.0.0.1, which Endpoints reject, so reconciling them only logs an
+		// error every 10 s; with no node, nothing would use them anyway.
+		"--endpoint-reconciler-type=" + map[bool]string{true: "none", false: "lease"}[address.IsLoopback()],
 	}, extraAPIServerArgs...))
 
 	// Cancelled by the same signals that stop the apiserver (which has its own
@@ -118,7 +134,7 @@ func run(dataDir, kubeconfigPath string, securePort int, readyTimeout time.Durat
 	apiserverDone := make(chan error, 1)
 	go func() { apiserverDone <- apiserverCommand.Execute() }()
 
-	adminConfig := adminKubeconfig(securePort, pki)
+	adminConfig := adminKubeconfig(address, securePort, pki)
 	adminRESTConfig, err := clientcmd.NewDefaultClientConfig(*adminConfig, nil).ClientConfig()
 	if err != nil {
 		return err
@@ -175,11 +191,11 @@ func startEtcd(dir string) (*embed.Etcd, error) {
 	if err := os.RemoveAll(dir); err != nil {
 		return nil, err
 	}
-	clientPort, err := freePort()
+	clientPort, err := freePort(loopback)
 	if err != nil {
 		return nil, err
 	}
-	peerPort, err := freePort()
+	peerPort, err := freePort(loopback)
 	if err != nil {
 		return nil, err
 	}
@@ -233,11 +249,11 @@ func waitFor(deadline context.Context, apiserverDone <-chan error, what string, 
 	}
 }
 
-func adminKubeconfig(securePort int, pki *pkiFiles) *clientcmdapi.Config {
+func adminKubeconfig(address net.IP, securePort int, pki *pkiFiles) *clientcmdapi.Config {
 	const name = "kvbank-e2e"
 	config := clientcmdapi.NewConfig()
 	config.Clusters[name] = &clientcmdapi.Cluster{
-		Server:                   "https://" + net.JoinHostPort("127.0.0.1", strconv.Itoa(securePort)),
+		Server:                   "https://" + net.JoinHostPort(address.String(), strconv.Itoa(securePort)),
 		CertificateAuthorityData: pki.caCertPEM,
 	}
 	config.AuthInfos[name] = &clientcmdapi.AuthInfo{
@@ -259,7 +275,7 @@ type pkiFiles struct {
 // writePKI makes one CA that signs both the apiserver's serving certificate
 // and the admin client certificate, so the kubeconfig trusts a single CA and
 // --client-ca-file authenticates the admin. Keys are regenerated every start.
-func writePKI(dataDir string) (*pkiFiles, error) {
+func writePKI(dataDir string, address net.IP) (*pkiFiles, error) {
 	dir := filepath.Join(dataDir, "pki")
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
@@ -284,9 +300,11 @@ func writePKI(dataDir string) (*pkiFiles, error) {
 		return nil, err
 	}
 	_, servingCertPEM, err := signCert(&x509.Certificate{
-		Subject:     pkix.Name{CommonName: "kube-apiserver"},
-		DNSNames:    []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"},
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
+		Subject: pkix.Name{CommonName: "kube-apiserver"},
+		DNSNames: []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+			"kubernetes.default.svc.cluster.local"},
+		// Pods reach it through the "kubernetes" Service, the first IP of the range.
+		IPAddresses: []net.IP{loopback, address, kubernetesServiceIP},
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
 		KeyUsage:    x509.KeyUsageDigitalSignature,
 	}, ca, servingKey.Public(), caKey)
@@ -370,10 +388,10 @@ func signCert(template, parent *x509.Certificate, publicKey crypto.PublicKey, si
 	return cert, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), err
 }
 
-// freePort asks the kernel for an unused loopback port. Another process could
+// freePort asks the kernel for an unused port on address. Another process could
 // take it before we bind it again; on a test machine that race is rare enough.
-func freePort() (int, error) {
-	listener, err := net.Listen("tcp", "127.0.0.1:0")
+func freePort(address net.IP) (int, error) {
+	listener, err := net.Listen("tcp", net.JoinHostPort(address.String(), "0"))
 	if err != nil {
 		return 0, err
 	}

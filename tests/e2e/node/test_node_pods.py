@@ -1,0 +1,363 @@
+"""The operator's pods really running: a one-node cluster on this machine (cluster.sh: the
+control plane, kube-scheduler, kube-controller-manager, containerd with runc and the CNI bridge,
+the kubelet, kube-proxy and CoreDNS), driven by the real helm and kubectl as a platform team
+would: install the chart (the operator runs as a pod under its ServiceAccount), put the weights
+on a PersistentVolume, apply ModelPools, and talk to the engines through their Services.
+
+The tests run in file order and share one cluster and release (module fixtures): each step
+builds on what the previous ones left, and the last uninstalls the chart. The node has no GPU;
+it advertises nvidia.com/gpu as an extended resource, so the pods that ask for one schedule, and
+the engine runs the built-in model on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from e2e_kube import CHART, FIRST_USE_TIMEOUT, wait_for
+from node_kube import (
+    UP_TIMEOUT,
+    Node,
+    cluster_down,
+    cluster_up,
+    container_status,
+    containerd_task_pid,
+    containerd_tasks,
+    copy_tree_readable,
+    port_forward,
+    ready_pods,
+    sidecar_status,
+)
+
+from kvbank.engine.model.builtin import builtin_model_dir
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.timeout(int(UP_TIMEOUT) + FIRST_USE_TIMEOUT),
+    pytest.mark.skipif(os.geteuid() != 0, reason="a node needs root (mounts, bridges, cgroups)"),
+]
+
+SYSTEM = "kvbank-system"
+RELEASE = "kvbank"
+NAMESPACE = "serve"
+MODEL = "kvbank-builtin"  # the folder name under /models the engine's --model names
+CLAIM = "kvbank-weights"
+STORAGE_CLASS = "kvbank-local-weights"
+POOL_SELECTOR = "kvbank.dev/pool={}"
+REPAIR_TIMEOUT = 120.0
+# The built-in model's figures (kvbank.engine.model.builtin.SPEC), for the webhook's judgement.
+ARCHITECTURE = {
+    "layers": 4,
+    "attentionHeads": 8,
+    "kvHeads": 2,
+    "headDim": 32,
+    "parameters": 2.8e6,
+    "dtype": "float32",
+}
+
+
+@dataclass
+class Session:
+    node: Node
+    weights: Path  # the hostPath the PersistentVolume serves
+
+    @property
+    def tools(self) -> Any:
+        return self.node.tools
+
+
+def chart_values(node: Node) -> list[str]:
+    """The images cluster.sh imported (never pulled: pullPolicy Never), and short timers so
+    that live status and drift repair show within a test's patience."""
+    engine_repo, engine_tag = node.image("kvbank")
+    operator_repo, operator_tag = node.image("kvbank-operator")
+    sets = {
+        "operator.image.repository": operator_repo,
+        "operator.image.tag": operator_tag,
+        "operator.image.pullPolicy": "Never",
+        "engine.image.repository": engine_repo,
+        "engine.image.tag": engine_tag,
+        "engine.image.pullPolicy": "Never",
+        "operator.statusInterval": "5",
+        "pools.repairInterval": "5",
+        # Idle engines stop at once; a test machine has no requests to let finish.
+        "engine.terminationGraceSeconds": "30",
+    }
+    return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+
+
+@pytest.fixture(scope="module")
+def session() -> Iterator[Session]:
+    work = Path(tempfile.mkdtemp(prefix="kvbank-node-"))
+    try:
+        node = cluster_up(work)
+        tools = node.tools
+        started = time.monotonic()
+        install = tools.helm(
+            "install", RELEASE, str(CHART), "-n", SYSTEM, "--create-namespace",
+            *chart_values(node), "--wait", "--timeout", "6m", timeout=420,
+        )  # fmt: skip
+        assert install.returncode == 0, f"{install.stderr}\n{node.log_tail('kubelet')}"
+        print(f"chart installed, operator ready, in {time.monotonic() - started:.1f} s")
+        weights = work / "weights"
+        copy_tree_readable(builtin_model_dir(), weights / MODEL)
+        yield Session(node, weights)
+    finally:
+        cluster_down(work)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_the_node_is_ready_and_advertises_gpus(session: Session) -> None:
+    [node] = json.loads(session.tools.ok("get", "nodes", "-o", "json"))["items"]
+    ready = [c for c in node["status"]["conditions"] if c["type"] == "Ready"]
+    assert ready and ready[0]["status"] == "True"
+    assert node["status"]["allocatable"]["nvidia.com/gpu"] == "4"
+
+
+def test_the_operator_runs_as_a_pod_under_its_service_account(session: Session) -> None:
+    [pod] = ready_pods(session.tools, SYSTEM, "app.kubernetes.io/component=operator", 1)
+    assert pod["spec"]["serviceAccountName"] == "kvbank-operator"
+    assert pod["spec"]["nodeName"] == "kvbank-node"
+
+
+def weights_volume(session: Session) -> None:
+    """The built-in model on a hostPath PersistentVolume, claimed in the pools' namespace."""
+    docs: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": f"{NAMESPACE}-weights"},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": STORAGE_CLASS,
+                "persistentVolumeReclaimPolicy": "Retain",
+                "hostPath": {"path": str(session.weights), "type": "Directory"},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": CLAIM, "namespace": NAMESPACE},
+            "spec": {
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": STORAGE_CLASS,
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    ]
+    session.tools.ok("apply", "-f", "-", stdin=yaml.safe_dump_all(docs))
+
+    def bound() -> bool:
+        claim = session.tools.get("pvc", CLAIM, NAMESPACE)
+        return bool(claim and claim.get("status", {}).get("phase") == "Bound")
+
+    wait_for(f"PersistentVolumeClaim {NAMESPACE}/{CLAIM} Bound", bound, 60)
+
+
+def pool(name: str, tensor_parallel: int) -> dict[str, Any]:
+    """The built-in model (4 layers, 2 KV heads of 32) with its weights on the claim."""
+    return {
+        "apiVersion": "kvbank.dev/v1alpha1",
+        "kind": "ModelPool",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "model": {
+                "name": MODEL,
+                "source": {"pvc": {"claimName": CLAIM, "subPath": MODEL}},
+                "architecture": ARCHITECTURE,
+            },
+            "replicas": 1,
+            "tensorParallel": tensor_parallel,
+            "gpu": {"memoryGiB": 1, "memoryUtilization": 0.9, "reservedGiB": 0},
+            "kv": {"pageSize": 16, "pages": 256},
+            "kvSlots": {"main": {"prompt": 1, "output": 1}},
+            "limits": {"maxSeqLen": 512, "maxTokens": 64},
+            "admission": {"minConcurrency": 4},
+        },
+    }
+
+
+def complete(port: int, prompt: str, max_tokens: int = 16, timeout: float = 120) -> dict[str, Any]:
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        result: dict[str, Any] = json.loads(response.read())
+    return result
+
+
+def test_a_pool_with_weights_on_a_claim_serves_a_completion_through_its_service(
+    session: Session,
+) -> None:
+    weights_volume(session)
+    out = session.tools.apply(pool("single", 1))
+    assert out.returncode == 0, out.stderr
+    [pod] = ready_pods(session.tools, NAMESPACE, POOL_SELECTOR.format("single"), 1)
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] in ("1", 1)
+    with port_forward(session.tools, NAMESPACE, "service/single", 80) as port:
+        result = complete(port, "the cache admits")
+    assert result["choices"][0]["text"], result
+    assert result["usage"]["completion_tokens"] > 0
+    status = sidecar_status(session.tools, NAMESPACE, pod["metadata"]["name"])
+    assert int(status["pool"]["totalPages"]) == 256
+    # Idle again: every reservation the completion made is released.
+    assert status["running"] == []
+
+
+def test_a_tensor_parallel_pool_spans_two_pods_and_finds_rank_0_by_dns(session: Session) -> None:
+    out = session.tools.apply(pool("tp2", 2))
+    assert out.returncode == 0, out.stderr
+    pods = ready_pods(session.tools, NAMESPACE, POOL_SELECTOR.format("tp2"), 2)
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    assert set(by_name) == {"tp2-0", "tp2-1"}
+    # Rank 1 reaches rank 0 by the name the prelude builds, through CoreDNS.
+    rank0 = "tp2-0.tp2-ranks.serve.svc.cluster.local"
+    out = session.tools.kubectl(
+        "exec", "-n", NAMESPACE, "tp2-1", "-c", "engine", "--",
+        "python3", "-c", f"import socket; print(socket.gethostbyname({rank0!r}))",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == by_name["tp2-0"]["status"]["podIP"]
+    with port_forward(session.tools, NAMESPACE, "service/tp2", 80) as port:
+        result = complete(port, "two ranks decode")
+    # Decoding needs both ranks (their torch.distributed group spans the two pods).
+    assert result["usage"]["completion_tokens"] > 0
+
+
+class Load:
+    """Completions sent one after another from a thread until stopped; every outcome kept."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.outcomes: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            try:
+                result = complete(self.port, f"request {n} of the load", max_tokens=32)
+                self.outcomes.append("ok" if result["usage"]["completion_tokens"] > 0 else "empty")
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                self.outcomes.append(f"error: {exc}")
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=180)
+
+
+def test_a_killed_sidecar_is_restarted_by_the_kubelet_and_loses_nothing(session: Session) -> None:
+    tools = session.tools
+    [pod] = ready_pods(tools, NAMESPACE, POOL_SELECTOR.format("single"), 1)
+    name = pod["metadata"]["name"]
+    before = container_status(pod, "sidecar")
+    container_id = before["containerID"].removeprefix("containerd://")
+    with port_forward(tools, NAMESPACE, f"pod/{name}", 8000) as port, Load(port) as load:
+        wait_for("completions before the kill", lambda: len(load.outcomes) >= 3, 120)
+        os.kill(containerd_task_pid(container_id), signal.SIGKILL)
+
+        def restarted() -> dict[str, Any] | None:
+            current = tools.get("pod", name, NAMESPACE)
+            if not current:
+                return None
+            status = container_status(current, "sidecar")
+            restarts = status.get("restartCount", 0) > before.get("restartCount", 0)
+            return current if restarts and status.get("ready") else None
+
+        wait_for("the kubelet restarting the sidecar", restarted, 180, every=1)
+        served = len(load.outcomes)
+        wait_for("completions after the restart", lambda: len(load.outcomes) >= served + 3, 180)
+    assert load.outcomes and all(o == "ok" for o in load.outcomes), load.outcomes
+
+    # The engine re-registered what ran: once idle, no reservation is left over or doubled.
+    def idle() -> dict[str, Any] | None:
+        status = sidecar_status(tools, NAMESPACE, name)
+        return None if status["running"] else status
+
+    status = wait_for("an idle sidecar", idle, 60)
+    assert int(status["pool"]["reserved"]) == 0
+
+
+def test_a_deleted_statefulset_is_restored_by_the_operator(session: Session) -> None:
+    tools = session.tools
+    before = tools.get("statefulset", "single", NAMESPACE)
+    assert before is not None
+    tools.ok("delete", "statefulset", "single", "-n", NAMESPACE, "--wait=true")
+
+    def restored() -> dict[str, Any] | None:
+        current = tools.get("statefulset", "single", NAMESPACE)
+        replaced = current and current["metadata"]["uid"] != before["metadata"]["uid"]
+        return current if replaced else None
+
+    wait_for("the operator restoring statefulset/single", restored, REPAIR_TIMEOUT, every=1)
+    ready_pods(tools, NAMESPACE, POOL_SELECTOR.format("single"), 1)
+    with port_forward(tools, NAMESPACE, "service/single", 80) as port:
+        assert complete(port, "restored")["usage"]["completion_tokens"] > 0
+
+
+def test_helm_upgrade_rolls_the_operator_and_the_pools_keep_serving(session: Session) -> None:
+    tools = session.tools
+    [old] = ready_pods(tools, SYSTEM, "app.kubernetes.io/component=operator", 1)
+    out = tools.helm(
+        "upgrade", RELEASE, str(CHART), "-n", SYSTEM, "--reuse-values",
+        "--set", "operator.statusInterval=7", "--wait", "--timeout", "5m", timeout=360,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    [new] = ready_pods(tools, SYSTEM, "app.kubernetes.io/component=operator", 1)
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+    with port_forward(tools, NAMESPACE, "service/single", 80) as port:
+        assert complete(port, "after the upgrade")["usage"]["completion_tokens"] > 0
+
+
+def test_helm_uninstall_after_the_pools_leaves_nothing_behind(session: Session) -> None:
+    tools = session.tools
+    listed = tools.helm("get", "manifest", RELEASE, "-n", SYSTEM)
+    manifest = [d for d in yaml.safe_load_all(listed.stdout) if d]
+    # The pools' pods stop gracefully first (engine.terminationGraceSeconds).
+    for args in (("modelpools", "--all", "-n", NAMESPACE), ("namespace", NAMESPACE)):
+        out = tools.kubectl("delete", *args, "--wait=true", "--timeout=180s", timeout=240)
+        assert out.returncode == 0, out.stderr
+    out = tools.helm("uninstall", RELEASE, "-n", SYSTEM, "--wait", "--timeout", "3m", timeout=240)
+    assert out.returncode == 0, out.stderr
+    out = tools.kubectl("delete", "namespace", SYSTEM, "--wait=true", "--timeout=180s", timeout=240)
+    assert out.returncode == 0, out.stderr
+    left = []
+    for doc in manifest:
+        namespace = doc["metadata"].get("namespace")
+        if tools.get(doc["kind"], doc["metadata"]["name"], namespace) is not None:
+            left.append(f"{doc['kind']}/{doc['metadata']['name']}")
+    assert left == [], left
+    # Nothing runs on the node but CoreDNS: every pool's and the operator's containers are gone.
+    pods = json.loads(tools.ok("get", "pods", "-A", "-o", "json"))["items"]
+    assert {p["metadata"]["namespace"] for p in pods} == {"kube-system"}
+
+    def only_dns() -> bool:
+        # CoreDNS's pod: its sandbox and its one container.
+        return len(containerd_tasks()) == 2
+
+    wait_for("the node running only CoreDNS", only_dns, 120)
