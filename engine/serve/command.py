@@ -36,7 +36,7 @@ SIDECAR_POLICIES = ("banker", "peak", "peak+backfill", "banker+backfill")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model folder (default: the built-in model)")
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="listen port (default: 8000)")
     parser.add_argument("--pages", type=int, default=1024, help="KV pages per rank, sink included")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--max-seq-len", type=int, help="prompt + output limit (default: model's)")
@@ -104,6 +104,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of unseeded requests")
     parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=2 << 20,
+        help="largest request body; a larger one gets 413 before it is read (default: 2 MiB)",
+    )
+    parser.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send a request's headers (default: 10)",
+    )
+    parser.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's body after its headers (default: 30)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="file of API keys, one a line (# comments): /v1/* then needs "
+        "'Authorization: Bearer KEY'; /health and /metrics stay open",
+    )
+    parser.add_argument(
         "--debug",
         action="store_true",
         help="check every pool and ledger invariant after every step",
@@ -117,6 +141,14 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("max_body_bytes", "header_timeout_s", "body_timeout_s"):
+        value = getattr(args, name)
+        if not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be above 0, got {value}")
+    if args.api_key_file is not None:
+        from kvbank.engine.serve.http.auth import read_api_keys
+
+        read_api_keys(args.api_key_file)  # refuse a missing or empty file before loading
     if args.pages < 2:
         raise ValueError(f"--pages must be at least 2 (one is the sink page), got {args.pages}")
     from kvbank.engine.admission.policy import policy_names
@@ -149,6 +181,10 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         sidecar_token_file=args.sidecar_token_file,
         debug=args.debug,
         seed=args.seed,
+        max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        api_key_file=args.api_key_file,
     )
 
 
@@ -163,9 +199,12 @@ def build_server(
     import uvicorn
 
     from kvbank.engine.serve.http.app import Served, create_app
+    from kvbank.engine.serve.http.auth import read_api_keys
+    from kvbank.engine.serve.http.deadline import DeadlineProtocol, ReadDeadlines
     from kvbank.engine.serve.http.loop import EngineLoop
     from kvbank.engine.serve.http.metrics import ServeMetrics
 
+    options = stack.options
     metrics = ServeMetrics(stack.options.pages)
     loop = EngineLoop(
         stack.engine, stack.options.max_waiting, metrics.observe_step, step_fn, idle_fn
@@ -177,9 +216,20 @@ def build_server(
         stack.capacity.max_seq_len,
         stack.capacity.max_tokens,
         extra_stop_ids(stack),
+        root=str(stack.model_dir),
+        max_body_bytes=options.max_body_bytes,
+        api_keys=read_api_keys(options.api_key_file) if options.api_key_file else frozenset(),
     )
     app = create_app(served, loop, metrics)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)
+    deadlines = ReadDeadlines(options.header_timeout_s, options.body_timeout_s)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        access_log=False,
+        http=DeadlineProtocol.factory(deadlines),
+    )
     return uvicorn.Server(config), loop
 
 
