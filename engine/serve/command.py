@@ -35,6 +35,13 @@ SIDECAR_POLICIES = ("banker", "peak", "peak+backfill", "banker+backfill")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model folder (default: the built-in model)")
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model id clients send and /v1/models lists (default: kvbank-builtin, or the "
+        "--model folder's name); a benchmark tool that loads its tokenizer by the model's id "
+        "finds it when this is the folder's path",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback)")
     parser.add_argument("--port", type=int, default=8000, help="listen port (default: 8000)")
     parser.add_argument("--pages", type=int, default=1024, help="KV pages per rank, sink included")
@@ -185,6 +192,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
         api_key_file=args.api_key_file,
+        served_model_name=args.served_model_name,
     )
 
 
@@ -210,7 +218,7 @@ def build_server(
         stack.engine, stack.options.max_waiting, metrics.observe_step, step_fn, idle_fn
     )
     served = Served(
-        stack.name,
+        options.served_model_name or stack.name,
         stack.tokenizer,
         stack.config.vocab_size,
         stack.capacity.max_seq_len,

@@ -53,6 +53,7 @@ class ServeOptions:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     api_key_file: str | None = None
+    served_model_name: str | None = None  # None: kvbank-builtin, or the model folder's name
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -142,9 +142,17 @@ class Shape:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for _, lp in entries],
-            "top_logprobs": [{self.token_text(a): v for a, v in lp.top} for _, lp in entries],
+            "top_logprobs": [self._top_by_text(lp) for _, lp in entries],
             "text_offset": offsets,
         }
+
+    def _top_by_text(self, lp: TokenLogprob) -> dict[str, float]:
+        # Keyed by text, as the legacy format is: two tokens that read alike (both halves of a
+        # character read U+FFFD) keep the likelier one's figure.
+        top: dict[str, float] = {}
+        for token, value in lp.top:
+            top.setdefault(self.token_text(token), value)
+        return top
 
     def _chat_entry(self, token: int, lp: TokenLogprob) -> dict[str, Any]:
         def one(t: int, value: float) -> dict[str, Any]:
