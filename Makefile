@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # Reinstall when the dependency list changes; otherwise reuse the virtual environment.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: serve test lint format venv clean
+.PHONY: serve test lint format venv clean bench-tools
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -34,5 +34,14 @@ format: venv
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# guidellm in an environment of its own (its pins are its own), reusing the engine's torch and
+# transformers through a .pth file instead of downloading CUDA torch again.
+BENCH_VENV ?= .venv-bench
+bench-tools: venv
+	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > \
+	  "$$($(BENCH_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz-engine.pth"
+	$(BENCH_VENV)/bin/python -m pip install -q 'guidellm==0.8.1'
+
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -3,6 +3,7 @@ every field it refuses, refused through it with the field named."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -226,3 +227,14 @@ def test_latency_histograms_and_gateway_gauges(live: LiveServer, client: openai.
                   "vllm:kv_cache_usage_perc"):  # fmt: skip
         assert gauge in figures
     live.wait_for(**{"vllm:num_requests_running": 0, "vllm:kv_cache_usage_perc": 0})
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(live: LiveServer) -> None:
+    body = {"prompt": "x", "max_tokens": 5, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    counts = []
+    with live.client.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                counts.append(json.loads(line[len("data: ") :])["usage"]["completion_tokens"])
+    assert counts == sorted(counts) and counts[-1] == 5

@@ -184,7 +184,8 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
             text = TextStream(tokenizer, gen.stop, stop_ids)
             runs.append(Run(sub_rid, outputs, text, loop, metrics, submitted, request, len(ids)))
             metrics.prompt_tokens.inc(len(ids))
-        shape = Shape(rid, served.name, chat, token_text, echo, gen.include_usage)
+        shape = Shape(rid, served.name, chat, token_text, echo, gen.include_usage,
+                      gen.continuous_usage)  # fmt: skip
         want_logprobs = gen.logprobs is not None
         if gen.stream:
             return RunStream(runs, events(shape, runs, want_logprobs))

@@ -32,6 +32,7 @@ class Generation:
     max_tokens_param: str = "max_tokens"  # the field the client set it with, for errors
     echo: bool = False
     ignore_eos: bool = False
+    continuous_usage: bool = False  # vLLM's extension: usage so far in every streamed chunk
 
     @property
     def logprobs(self) -> int | None:
@@ -131,13 +132,15 @@ def parse_generation(body: dict[str, Any], vocab_size: int, chat: bool) -> Gener
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
     for key in options:
-        if key != "include_usage":
+        if key not in ("include_usage", "continuous_usage_stats"):
             raise BadRequest(
-                f"'stream_options' has no field {shown(key)}; it takes 'include_usage'",
+                f"'stream_options' has no field {shown(key)}; it takes 'include_usage' and "
+                "'continuous_usage_stats'",
                 "stream_options",
                 "unsupported_parameter",
             )
     include_usage = _boolean(options, "include_usage")
+    continuous_usage = _boolean(options, "continuous_usage_stats")
     user = body.get("user")
     if user is not None:
         text(user, "user")
@@ -152,6 +155,7 @@ def parse_generation(body: dict[str, Any], vocab_size: int, chat: bool) -> Gener
         max_tokens_param,
         echo=False if chat else _boolean(body, "echo"),
         ignore_eos=ignore_eos,
+        continuous_usage=continuous_usage,
     )
 
 

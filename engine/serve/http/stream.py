@@ -126,6 +126,7 @@ class Shape:
     token_text: TokenText
     echo: Sequence[str] = ()  # per choice, the prompt text to put first
     include_usage: bool = False
+    continuous_usage: bool = False
 
     @property
     def kind(self) -> str:
@@ -217,6 +218,8 @@ async def events(shape: Shape, runs: Sequence[Run],
             choice["text"] = text
         body = {"id": shape.rid, "object": kind, "created": created, "model": shape.model,
                 "choices": [choice]}  # fmt: skip
+        if shape.continuous_usage:
+            body["usage"] = usage(runs)
         return f"data: {json.dumps(body)}\n\n"
 
     for index in range(len(runs)):
