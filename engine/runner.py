@@ -25,6 +25,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None  # None: none; k: the sampled token's and the k likeliest
     ignore_eos: bool = False  # run to max_tokens past the model's end-of-text token
+    grammar: str | None = None  # an llguidance grammar the output must match
 
     @property
     def penalised(self) -> bool:

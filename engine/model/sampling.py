@@ -9,12 +9,17 @@ request preempted and recomputed keeps its output, and so its counts).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvbank.engine.runner import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:  # llguidance loads only for a server that constrains output
+    from kvbank.engine.model.grammar import GrammarCompiler, Matcher
 
 
 class Sampler:
@@ -23,6 +28,8 @@ class Sampler:
         self._shared = torch.Generator(device=device).manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
         self._counts: dict[str, Counter[int]] = {}  # output tokens of penalised requests
+        self.grammars: GrammarCompiler | None = None  # set by a server that takes grammars
+        self._matchers: dict[str, Matcher] = {}
 
     def sample(self, logits: torch.Tensor, rows: Sequence[tuple[str, SamplingParams]]) -> list[int]:
         """logits: [rows, vocab] float32 -> one token per row."""
@@ -47,6 +54,8 @@ class Sampler:
             tokens.append(token)
             if params.penalised:
                 self._counts.setdefault(rid, Counter())[token] += 1
+            if params.grammar is not None:
+                self._matchers[rid].consume(token)
             if params.logprobs is not None:
                 logprobs[rid] = token_logprob(adjusted[i], token, params.logprobs)
         return tokens, logprobs
@@ -54,13 +63,14 @@ class Sampler:
     def forget(self, rid: str) -> None:
         self._seeded.pop(rid, None)
         self._counts.pop(rid, None)
+        self._matchers.pop(rid, None)
 
     def _adjust(
         self, logits: torch.Tensor, rows: Sequence[tuple[str, SamplingParams]]
     ) -> torch.Tensor:
-        """logit_bias, then penalties on what each request generated so far; a copy only when
-        some row asks for either."""
-        if not any(p.logit_bias or p.penalised for _, p in rows):
+        """logit_bias, then penalties on what each request generated so far, then its grammar's
+        mask; a copy only when some row asks for one of them."""
+        if not any(p.logit_bias or p.penalised or p.grammar is not None for _, p in rows):
             return logits
         adjusted = logits.clone()
         for i, (rid, params) in enumerate(rows):
@@ -74,7 +84,17 @@ class Sampler:
                 times = torch.tensor(list(counts.values()), device=logits.device)
                 penalty = params.frequency_penalty * times + params.presence_penalty
                 adjusted[i].index_add_(0, ids, -penalty.to(adjusted.dtype))
+            if params.grammar is not None:
+                self._matcher(rid, params.grammar).mask(adjusted[i])
         return adjusted
+
+    def _matcher(self, rid: str, grammar: str) -> Matcher:
+        matcher = self._matchers.get(rid)
+        if matcher is None:
+            if self.grammars is None:
+                raise ValueError(f"request {rid} has a grammar, but this sampler has no compiler")
+            matcher = self._matchers[rid] = self.grammars.matcher(grammar)
+        return matcher
 
     def _generator(self, rid: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -92,7 +112,10 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     alternatives: tuple[tuple[int, float], ...] = ()
     if top > 0:
         values, ids = torch.topk(logp, min(top, logp.shape[-1]))
-        alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        # A token a grammar or a -100 bias forbids is no alternative (and -inf is no JSON).
+        alternatives = tuple(
+            (t, v) for t, v in zip(ids.tolist(), values.tolist(), strict=True) if v > -math.inf
+        )
     return TokenLogprob(float(logp[token].item()), alternatives)
 
 

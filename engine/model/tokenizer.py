@@ -47,6 +47,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size())
 
+    def to_json(self) -> str:
+        """tokenizer.json as the tokenizers library writes it (for llguidance)."""
+        return str(self._tokenizer.to_str())
+
     def token_id(self, token: str) -> int | None:
         found = self._tokenizer.token_to_id(token)
         return None if found is None else int(found)

@@ -23,6 +23,7 @@ from kvbank.modelpool import DEFAULT_POLICY
 if TYPE_CHECKING:  # torch, uvicorn and the model load only when serve runs
     import uvicorn
 
+    from kvbank.engine.model.grammar import GrammarCompiler
     from kvbank.engine.serve.http.loop import EngineLoop
     from kvbank.engine.serve.stack import ServeOptions, Stack
 
@@ -227,6 +228,7 @@ def build_server(
         root=str(stack.model_dir),
         max_body_bytes=options.max_body_bytes,
         api_keys=read_api_keys(options.api_key_file) if options.api_key_file else frozenset(),
+        grammars=grammar_compiler(stack),
     )
     app = create_app(served, loop, metrics)
     deadlines = ReadDeadlines(options.header_timeout_s, options.body_timeout_s)
@@ -239,6 +241,24 @@ def build_server(
         http=DeadlineProtocol.factory(deadlines),
     )
     return uvicorn.Server(config), loop
+
+
+def grammar_compiler(stack: Stack) -> GrammarCompiler | None:
+    """llguidance over the served tokenizer, handed to rank 0's sampler too; None when the
+    model has no end-of-text token to finish a grammar with, or llguidance is not installed."""
+    eos = stack.tokenizer.eos_token_id
+    if eos is None and stack.config.eos_token_ids:
+        eos = stack.config.eos_token_ids[0]
+    try:
+        from kvbank.engine.model.grammar import GrammarCompiler
+    except ImportError:
+        log.warning("llguidance is not installed: response_format json_schema is refused")
+        return None
+    if eos is None:
+        return None
+    compiler = GrammarCompiler(stack.tokenizer.to_json(), eos)
+    stack.runner.sampler.grammars = compiler
+    return compiler
 
 
 def extra_stop_ids(stack: Stack) -> tuple[int, ...]:

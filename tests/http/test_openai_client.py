@@ -164,11 +164,14 @@ def test_logit_bias_and_penalties_change_what_is_sampled(
     assert tokens(presence_penalty=2.0) == [a] * 20
 
 
+BOGUS = {"name": "x", "schema": {"type": "bogus"}}
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("n", {"n": 2}, "n > 1 is not supported"),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-     "no grammar engine"),
-    ("response_format", {"response_format": {"type": "json_object"}}, "no grammar engine"),
+     "JSON schemas only"),
+    ("response_format", {"response_format": {"type": "json_schema", "json_schema": BOGUS}},
+     "cannot compile: Invalid type: bogus"),
+    ("response_format", {"response_format": {"type": "xml"}}, "must be text, json_object or"),
     ("tool_choice", {"tool_choice": "required"}, "can only be 'none'"),
     ("service_tier", {"service_tier": "flex"}, "not offered"),
     ("store", {"store": True}, "stores no completions"),
@@ -238,3 +241,25 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(live: LiveServer) -> No
             if line.startswith("data: {"):
                 counts.append(json.loads(line[len("data: ") :])["usage"]["completion_tokens"])
     assert counts == sorted(counts) and counts[-1] == 5
+
+
+def test_a_json_schema_response_matches_the_schema(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]}},
+        "required": ["ok", "colour"],
+        "additionalProperties": False,
+    }
+    for seed in range(3):
+        done = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "pick"}], max_tokens=40,
+            seed=seed, logprobs=True, top_logprobs=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        )  # fmt: skip
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop"
+        answer = json.loads(choice.message.content or "")
+        assert set(answer) == {"ok", "colour"}
+        assert isinstance(answer["ok"], bool) and answer["colour"] in ("red", "green", "blue")
+        for entry in choice.logprobs.content or []:  # type: ignore[union-attr]
+            assert all(alt.logprob > float("-inf") for alt in entry.top_logprobs)

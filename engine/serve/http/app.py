@@ -15,8 +15,8 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -29,7 +29,12 @@ from kvbank.engine.model.textstream import TextStream
 from kvbank.engine.model.tokenizer import ChatTemplateError, Tokenizer
 from kvbank.engine.serve.http.auth import RequireApiKey
 from kvbank.engine.serve.http.errors import BadRequest, error, shown
-from kvbank.engine.serve.http.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from kvbank.engine.serve.http.fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    check_fields,
+    response_grammar,
+)
 from kvbank.engine.serve.http.loop import EngineLoop, EngineStopped, QueueFull, Submission
 from kvbank.engine.serve.http.metrics import ServeMetrics
 from kvbank.engine.serve.http.schema import (
@@ -39,6 +44,9 @@ from kvbank.engine.serve.http.schema import (
     parse_prompts,
 )
 from kvbank.engine.serve.http.stream import Run, RunStream, Shape, events, whole
+
+if TYPE_CHECKING:
+    from kvbank.engine.model.grammar import GrammarCompiler
 
 RETRY_AFTER_S = 1
 TOKENIZER_THREADS = 2  # long prompts tokenize two at a time; the rest wait their turn
@@ -57,6 +65,7 @@ class Served:
     root: str = ""  # the model folder: where a client loads the tokenizer from
     max_body_bytes: int = 2 << 20
     api_keys: frozenset[str] = frozenset()
+    grammars: GrammarCompiler | None = None  # None: structured output is refused
 
 
 def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIApp:
@@ -145,6 +154,9 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
         gen = parse_generation(body, served.vocab_size, chat=True)
         _check_model(gen)
         messages = parse_messages(body)
+        grammar = await off_loop(response_grammar, body, served.grammars)
+        if grammar is not None:
+            gen = replace(gen, sampling=replace(gen.sampling, grammar=grammar))
         try:
             ids = await off_loop(tokenizer.encode_chat, messages)
         except ChatTemplateError as exc:
@@ -171,6 +183,8 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
         submitted = time.monotonic()
         runs: list[Run] = []
         stop_ids = [*gen.stop_token_ids, *(() if gen.ignore_eos else served.extra_stop_ids)]
+        if gen.sampling.grammar is not None and served.grammars is not None:
+            stop_ids.append(served.grammars.eos_token_id)  # the grammar ends with it
         for index, ids in enumerate(prompts):
             sub_rid = rid if len(prompts) == 1 else f"{rid}-{index}"
             outputs: asyncio.Queue[Any] = asyncio.Queue()

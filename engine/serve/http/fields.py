@@ -8,9 +8,12 @@ reads values it can honour. docs/api.md holds the same table for users.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvbank.engine.serve.http.errors import BadRequest
+from kvbank.engine.serve.http.errors import BadRequest, shown
+
+if TYPE_CHECKING:
+    from kvbank.engine.model.grammar import GrammarCompiler
 
 SHARED = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
@@ -24,8 +27,8 @@ CHAT_FIELDS = SHARED | {
 }  # fmt: skip
 
 NO_GRAMMAR = (
-    "this server has no grammar engine to constrain decoding, so it cannot promise {what}; "
-    "drop '{field}' and validate the output yourself"
+    "this server constrains decoding to JSON schemas only, so it cannot promise {what}; "
+    "drop '{field}' (a response_format json_schema can describe the call you want)"
 )
 # OpenAI fields a route does not serve, with the reason and what to do instead.
 REFUSED = {
@@ -79,12 +82,12 @@ def _check_partial(body: dict[str, Any]) -> None:
     response_format = body.get("response_format")
     if response_format is not None:
         kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind != "text":
+        if kind not in ("text", "json_object", "json_schema"):
             raise BadRequest(
-                NO_GRAMMAR.format(what=f"a {kind or 'structured'} response",
-                                  field="response_format"),
+                f"'response_format.type' must be text, json_object or json_schema, got "
+                f"{shown(kind)}",
                 "response_format",
-            )  # fmt: skip
+            )
     if body.get("tools"):
         raise BadRequest(NO_GRAMMAR.format(what="well-formed tool calls", field="tools"), "tools")
     if body.get("tool_choice") not in (None, "none"):
@@ -106,3 +109,37 @@ def _check_partial(body: dict[str, Any]) -> None:
             "does not compute; drop one of them",
             "echo",
         )
+
+
+def response_grammar(body: dict[str, Any], compiler: GrammarCompiler | None) -> str | None:
+    """The grammar a chat request's response_format asks for (None: free text). Raises
+    BadRequest naming response_format when the schema cannot be compiled."""
+    response_format = body.get("response_format")
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if response_format is None or kind == "text":
+        return None
+    if compiler is None:
+        raise BadRequest(
+            "this server was started without a grammar engine (llguidance is not installed), "
+            "so it cannot promise a structured response; drop 'response_format'",
+            "response_format",
+        )
+    schema = None
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise BadRequest(
+                "'response_format.json_schema' must be an object whose 'schema' is a JSON schema",
+                "response_format",
+                "invalid_type",
+            )
+        schema = spec.get("schema")
+    from kvbank.engine.model.grammar import GrammarError
+
+    try:
+        return compiler.json_schema(schema)
+    except GrammarError as exc:
+        raise BadRequest(
+            f"'response_format' holds a schema the grammar engine cannot compile: {str(exc)[:300]}",
+            "response_format",
+        ) from exc
