@@ -13,7 +13,7 @@ from kvbank.engine.bench.cli import plot
 from kvbank.engine.bench.scenario import load_scenario
 from kvbank.engine.bench.simulate import run_policy
 
-SCENARIOS = Path(__file__).resolve().parents[2] / "shared" / "scenarios"
+SCENARIOS = Path(__file__).resolve().parents[1] / "scenarios"
 
 
 def main() -> int:

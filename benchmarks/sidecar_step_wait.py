@@ -1,6 +1,6 @@
 """How long the engine's step waits on admission, embedded and over a sidecar process.
 
-    python benchmarks/sidecar_step_wait.py [--scenario ../shared/scenarios/shared-prefix.yaml]
+    python benchmarks/sidecar_step_wait.py [--scenario scenarios/shared-prefix.yaml]
         [--requests 48] [--step-ms 8] [--policy peak+backfill]
 
 Runs one closed-loop scenario through the real engine (virtual runner, real scheduler, pool
@@ -85,9 +85,7 @@ def sidecar(policy: str) -> tuple[subprocess.Popen[str], str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--scenario", default=str(ROOT.parent / "shared/scenarios/shared-prefix.yaml")
-    )
+    parser.add_argument("--scenario", default=str(ROOT / "scenarios" / "shared-prefix.yaml"))
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--step-ms", type=float, default=8.0)
     parser.add_argument("--policy", default="peak+backfill")

@@ -7,32 +7,14 @@ ModelPool manifests.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
-import yaml
 
 from kvbank.capacity import holdability
+from kvbank.fields import quote
+from kvbank.manifests import ManifestError, load_documents
 from kvbank.modelpool import KIND, SpecError, parse_modelpool
 
-
-class ManifestError(Exception):
-    pass
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML 1.2 floats: `8.03e9` is a number to kubectl, so it must be one here too (YAML 1.1,
-    PyYAML's default, reads it as a string)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d[\d_]*\.?\d*(?:[eE][-+]?\d+)|\.\d+(?:[eE][-+]?\d+)?)$"),
-    list("-+0123456789."),
-)
+__all__ = ["ManifestError", "load_documents", "run"]  # the sidecar's --pool reads the same way
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,21 +24,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="YAML files with one or more ModelPool documents ('-' for stdin)",
     )
-
-
-def load_documents(path: str) -> Iterator[tuple[str, Any]]:
-    """(where, document) for every non-empty YAML document in a file."""
-    try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text()
-    except OSError as exc:
-        raise ManifestError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    try:
-        docs = list(yaml.load_all(text, Loader=_Loader))  # a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise ManifestError(f"{path}: not valid YAML: {exc}") from exc
-    for index, doc in enumerate(docs):
-        if doc is not None:
-            yield f"{path}#{index + 1}", doc
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
             worst_exit = 2
         for where, doc in docs:
             if isinstance(doc, dict) and doc.get("kind") not in (KIND, None):
-                print(f"error: {where}: kind {doc.get('kind')!r} is not {KIND}", file=sys.stderr)
+                kind = quote(doc.get("kind"))
+                print(f"error: {where}: kind {kind} is not {KIND}", file=sys.stderr)
                 worst_exit = 2
                 continue
             try:

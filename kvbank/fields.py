@@ -5,9 +5,50 @@ user fixes a manifest in one pass. The ModelPool and CapacityPolicy readers shar
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+QUOTE_LIMIT = 80  # characters of a bad value an error message repeats
+# What a manifest may hold: a ModelPool has a few dozen values a few levels deep. Whatever reads
+# it (the webhook's JSON, a YAML file with aliases) is refused past these before it is walked.
+MAX_DEPTH = 64
+MAX_VALUES = 100_000
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded repr: a few items per container and a few levels, so quoting a value
+    costs the same whatever its size (a YAML alias bomb expands to millions of items)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
+        self.maxstring = self.maxother = QUOTE_LIMIT
+        self.maxlong = 40
+
+    def repr_int(self, x: int, level: int) -> str:
+        try:
+            return super().repr_int(x, level)
+        except ValueError:  # past Python's 4,300-digit limit for int -> str
+            return f"<an integer of {x.bit_length()} bits>"
+
+
+_SHORT = _ShortRepr()
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """`repr(value)` cut to at most `limit` characters, at a cost bounded by `limit`, never by
+    the value's size. Every error message that repeats a bad value quotes it with this."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def key_path(path: str, key: object) -> str:
+    """`path.key` with the key cut short: a key is as much user input as a value."""
+    name = key if isinstance(key, str) else quote(key)
+    return f"{path}.{name if len(name) <= 63 else name[:60] + '...'}"
 
 
 @dataclass(frozen=True)
@@ -25,6 +66,36 @@ class SpecError(ValueError):
     def __init__(self, errors: list[FieldError]):
         self.errors = errors
         super().__init__("; ".join(str(e) for e in errors))
+
+
+def check_size(doc: object, path: str = "manifest") -> FieldError | None:
+    """Why `doc` is too big or too deep to read (None: it is not), at a cost bounded by
+    MAX_VALUES whatever `doc` holds: a value shared many times (a YAML alias) counts each time,
+    as every reader that walks it would pay."""
+    stack: list[tuple[object, int]] = [(doc, 1)]
+    values = 1
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, Mapping):
+            size = 2 * len(value)
+        elif isinstance(value, list | tuple):
+            size = len(value)
+        else:
+            continue
+        if depth >= MAX_DEPTH:
+            return FieldError(path, f"nests deeper than {MAX_DEPTH} levels; a manifest needs few")
+        values += size
+        if values > MAX_VALUES:
+            return FieldError(
+                path,
+                f"holds more than {MAX_VALUES} values (a value an alias repeats counts each "
+                f"time); a ModelPool holds a few dozen",
+            )
+        if isinstance(value, Mapping):
+            stack.extend((child, depth + 1) for child in (*value.keys(), *value.values()))
+        else:
+            stack.extend((child, depth + 1) for child in value)
+    return None
 
 
 class FieldReader:
@@ -50,7 +121,7 @@ class FieldReader:
         for key in obj:
             if key not in known:
                 self.fail(
-                    f"{path}.{key}", f"is not a known field; known: {', '.join(sorted(known))}"
+                    key_path(path, key), f"is not a known field; known: {', '.join(sorted(known))}"
                 )
 
     def integer(
@@ -72,7 +143,9 @@ class FieldReader:
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
             else:
-                self.fail(f"{path}.{key}", f"must be an integer from {lo} to {hi}, got {value!r}")
+                self.fail(
+                    f"{path}.{key}", f"must be an integer from {lo} to {hi}, got {quote(value)}"
+                )
                 return None
         if not lo <= value <= hi:
             self.fail(f"{path}.{key}", f"must be from {lo} to {hi}, got {value}")
@@ -96,7 +169,9 @@ class FieldReader:
                 self.fail(f"{path}.{key}", f"is missing; set a number from {lo:g} to {hi:g}")
             return default
         if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-            self.fail(f"{path}.{key}", f"must be a number from {lo:g} to {hi:g}, got {value!r}")
+            self.fail(
+                f"{path}.{key}", f"must be a number from {lo:g} to {hi:g}, got {quote(value)}"
+            )
             return None
         if value < lo or value > hi or (lo_open and value == lo):
             bound = f"above {lo:g} and up" if lo_open else f"from {lo:g}"
@@ -120,9 +195,9 @@ class FieldReader:
                 self.fail(f"{path}.{key}", "is missing")
             return default
         if not isinstance(value, str) or not value:
-            self.fail(f"{path}.{key}", f"must be a non-empty string, got {value!r}")
+            self.fail(f"{path}.{key}", f"must be a non-empty string, got {quote(value)}")
             return None
         if choices is not None and value not in choices:
-            self.fail(f"{path}.{key}", f"must be one of {', '.join(choices)}, got {value!r}")
+            self.fail(f"{path}.{key}", f"must be one of {', '.join(choices)}, got {quote(value)}")
             return None
         return value

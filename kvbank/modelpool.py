@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbank.fields import FieldError, FieldReader, SpecError
+from kvbank.fields import FieldError, FieldReader, SpecError, check_size, key_path, quote
 
 __all__ = ["FieldError", "FieldReader", "SpecError"]  # re-exported: readers of specs use them
 
@@ -191,7 +191,7 @@ def _kv_slots(r: FieldReader, obj: Any) -> dict[str, KvSlot]:
         r.fail(path, f"has {len(slots)} labels; at most {MAX_LABELS} are allowed")
     result: dict[str, KvSlot] = {}
     for label, slot in slots.items():
-        lpath = f"{path}.{label}"
+        lpath = key_path(path, label)
         if not isinstance(label, str) or not label or len(label) > 63:
             r.fail(lpath, "a label must be a non-empty string of at most 63 characters")
             continue
@@ -214,15 +214,18 @@ def _kv_slots(r: FieldReader, obj: Any) -> dict[str, KvSlot]:
 
 def parse_modelpool(doc: Any) -> ModelPool:
     """Read a ModelPool manifest (a dict as from YAML). Raises SpecError listing every problem."""
+    too_big = check_size(doc)
+    if too_big is not None:  # before anything walks it
+        raise SpecError([too_big])
     r = FieldReader()
     top = r.mapping(doc, "manifest")
     if top is None:
         raise SpecError(r.errors)
     api_version = top.get("apiVersion")
     if api_version != f"{API_GROUP}/{API_VERSION}":
-        r.fail("apiVersion", f"must be {API_GROUP}/{API_VERSION}, got {api_version!r}")
+        r.fail("apiVersion", f"must be {API_GROUP}/{API_VERSION}, got {quote(api_version)}")
     if top.get("kind") != KIND:
-        r.fail("kind", f"must be {KIND}, got {top.get('kind')!r}")
+        r.fail("kind", f"must be {KIND}, got {quote(top.get('kind'))}")
     meta = r.mapping(top.get("metadata"), "metadata") or {}
     name = r.string(meta, "name", "metadata") or ""
     if len(name) > MAX_POOL_NAME_LENGTH:
@@ -300,7 +303,7 @@ def parse_modelpool(doc: Any) -> ModelPool:
     )
     backfill = adm.get("backfill", Admission.backfill)
     if not isinstance(backfill, bool):
-        r.fail("spec.admission.backfill", f"must be true or false, got {backfill!r}")
+        r.fail("spec.admission.backfill", f"must be true or false, got {quote(backfill)}")
 
     if r.errors:
         raise SpecError(r.errors)

@@ -55,7 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("KVBANK_WEBHOOK_LISTEN", "0.0.0.0"),
         help="address the webhook server binds",
     )
-    hook.add_argument("--webhook-port", type=int, default=_int_env("KVBANK_WEBHOOK_PORT", 9443))
+    hook.add_argument(
+        "--webhook-port",
+        type=int,
+        default=_int_env("KVBANK_WEBHOOK_PORT", 9443),
+        help="port the webhook server listens on (env KVBANK_WEBHOOK_PORT)",
+    )
     hook.add_argument(
         "--cert-mode",
         choices=CERT_MODES,
@@ -135,9 +140,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--image", default=_env("KVBANK_IMAGE", RenderSettings.image), help="engine + sidecar image"
     )
     pods.add_argument(
-        "--image-pull-policy", default=_env("KVBANK_IMAGE_PULL_POLICY", "IfNotPresent")
+        "--image-pull-policy",
+        default=_env("KVBANK_IMAGE_PULL_POLICY", "IfNotPresent"),
+        help="imagePullPolicy of the rendered containers",
     )
-    pods.add_argument("--gpu-resource", default=_env("KVBANK_GPU_RESOURCE", "nvidia.com/gpu"))
+    pods.add_argument(
+        "--gpu-resource",
+        default=_env("KVBANK_GPU_RESOURCE", "nvidia.com/gpu"),
+        help="extended resource each rank's pod requests one of (one GPU per rank)",
+    )
     pods.add_argument(
         "--model-root",
         default=_env("KVBANK_MODEL_ROOT", "/models"),

@@ -31,17 +31,28 @@ MERGE = "application/merge-patch+json"
 RETRYABLE = {429, 500, 502, 503, 504}
 
 
+class NoCluster(Exception):
+    """No Kubernetes API to talk to: no kubeconfig and no in-cluster ServiceAccount."""
+
+
 def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
     """An explicit kubeconfig wins; otherwise the in-cluster ServiceAccount, then the default
-    kubeconfig (a developer's `kubectl` setup)."""
-    if kubeconfig:
-        return k8s_config.new_client_from_config(config_file=kubeconfig)
+    kubeconfig (a developer's `kubectl` setup). Raises NoCluster saying which was missing."""
     try:
-        configuration = k8s.Configuration()
-        k8s_config.load_incluster_config(client_configuration=configuration)
-        return k8s.ApiClient(configuration)
-    except k8s_config.ConfigException:
-        return k8s_config.new_client_from_config()
+        if kubeconfig:
+            return k8s_config.new_client_from_config(config_file=kubeconfig)
+        try:
+            configuration = k8s.Configuration()
+            k8s_config.load_incluster_config(client_configuration=configuration)
+            return k8s.ApiClient(configuration)
+        except k8s_config.ConfigException:
+            return k8s_config.new_client_from_config()
+    except (k8s_config.ConfigException, OSError) as exc:
+        where = f"--kubeconfig {kubeconfig}" if kubeconfig else "no in-cluster ServiceAccount"
+        raise NoCluster(
+            f"cannot reach a Kubernetes API ({where}; {exc}): give --kubeconfig PATH or set "
+            f"KUBECONFIG, or run the operator in a pod with a ServiceAccount"
+        ) from None
 
 
 class KubeClient:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from kvbank.operator import config as operator_config
 
@@ -24,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     from kvbank.operator.handlers import Runtime, register
-    from kvbank.operator.kube import KubeClient, load_api_client
+    from kvbank.operator.kube import KubeClient, NoCluster, load_api_client
     from kvbank.operator.live import SidecarClientSource
     from kvbank.operator.webhook_tls import ServerTLS
 
@@ -33,7 +34,12 @@ def run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    cluster = KubeClient(load_api_client(config.kubeconfig), timeout=config.api_timeout)
+    try:
+        api = load_api_client(config.kubeconfig)
+    except NoCluster as exc:
+        print(f"kvbank operator: {exc}", file=sys.stderr)
+        return 2
+    cluster = KubeClient(api, timeout=config.api_timeout)
     runtime = Runtime(
         config=config,
         cluster=cluster,

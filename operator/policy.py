@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbank.fields import FieldReader, SpecError
+from kvbank.fields import FieldReader, SpecError, check_size, key_path, quote
 from kvbank.modelpool import (
     API_GROUP,
     API_VERSION,
@@ -108,7 +108,7 @@ def _selector(r: FieldReader, obj: Any) -> NamespaceSelector | None:
     labels = r.mapping(sel.get("matchLabels"), f"{path}.matchLabels", required=False) or {}
     for key, value in labels.items():
         if not isinstance(value, str):
-            r.fail(f"{path}.matchLabels.{key}", f"must be a string, got {value!r}")
+            r.fail(key_path(f"{path}.matchLabels", key), f"must be a string, got {quote(value)}")
     exprs_obj = sel.get("matchExpressions") or []
     if not isinstance(exprs_obj, list) or len(exprs_obj) > MAX_SELECTOR_TERMS:
         r.fail(f"{path}.matchExpressions", f"must be a list of at most {MAX_SELECTOR_TERMS}")
@@ -139,14 +139,18 @@ def _selector(r: FieldReader, obj: Any) -> NamespaceSelector | None:
 
 def parse_capacity_policy(doc: Any) -> CapacityPolicy:
     """Read a CapacityPolicy manifest. Raises SpecError listing every problem."""
+    too_big = check_size(doc)
+    if too_big is not None:
+        raise SpecError([too_big])
     r = FieldReader()
     top = r.mapping(doc, "manifest")
     if top is None:
         raise SpecError(r.errors)
     if top.get("apiVersion") != f"{API_GROUP}/{API_VERSION}":
-        r.fail("apiVersion", f"must be {API_GROUP}/{API_VERSION}, got {top.get('apiVersion')!r}")
+        sent = quote(top.get("apiVersion"))
+        r.fail("apiVersion", f"must be {API_GROUP}/{API_VERSION}, got {sent}")
     if top.get("kind") != POLICY_KIND:
-        r.fail("kind", f"must be {POLICY_KIND}, got {top.get('kind')!r}")
+        r.fail("kind", f"must be {POLICY_KIND}, got {quote(top.get('kind'))}")
     meta = r.mapping(top.get("metadata"), "metadata") or {}
     name = r.string(meta, "name", "metadata") or ""
     spec = r.mapping(top.get("spec"), "spec")
@@ -175,7 +179,7 @@ def parse_capacity_policy(doc: Any) -> CapacityPolicy:
             r.fail(
                 f"{path}.allowedPageSizes",
                 f"must list 1 to {MAX_PAGE_SIZES} page sizes from 1 to {MAX_PAGE_SIZE}, "
-                f"got {sizes_obj!r}",
+                f"got {quote(sizes_obj)}",
             )
     limits = PolicyLimits(
         gpus_per_namespace=optional("gpusPerNamespace", 0, MAX_GPUS),

@@ -283,7 +283,38 @@ def connect(
     token: str | None = None,
     tls_ca: bytes | None = None,
     engine_id: str = "engine",
+    tls_server_name: str | None = None,
+    verify: bool = False,
 ) -> SidecarBackend:
-    """The factory `kvbank serve --sidecar` and `kvbank bench --sidecar` call."""
-    client = SidecarClient(address, token=token, tls_ca=tls_ca)
+    """The factory `kvbank serve --sidecar` and `kvbank bench --sidecar` call. `verify` asks the
+    sidecar for its status first (token and TLS included) and raises ValueError, saying what to
+    fix, when it cannot answer."""
+    client = SidecarClient(address, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name)
+    if verify:
+        try:
+            client.status_reply()
+        except SidecarError as exc:
+            client.close()
+            raise ValueError(unreachable_message(address, exc, token, tls_ca)) from exc
     return SidecarBackend(client, total_pages, engine_id=engine_id, blocking=blocking)
+
+
+def unreachable_message(
+    address: str, exc: SidecarError, token: str | None, tls_ca: bytes | None
+) -> str:
+    """Why the sidecar at `address` did not answer, in the engine's flags."""
+    if exc.code == "UNAUTHENTICATED":
+        given = "the token in --sidecar-token-file" if token else "no token"
+        return (
+            f"the sidecar at {address} refused {given} ({exc.message}); give "
+            f"--sidecar-token-file the file the sidecar reads with --token-file"
+        )
+    if exc.code == "UNAVAILABLE":
+        tls = (
+            "over TLS with --sidecar-ca-file: is its certificate signed by that CA, for that "
+            "name (--sidecar-tls-server-name)?"
+            if tls_ca
+            else "in plaintext: does it serve TLS (then give --sidecar-ca-file)?"
+        )
+        return f"cannot reach the sidecar at {address} ({exc.message}); is it running, and {tls}"
+    return f"the sidecar at {address} answered {exc}"

@@ -88,6 +88,7 @@ class SidecarClient:
         address: str,
         token: str | None = None,
         tls_ca: bytes | None = None,
+        tls_server_name: str | None = None,
         deadline_s: float = 2.0,
         follow_deadline_s: float = 60.0,
         retry_budget_s: float = 10.0,
@@ -97,8 +98,11 @@ class SidecarClient:
         self.deadline_s = deadline_s
         self.follow_deadline_s = follow_deadline_s
         self.retry_budget_s = retry_budget_s
-        options = [("grpc.max_send_message_length", max_message_bytes)]
+        options: list[tuple[str, int | str]] = [("grpc.max_send_message_length", max_message_bytes)]
         if tls_ca is not None:
+            # The certificate must name the address's host, or `tls_server_name` when given.
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
             creds = grpc.ssl_channel_credentials(root_certificates=tls_ca)
             self._channel = grpc.secure_channel(address, creds, options=options)
         else:

@@ -11,9 +11,21 @@ from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger, Refused
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.peakpass import shape_from_wire
 
+# Requests the ledger queues at most (`kvbank sidecar --max-waiting`). Every report copies the
+# ledger (all-or-nothing), so an unbounded queue makes every report slower; an engine keeps its
+# own queue far shorter (`kvbank serve --max-waiting`, 256 by default).
+DEFAULT_MAX_WAITING = 8192
+
+
+class QueueFull(Exception):
+    """A submit past the sidecar's --max-waiting (RESOURCE_EXHAUSTED): nothing was queued."""
+
 
 def apply_events(
-    ledger: Ledger, req: pb.ReportRequest, unapplied: dict[int, int]
+    ledger: Ledger,
+    req: pb.ReportRequest,
+    unapplied: dict[int, int],
+    max_waiting: int = DEFAULT_MAX_WAITING,
 ) -> tuple[list[Admitted | Refused], list[str], list[str]]:
     """Apply a report's events and progress to `ledger`; returns the refusals at submit, the
     requests that arrived (queued) and the requests a closed step found stalled. `unapplied`
@@ -27,6 +39,12 @@ def apply_events(
         kind = event.WhichOneof("kind")
         if kind == "submit":
             ev = event.submit
+            if ledger.waiting_count() >= max_waiting:
+                raise QueueFull(
+                    f"submit of {ev.rid[:64]!r}: the queue holds {ledger.waiting_count()} "
+                    f"requests, this sidecar's --max-waiting; the engine must hold requests "
+                    f"back (its --max-waiting below the sidecar's) or the sidecar queue more"
+                )
             shape = shape_from_wire(ev.rid, ev.shape, ev.pages) if ev.HasField("shape") else None
             refused = ledger.submit(ev.rid, ev.pages, ev.refusal or None, shape=shape)
             if refused is not None:
@@ -43,6 +61,7 @@ def apply_events(
         elif kind == "supply":
             pending_idle = sum(unapplied.values())
             evictable = max(0, event.supply.evictable - pending_idle)
+            check_supply(ledger, event.supply.free, evictable)
             # Unchanged figures are not a report, as with the embedded ledger: a peak
             # ledger counts released pages as returning until the next real report.
             if (event.supply.free, evictable) != (ledger.free, ledger.evictable):
@@ -63,6 +82,25 @@ def apply_events(
     for step in req.progress:
         advance(ledger, step)
     return decisions, arrived, stalled
+
+
+def check_supply(ledger: Ledger, free: int, evictable: int) -> None:
+    """Refuse a supply report that leaves no room for pages the ledger knows are held. A
+    request's held pages are its own (its hit may be shared with others, so the sum over
+    requests is not a bound, but any one request's pages are distinct): free and evictable pages
+    plus the largest holding must fit the usable pages. Taken as is, such a report would let the
+    ledger promise pages twice."""
+    if free + evictable > ledger.usable_pages:
+        return  # set_supply refuses it with its own message
+    holder = max(ledger.running(), key=lambda r: r.held, default=None)
+    if holder is not None and free + evictable + holder.held > ledger.usable_pages:
+        room = ledger.usable_pages - free - evictable
+        raise InvalidPages(
+            f"supply free {free} + evictable {evictable} leaves {room} of the pool's "
+            f"{ledger.usable_pages} usable pages held, but request {holder.rid[:64]!r} alone "
+            f"holds {holder.held}; report the pool's figures after the takes and releases "
+            f"before them"
+        )
 
 
 def advance(ledger: Ledger, step: pb.Progress) -> None:

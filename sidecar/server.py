@@ -3,9 +3,10 @@
     kvbank sidecar --listen 127.0.0.1:50051 --metrics-port 9464 [--pool FILE]
 
 Loopback by default. Followers in other pods need `--listen` on the pod address, and then the
-server insists on a shared token (`--token-file`) and should get a certificate (`--tls-cert`,
-`--tls-key`). SIGTERM stops it gracefully: health turns NOT_SERVING, calls in flight get
-`--grace-s` seconds, then the process exits 0.
+server insists on a shared token (`--token-file`) and on TLS (`--tls-cert-file`,
+`--tls-key-file`), so the token never crosses the pod network in the clear; `--trusted-network`
+waives TLS where the network itself is private. SIGTERM stops it gracefully: health turns
+NOT_SERVING, calls in flight get `--grace-s` seconds, then the process exits 0.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from kvbank.capacity import pool_pages
-from kvbank.check import ManifestError, load_documents
+from kvbank.capacity import holdability, pool_pages
+from kvbank.manifests import ManifestError, load_documents
 from kvbank.modelpool import SpecError, parse_modelpool
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.auth import TokenInterceptor
 from kvbank.sidecar.decision_log import DecisionLog
 from kvbank.sidecar.peakpass import SIDECAR_MODES
+from kvbank.sidecar.reports import DEFAULT_MAX_WAITING
 from kvbank.sidecar.service import AdmissionService
 from kvbank.sidecar.state import AdmissionState
 
@@ -43,7 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-port", type=int, default=9464, help="Prometheus port (0: any, -1: off)"
     )
     parser.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus listen address")
-    parser.add_argument("--pool", metavar="FILE", help="ModelPool manifest this sidecar serves")
+    parser.add_argument(
+        "--pool",
+        metavar="FILE",
+        help="ModelPool manifest this sidecar serves; one `kvbank check` refuses is refused here",
+    )
     parser.add_argument(
         "--policy",
         choices=sorted(SIDECAR_MODES),
@@ -51,18 +57,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "policy the engine asks for); an engine that asks for another gets FAILED_PRECONDITION",
     )
     parser.add_argument("--token-file", help="file holding the shared token callers must send")
-    parser.add_argument("--tls-cert", help="PEM server certificate (with --tls-key)")
-    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    parser.add_argument("--lease-s", type=float, default=10.0, help="default engine lease")
+    parser.add_argument(
+        "--tls-cert-file", metavar="PATH", help="PEM server certificate (with --tls-key-file)"
+    )
+    parser.add_argument("--tls-key-file", metavar="PATH", help="PEM private key of --tls-cert-file")
+    parser.add_argument(
+        "--trusted-network",
+        action="store_true",
+        help="allow a non-loopback --listen with --token-file but no TLS (the network is private)",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=DEFAULT_MAX_WAITING,
+        help="requests the ledger queues at most; a submit past it gets RESOURCE_EXHAUSTED "
+        "(keep it above the engine's own --max-waiting)",
+    )
+    parser.add_argument(
+        "--lease-s", type=float, default=10.0, help="default engine lease, in seconds"
+    )
     parser.add_argument(
         "--follower-timeout-s",
         type=float,
         default=30.0,
-        help="a silent follower stops holding the log",
+        help="a follower silent this long stops holding the decision log",
     )
     parser.add_argument("--log-max", type=int, default=65536, help="decision log entries kept")
-    parser.add_argument("--max-message-bytes", type=int, default=1 << 20)
-    parser.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period")
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest gRPC message accepted; a larger one gets RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--grace-s", type=float, default=5.0, help="shutdown grace period, in seconds"
+    )
     parser.add_argument("--debug", action="store_true", help="check the ledger after reports")
 
 
@@ -85,6 +114,7 @@ class Config:
     grace_s: float
     debug: bool
     policy: str | None = None  # None: the engine's (no pool, no --policy)
+    max_waiting: int = DEFAULT_MAX_WAITING
 
 
 def _read_pool(path: str) -> tuple[int, str]:
@@ -97,10 +127,16 @@ def _read_pool(path: str) -> tuple[int, str]:
         pool = parse_modelpool(doc)
     except SpecError as exc:
         raise ConfigError(f"{where}: " + "; ".join(str(e) for e in exc.errors)) from exc
+    held = holdability(pool)
+    if not held.ok:
+        raise ConfigError(
+            f"--pool {where}: `kvbank check` refuses this pool, so this sidecar will not "
+            f"serve it: " + "; ".join(str(v) for v in held.violations)
+        )
     return pool_pages(pool), pool.admission.ledger_policy
 
 
-def _is_loopback(listen: str) -> bool:
+def is_loopback(listen: str) -> bool:
     host = listen.rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
         return True
@@ -115,19 +151,19 @@ def config_from_args(args: argparse.Namespace) -> Config:
         pages, pool_policy = _read_pool(args.pool) if args.pool else (None, None)
         token = Path(args.token_file).read_text().strip() if args.token_file else None
         tls = None
-        if bool(args.tls_cert) != bool(args.tls_key):
-            raise ConfigError("--tls-cert and --tls-key go together; give both or neither")
-        if args.tls_cert:
-            tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes())
+        if bool(args.tls_cert_file) != bool(args.tls_key_file):
+            raise ConfigError(
+                "--tls-cert-file and --tls-key-file go together; give both or neither"
+            )
+        if args.tls_cert_file:
+            tls = (Path(args.tls_key_file).read_bytes(), Path(args.tls_cert_file).read_bytes())
     except (OSError, ManifestError) as exc:
         raise ConfigError(str(exc)) from exc
     if args.token_file and not token:
         raise ConfigError(f"--token-file {args.token_file} is empty")
-    if not _is_loopback(args.listen) and token is None:
-        raise ConfigError(
-            f"--listen {args.listen} is not a loopback address: give --token-file (and "
-            "--tls-cert/--tls-key) so only the group's own ranks can reach the ledger"
-        )
+    if args.max_waiting < 1:
+        raise ConfigError(f"--max-waiting must be at least 1, got {args.max_waiting}")
+    check_exposure(args.listen, token is not None, tls is not None, args.trusted_network)
     return Config(
         listen=args.listen,
         metrics_port=args.metrics_port,
@@ -142,7 +178,26 @@ def config_from_args(args: argparse.Namespace) -> Config:
         grace_s=args.grace_s,
         debug=args.debug,
         policy=getattr(args, "policy", None) or pool_policy,
+        max_waiting=args.max_waiting,
     )
+
+
+def check_exposure(listen: str, token: bool, tls: bool, trusted_network: bool) -> None:
+    """A listener other ranks reach over the pod network needs a token, and TLS so the token
+    does not cross that network in the clear (unless the operator vouches for the network)."""
+    if is_loopback(listen):
+        return
+    if not token:
+        raise ConfigError(
+            f"--listen {listen} is not a loopback address: give --token-file (and "
+            "--tls-cert-file/--tls-key-file) so only the group's own ranks can reach the ledger"
+        )
+    if not tls and not trusted_network:
+        raise ConfigError(
+            f"--listen {listen} is not a loopback address and the token would cross the "
+            "network in the clear: give --tls-cert-file and --tls-key-file, or "
+            "--trusted-network if the network is private"
+        )
 
 
 async def serve(
@@ -152,7 +207,12 @@ async def serve(
     bound port once the server accepts calls."""
     log = DecisionLog(config.log_max, config.follower_timeout_s)
     state = AdmissionState(
-        config.pool_pages, log, config.debug, config.lease_s, policy=config.policy
+        config.pool_pages,
+        log,
+        config.debug,
+        config.lease_s,
+        policy=config.policy,
+        max_waiting=config.max_waiting,
     )
     interceptors = [TokenInterceptor(config.token)] if config.token else []
     limit = config.max_message_bytes

@@ -7,10 +7,11 @@ status codes the contract promises.
     out-of-order sequence numbers, wrong pool or policy -> FAILED_PRECONDITION
     a session this sidecar does not hold         -> ABORTED (open a new session)
     a report that breaks the safe-state check    -> INTERNAL (and counted)
+    a submit past the queue's --max-waiting      -> RESOURCE_EXHAUSTED
 
-UNAUTHENTICATED (a wrong token) comes from `auth.py`, RESOURCE_EXHAUSTED (an oversized message)
-from gRPC's own message-size limit. A failed call changes nothing: the state commits a report
-only when every event in it succeeded.
+UNAUTHENTICATED (a wrong token) comes from `auth.py`; RESOURCE_EXHAUSTED also comes from gRPC's
+own message-size limit (an oversized message). A failed call changes nothing: the state commits
+a report only when every event in it succeeded.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvbank.ledger import DuplicateRequest, InvalidPages, InvariantBreach, Unkno
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.decision_log import LogGap
+from kvbank.sidecar.reports import QueueFull
 from kvbank.sidecar.state import (
     AdmissionState,
     OutOfOrder,
@@ -45,6 +47,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (PolicyMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (LogGap, grpc.StatusCode.FAILED_PRECONDITION),
     (SessionGone, grpc.StatusCode.ABORTED),
+    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 _EXPECTED = tuple(kind for kind, _ in _CODES)
 _R = TypeVar("_R")

@@ -41,7 +41,12 @@ from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.decision_log import DecisionLog
 from kvbank.sidecar.metrics import SidecarMetrics
 from kvbank.sidecar.peakpass import SIDECAR_MODES, OpenPass, hit_from_wire, peak_policy
-from kvbank.sidecar.reports import apply_events, fill_pool, peek_within_room
+from kvbank.sidecar.reports import (
+    DEFAULT_MAX_WAITING,
+    apply_events,
+    fill_pool,
+    peek_within_room,
+)
 from kvbank.sidecar.session import OutOfOrder, PolicyMismatch, PoolMismatch, Session, SessionGone
 from kvbank.sidecar.stepwise import StepwiseRounds
 
@@ -67,6 +72,7 @@ class AdmissionState(StepwiseRounds):
         default_lease_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         policy: str | None = None,
+        max_waiting: int = DEFAULT_MAX_WAITING,
     ) -> None:
         # None: no pool and no --policy given; each session runs the ledger its engine asks for.
         if policy is not None and policy not in SIDECAR_MODES:
@@ -74,6 +80,7 @@ class AdmissionState(StepwiseRounds):
                 f"the sidecar runs the ledger of {', '.join(SIDECAR_MODES)}, not {policy!r}"
             )
         self.policy = policy
+        self.max_waiting = max_waiting
         self.pool_pages = pool_pages
         self.debug = debug
         self.default_lease_s = default_lease_s
@@ -178,7 +185,7 @@ class AdmissionState(StepwiseRounds):
         unapplied = {q: i for q, i in s.unapplied_idle.items() if q > req.applied_seq}
         ledger = self.ledger.copy()
         now = self._clock()
-        decisions, arrived, stalled = apply_events(ledger, req, unapplied)
+        decisions, arrived, stalled = apply_events(ledger, req, unapplied, self.max_waiting)
         if req.admit and req.stepwise:
             kept_idle = s.unapplied_idle
             s.open_pass, s.unapplied_idle = OpenPass(ledger), unapplied

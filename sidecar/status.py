@@ -10,7 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from google.protobuf.json_format import MessageToDict
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.client import SidecarClient, SidecarError
@@ -19,10 +20,40 @@ from kvbank.sidecar.client import SidecarClient, SidecarError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("address", metavar="ADDR", help="sidecar HOST:PORT")
     parser.add_argument("--token-file", help="file holding the sidecar's shared token")
-    parser.add_argument("--tls-ca", help="PEM CA that signed the sidecar's certificate")
-    parser.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    parser.add_argument(
+        "--ca-file",
+        metavar="PATH",
+        help="PEM CA bundle that signed the sidecar's certificate: the channel is TLS",
+    )
+    parser.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name the sidecar's certificate must carry (default: ADDR's host)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the whole status as JSON, counts as numbers"
+    )
     parser.add_argument("--limit", type=int, default=20, help="queue/reservation rows shown")
-    parser.add_argument("--deadline-s", type=float, default=2.0)
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=2.0,
+        help="seconds to wait for the sidecar's answer (no retries)",
+    )
+
+
+def as_json(message: Message) -> dict[str, object]:
+    """Every field (defaults too) under its JSON name, 64-bit counts as numbers: protobuf's own
+    JSON mapping writes int64 as strings, which no reader of a page count expects."""
+    out: dict[str, object] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        nested = field.type == FieldDescriptor.TYPE_MESSAGE
+        if field.is_repeated:
+            out[field.json_name] = [as_json(v) if nested else v for v in value]
+        else:
+            out[field.json_name] = as_json(value) if nested else value
+    return out
 
 
 def render(status: pb.StatusReply, limit: int) -> str:
@@ -56,22 +87,35 @@ def render(status: pb.StatusReply, limit: int) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         token = Path(args.token_file).read_text().strip() if args.token_file else None
-        ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+        ca = Path(args.ca_file).read_bytes() if args.ca_file else None
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     client = SidecarClient(
-        args.address, token=token, tls_ca=ca, deadline_s=args.deadline_s, retry_budget_s=0
+        args.address,
+        token=token,
+        tls_ca=ca,
+        tls_server_name=args.tls_server_name,
+        deadline_s=args.deadline_s,
+        retry_budget_s=0,
     )
     try:
         status = client.status_reply()
     except SidecarError as exc:
-        print(f"error: sidecar {args.address}: {exc}", file=sys.stderr)
+        hint = ""
+        if exc.code == "UNAVAILABLE":
+            hint = (
+                "; if it serves TLS, is its certificate signed by --ca-file's CA, for that "
+                "name (--tls-server-name)?"
+                if ca
+                else "; if it serves TLS, give --ca-file"
+            )
+        print(f"error: sidecar {args.address}: {exc}{hint}", file=sys.stderr)
         return 1
     finally:
         client.close()
     if args.json:
-        print(json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True)))
+        print(json.dumps(as_json(status)))
     else:
         print(render(status, args.limit))
     return 0

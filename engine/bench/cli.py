@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from kvbank.engine.admission.policy import policy_names
+from kvbank.engine.bench.plot import check_target, plot
 from kvbank.engine.bench.scenario import Scenario, ScenarioError, load_scenario
 from kvbank.engine.bench.simulate import RunResult, run_policy
+
+__all__ = ["add_arguments", "plot", "render_table", "run"]
 
 # Columns of the table: (header, metric key, format)
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -35,6 +38,22 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("virtual s", "duration_s", "{:.1f}"),
 )
 
+# What each column means, printed under the table.
+LEGEND = (
+    ("done", "requests completed"),
+    ("hung", "sent, but neither completed nor refused when the run stopped"),
+    ("rej", "refused at arrival: the pool can never hold them"),
+    ("req/s", "completions per virtual second"),
+    ("TTFT p50/p99", "time to first token, median and 99th percentile ('-': none completed)"),
+    ("KV util", "mean share of the usable pages held"),
+    ("preempt", "requests preempted (recomputed later)"),
+    ("hit rate", "prompt tokens served from the prefix cache"),
+    ("breaches", "invariant breaches: must be 0"),
+    ("max run", "most requests running at once"),
+    ("virtual s", "virtual time the run took"),
+)
+TTFT_KEYS = ("ttft_p50_s", "ttft_p99_s")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", required=True, help="scenario YAML file")
@@ -44,7 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"admission policy, a comma-separated list, or 'all' ({', '.join(policy_names())})",
     )
     parser.add_argument("--json", action="store_true", help="print JSON, one object per policy")
-    parser.add_argument("--plot", metavar="FILE.png", help="plot pages held and requests running")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="plot pages held and requests running to this file (its folder must exist)",
+    )
     parser.add_argument(
         "--debug", action="store_true", help="deep integrity checks after every step (slower)"
     )
@@ -91,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.plot and (problem := check_target(Path(args.plot))) is not None:
+        print(f"kvbank bench: {problem}", file=sys.stderr)
+        return 2
     results = [
         run_policy(scenario, name, args.debug, True, _backend(args.sidecar, name, scenario))
         for name in policies
@@ -101,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         print(render_table(scenario, results))
     if args.plot:
         plot(scenario, results, Path(args.plot))
+        print(f"kvbank bench: plot written to {Path(args.plot).resolve()}", file=sys.stderr)
     return 1 if any(r.metrics["invariant_breaches"] for r in results) else 0
 
 
@@ -124,13 +151,23 @@ def _cell(value: Any, fmt: str) -> str:
 def render_table(scenario: Scenario, results: list[RunResult]) -> str:
     """A plain-text (and Markdown) table, one row per policy, then TTFT p50 per class."""
     header = [name for name, _, _ in COLUMNS]
-    rows = [[_cell(r.metrics[key], fmt) for _, key, fmt in COLUMNS] for r in results]
+    rows = [
+        [
+            "-" if key in TTFT_KEYS and not r.metrics["completed"] else _cell(r.metrics[key], fmt)
+            for _, key, fmt in COLUMNS
+        ]
+        for r in results
+    ]
     classes = sorted({c for r in results for c in r.metrics["ttft_by_class"]})
     if len(classes) > 1:
         header += [f"TTFT p50 {c}" for c in classes]
         for row, r in zip(rows, results, strict=True):
             by_class = r.metrics["ttft_by_class"]
-            row += [_cell(by_class.get(c, {}).get("p50_s"), "{:.2f}s") for c in classes]
+            done = r.metrics["completed"]
+            row += [
+                _cell(by_class.get(c, {}).get("p50_s") if done else None, "{:.2f}s")
+                for c in classes
+            ]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     lines = [
         f"{scenario.name}: {scenario.pages} pages x {scenario.model.page_size} tokens"
@@ -148,31 +185,6 @@ def render_table(scenario: Scenario, results: list[RunResult]) -> str:
     ]
     if stops:
         lines += ["", "stopped early: " + "; ".join(stops)]
+    width = max(len(name) for name, _ in LEGEND)
+    lines += ["", *(f"{name.rjust(width)}  {meaning}" for name, meaning in LEGEND)]
     return "\n".join(lines)
-
-
-def plot(scenario: Scenario, results: list[RunResult], path: Path) -> None:
-    """Pages held and requests running over virtual time, one line per policy: a deadlock shows
-    as a flat line of held pages that never comes down."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (pages_ax, running_ax) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for r in results:
-        step = max(1, len(r.timeline) // 2000)  # a couple of thousand points a line is plenty
-        points = r.timeline[::step]
-        times = [t for t, _, _ in points]
-        pages_ax.plot(times, [held for _, held, _ in points], label=r.policy, linewidth=1.2)
-        running_ax.plot(times, [run for _, _, run in points], label=r.policy, linewidth=1.2)
-    pages_ax.axhline(scenario.pages - 1, color="grey", linestyle=":", linewidth=1)
-    pages_ax.set_ylabel("pages held")
-    running_ax.set_ylabel("requests running")
-    running_ax.set_xlabel("virtual time (s)")
-    pages_ax.set_title(f"{scenario.name}: {scenario.pages}-page pool")
-    pages_ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)

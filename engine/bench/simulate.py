@@ -210,4 +210,5 @@ def _progress_bar(total: int, label: str) -> Any:
         from tqdm import tqdm
     except ImportError:  # the bench extra is optional; run without a bar
         return None
-    return tqdm(total=total, desc=label, unit="req", delay=2.0, leave=False)
+    # No delay: a run of a second or two shows its bar too (it is cleared when done).
+    return tqdm(total=total, desc=label, unit="req", leave=False)

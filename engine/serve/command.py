@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "finds it when this is the folder's path",
     )
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback)")
-    parser.add_argument("--port", type=int, default=8000, help="listen port (default: 8000)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--pages", type=int, default=1024, help="KV pages per rank, sink included")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--max-seq-len", type=int, help="prompt + output limit (default: model's)")
@@ -79,6 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sidecar-token-file", help="file holding the token the sidecar expects (--sidecar)"
+    )
+    parser.add_argument(
+        "--sidecar-ca-file",
+        metavar="PATH",
+        help="PEM CA bundle that signed the sidecar's certificate: reach it over TLS",
+    )
+    parser.add_argument(
+        "--sidecar-tls-server-name",
+        metavar="NAME",
+        help="the name the sidecar's certificate must carry (default: the --sidecar host)",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument(
@@ -187,6 +197,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         threads=args.threads or None,
         sidecar=args.sidecar,
         sidecar_token_file=args.sidecar_token_file,
+        sidecar_ca_file=args.sidecar_ca_file,
+        sidecar_tls_server_name=args.sidecar_tls_server_name,
         debug=args.debug,
         seed=args.seed,
         max_body_bytes=args.max_body_bytes,

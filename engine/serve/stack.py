@@ -46,6 +46,8 @@ class ServeOptions:
     threads: int | None = 1  # torch intra-op threads on CPU; None: torch's default
     sidecar: str | None = None
     sidecar_token_file: str | None = None
+    sidecar_ca_file: str | None = None  # with it, the sidecar is reached over TLS
+    sidecar_tls_server_name: str | None = None
     debug: bool = False
     seed: int = 0
     # The HTTP front: bounds on what a client may send and how slowly, and who may call /v1.
@@ -82,9 +84,17 @@ def resolve_model_dir(options: ServeOptions) -> tuple[str, Path]:
     return path.resolve().name, path
 
 
-def sidecar_backend(address: str, total_pages: int, token: str | None = None) -> AdmissionBackend:
+def sidecar_backend(
+    address: str,
+    total_pages: int,
+    token: str | None = None,
+    tls_ca: bytes | None = None,
+    tls_server_name: str | None = None,
+) -> AdmissionBackend:
     """The gRPC backend of `kvbank.sidecar.backend`, non-blocking under every policy: the step
-    loop never waits on the sidecar; its decisions are applied at a later step."""
+    loop never waits on the sidecar; its decisions are applied at a later step. The sidecar is
+    asked once here, so a wrong token, certificate or address ends start-up with a message
+    instead of the first request's 503."""
     try:
         module = importlib.import_module("kvbank.sidecar.backend")
         connect = module.connect
@@ -94,17 +104,43 @@ def sidecar_backend(address: str, total_pages: int, token: str | None = None) ->
             f"reach a sidecar with ({exc}); run without --sidecar to admit with the embedded "
             f"ledger"
         ) from exc
-    backend: AdmissionBackend = connect(address, total_pages, blocking=False, token=token)
+    backend: AdmissionBackend = connect(
+        address,
+        total_pages,
+        blocking=False,
+        token=token,
+        tls_ca=tls_ca,
+        tls_server_name=tls_server_name,
+        verify=True,
+    )
     return backend
 
 
 def options_sidecar_backend(options: ServeOptions) -> AdmissionBackend:
-    """The sidecar backend `--sidecar` (and `--sidecar-token-file`) ask for."""
+    """The sidecar backend `--sidecar` (with its token and CA files) asks for."""
     assert options.sidecar is not None
-    token = None
-    if options.sidecar_token_file:
-        token = Path(options.sidecar_token_file).read_text().strip() or None
-    return sidecar_backend(options.sidecar, options.pages, token)
+    token, ca = None, None
+    try:
+        if options.sidecar_token_file:
+            token = Path(options.sidecar_token_file).read_text().strip() or None
+            if token is None:
+                raise ValueError(f"--sidecar-token-file {options.sidecar_token_file} is empty")
+        if options.sidecar_ca_file:
+            ca = Path(options.sidecar_ca_file).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {exc.filename}: {exc.strerror or exc}") from exc
+    return sidecar_backend(
+        options.sidecar, options.pages, token, ca, options.sidecar_tls_server_name
+    )
+
+
+def check_sidecar(options: ServeOptions) -> None:
+    """Ask `--sidecar` once, as `options_sidecar_backend` does, and let it go: for a launcher
+    whose rank 0 connects later. Raises ValueError saying what to fix."""
+    backend = options_sidecar_backend(options)
+    client = getattr(backend, "client", None)
+    if client is not None:
+        client.close()
 
 
 def build_stack(
@@ -116,6 +152,8 @@ def build_stack(
 ) -> Stack:
     """`device_index`: the GPU a tensor-parallel rank drives; None gives rank r cuda:r, as when
     every rank runs on one machine (a rank in its own pod sees one GPU: 0)."""
+    if backend is None and options.sidecar:  # kvbank serve accepts only the sidecar's policies
+        backend = options_sidecar_backend(options)  # first: a bad token fails before the load
     if model_dir is None:
         name, model_dir = resolve_model_dir(options)
     else:
@@ -149,8 +187,6 @@ def build_stack(
     )
     attention = options.attention or default_attention(device)
     runner = TorchRunner(model, options.pages, options.page_size, eos, attention, options.seed)
-    if backend is None and options.sidecar:  # kvbank serve accepts only the sidecar's policies
-        backend = options_sidecar_backend(options)
     engine_config = EngineConfig(
         capacity,
         options.pages,

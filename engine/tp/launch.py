@@ -76,10 +76,13 @@ def run_tp(
     options: ServeOptions, world: int, host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> int:
     """Start every rank and wait. Non-zero when any rank fails; the others are stopped. Raises
-    ValueError, before starting anything, when the model's heads cannot be split `world` ways."""
+    ValueError, before starting anything, when the model's heads cannot be split `world` ways
+    or the sidecar (`--sidecar`) does not answer or refuses the token."""
     from kvbank.engine.model.config import load_config
-    from kvbank.engine.serve.stack import resolve_model_dir
+    from kvbank.engine.serve.stack import check_sidecar, resolve_model_dir
 
+    if options.sidecar:  # a wrong token or certificate ends start-up here, not in rank 0
+        check_sidecar(options)
     # Resolving builds the built-in model once, here, before the ranks would race for it.
     _, model_dir = resolve_model_dir(options)
     Parallel(0, world).check(load_config(model_dir))

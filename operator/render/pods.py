@@ -153,6 +153,9 @@ def sidecar_args(settings: RenderSettings) -> list[str]:
         f"0.0.0.0:{settings.sidecar_port}",
         "--token-file",
         TOKEN_FILE,
+        # No certificate is rendered for the sidecar yet: the pod network is declared trusted,
+        # which `kvbank sidecar` requires of a token sent without TLS.
+        "--trusted-network",
         "--metrics-port",
         str(settings.metrics_port),
         "--metrics-host",

@@ -13,7 +13,7 @@ import pytest
 from kvbank.cli import main
 from kvbank.engine.bench.scenario import ScenarioError, parse_scenario
 
-SCENARIOS = Path(__file__).resolve().parents[2].parent / "shared" / "scenarios"
+SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
 
 GOOD = """
 name: tiny

@@ -200,7 +200,8 @@ class TestPodTemplate:
         ]  # fmt: skip
         assert sidecar["args"] == [
             "kvbank", "sidecar", "--listen", "0.0.0.0:50051",
-            "--token-file", "/var/run/kvbank/sidecar-token/token", "--metrics-port", "9464",
+            "--token-file", "/var/run/kvbank/sidecar-token/token", "--trusted-network",
+            "--metrics-port", "9464",
             "--metrics-host", "0.0.0.0", "--pool", "/etc/kvbank/modelpool.yaml",
         ]  # fmt: skip
         assert template["spec"]["volumes"] == [

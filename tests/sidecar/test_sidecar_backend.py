@@ -14,12 +14,16 @@ def test_a_repeated_supply_after_a_take_still_reaches_the_ledger(client: Sidecar
     backend = SidecarBackend(client, 101)
     backend.set_supply(100, 0)
     backend.submit("a", 10)
-    assert [(d.rid, d.seq) for d in backend.poll(1)] == [("a", 0)]
-    backend.take("a", 3)  # the ledger now counts free 97
-    backend.set_supply(100, 0)  # the pool has 100 again (say, another request's pages returned)
-    backend.check_integrity(100, 0)  # flushes, then compares the sidecar's figures
+    backend.submit("b", 10)
+    assert [(d.rid, d.seq) for d in backend.poll(2)] == [("a", 0), ("b", 1)]
+    backend.take("b", 3)
+    backend.set_supply(97, 0)
+    backend.take("a", 3)  # the ledger now counts free 94
+    backend.release("b")
+    backend.set_supply(97, 0)  # the pool has 97 again: b's pages returned
+    backend.check_integrity(97, 0)  # flushes, then compares the sidecar's figures
     assert backend.last_pool is not None
-    assert (backend.last_pool.free, backend.last_pool.outstanding) == (100, 7)
+    assert (backend.last_pool.free, backend.last_pool.outstanding) == (97, 7)
     assert backend.outstanding() == 7
 
 

@@ -122,15 +122,15 @@ def test_tls_and_token_for_followers_in_other_pods(tmp_path: Path) -> None:
     cert, key = _certificate(tmp_path)
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    args = ["--metrics-port", "-1", "--tls-cert", str(cert), "--tls-key", str(key)]
+    args = ["--metrics-port", "-1", "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
     proc, port, _ = spawn_sidecar(*args, "--token-file", str(token), "--pool", str(MANIFEST))
     address = f"localhost:{port}"
     try:
         with SidecarClient(address, token="s3cret", tls_ca=cert.read_bytes()) as client:
             assert client.status().usable_pages == 19999
-        shown = kvbank("status", address, "--tls-ca", str(cert), "--token-file", str(token))
+        shown = kvbank("status", address, "--ca-file", str(cert), "--token-file", str(token))
         assert shown.returncode == 0, shown.stderr
-        denied = kvbank("status", address, "--tls-ca", str(cert))
+        denied = kvbank("status", address, "--ca-file", str(cert))
         assert denied.returncode == 1
         assert "UNAUTHENTICATED" in denied.stderr
     finally:

@@ -75,7 +75,9 @@ class ServeMetrics:
         )
         self.outstanding_pages = Gauge(
             "kvbank_outstanding_pages",
-            "pages admitted requests may still take (the ledger's outstanding)",
+            "pages admitted requests may still take: the ledger's outstanding under every "
+            "ledger policy, embedded or in the sidecar; under a baseline, what its running "
+            "requests may still take unpromised",
             registry=registry,
         )
         self.prefix_hit_tokens = Counter(
@@ -109,10 +111,8 @@ class ServeMetrics:
         self.free_pages.set(kv.free)
         self.evictable_pages.set(kv.evictable)
         self.held_pages.set(kv.pool.held)
-        outstanding = 0
-        if engine.backend is not None:
-            outstanding = engine.backend.outstanding()
-            self.outstanding_pages.set(outstanding)
+        outstanding = outstanding_pages(engine)
+        self.outstanding_pages.set(outstanding)
         self.gateway_waiting.set(engine.num_waiting)
         self.gateway_running.set(engine.num_running)
         promised = kv.pool.held + outstanding
@@ -124,3 +124,13 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def outstanding_pages(engine: Engine) -> int:
+    """Pages admitted requests may still take. A ledger policy's backend knows (the banker's is
+    the engine's; a peak-fit policy keeps its own when the ledger is embedded); a baseline keeps
+    no ledger, so it is what its running requests may still take, promised or not."""
+    backend = engine.backend or getattr(engine.policy, "backend", None)
+    if backend is not None:
+        return int(backend.outstanding())
+    return sum(max(0, r.worst - r.held) for r in engine.sched.running.values())
