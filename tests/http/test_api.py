@@ -195,3 +195,24 @@ def test_every_end_of_turn_id_of_the_config_stops_a_request() -> None:
         config=SimpleNamespace(eos_token_ids=(128001, 128008, 128009)),
     )
     assert extra_stop_ids(stack) == (128001, 128008)  # type: ignore[arg-type]
+
+
+def test_a_batch_of_prompts_is_queued_whole_or_not_at_all(server: LiveServer) -> None:
+    """Behind a request that holds the whole pool, a batch of two finds room in the queue (its
+    bound is 1) for its first prompt only: the answer is 429 and the first is taken back."""
+    holder = {"prompt": [0, 11, 12, 13], "max_tokens": 1000, "temperature": 0, "stream": True}
+    server.wait_for(kvbank_running_requests=0, kvbank_waiting_requests=0)
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=holder) as first,
+    ):
+        lines = first.iter_lines()  # kept: a dropped iterator closes the response
+        assert next(lines).startswith("data: ")
+        server.wait_for(kvbank_running_requests=1)
+        batch = server.client.post(
+            "/v1/completions", json={"prompt": ["one", "two"], "max_tokens": 600}
+        )
+        assert batch.status_code == 429
+        assert _error(batch)["code"] == "queue_full"
+        server.wait_for(kvbank_running_requests=1, kvbank_waiting_requests=0)
+    server.wait_for(kvbank_running_requests=0, kvbank_outstanding_pages=0)

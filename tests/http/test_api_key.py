@@ -97,6 +97,7 @@ def test_a_path_like_model_name_lets_clients_load_the_tokenizer(
     with openai.OpenAI(base_url=guarded.url + "/v1", api_key="sk-first", max_retries=0) as client:
         card = client.models.list().data[0]
         assert card.id == str(builtin_model_dir)
+        assert client.models.retrieve(card.id).id == card.id  # a path is a route's tail too
         tokenizer = AutoTokenizer.from_pretrained(card.id)  # what benchmark tools do
         ids = tokenizer("The page cache")["input_ids"]
         done = client.completions.create(model=card.id, prompt=ids, max_tokens=2)
