@@ -51,3 +51,28 @@ def test_usage_is_the_promised_fraction_not_the_held_one(banker: LiveServer) -> 
     second.join(120)  # the first stream closed: its request aborted, the second one ran
     banker.wait_for(**{"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0,
                        "vllm:kv_cache_usage_perc": 0})  # fmt: skip
+
+
+def test_preemptions_are_counted_by_service_class(builtin_model_dir: Path) -> None:
+    # The preempt baseline admits two 38-page requests into 63 pages on their prompts alone;
+    # when decode runs short it preempts one, which /metrics counts.
+    preempt = replace(SMALL_POOL, policy="preempt", max_waiting=4)
+    with live_server(builtin_model_dir, options=preempt) as server:
+        series = 'kvbank_preemptions_total{service_class="strict"}'
+        assert server.figures()[series] == 0
+        statuses: list[int] = []
+        body = {**LONG, "stream": False}
+        workers = [
+            threading.Thread(
+                target=lambda: statuses.append(
+                    httpx.post(server.url + "/v1/completions", json=body, timeout=180).status_code
+                )
+            )
+            for _ in range(2)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(180)
+        assert statuses == [200, 200]
+        assert server.figures()[series] >= 1

@@ -59,6 +59,15 @@ class ServeMetrics:
             "take, over usable pages (Gateway API Inference Extension: KVCacheUtilization)",
             registry=registry,
         )
+        self.preemptions = Counter(
+            "kvbank_preemptions",
+            "running requests preempted (by recompute or retraction) to free pages, by service "
+            "class; every request is of the default class, strict, which kvbank's own policies "
+            "never preempt (the preempt and ratio baselines do)",
+            ["service_class"],
+            registry=registry,
+        )
+        self.preemptions.labels("strict")  # the series exists from the start, at 0
         self.running = Gauge("kvbank_running_requests", "admitted requests", registry=registry)
         self.waiting = Gauge(
             "kvbank_waiting_requests", "requests awaiting admission", registry=registry
@@ -94,6 +103,7 @@ class ServeMetrics:
         self.usable_pages = max(1, total_pages - 1)  # the sink page holds nothing
         self._hit_tokens_seen = 0
         self._stalled_seen = 0
+        self._preemptions_seen = 0
         self.total_pages.set(total_pages)
 
     def observe_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
@@ -117,6 +127,10 @@ class ServeMetrics:
         self.gateway_running.set(engine.num_running)
         promised = kv.pool.held + outstanding
         self.gateway_usage.set(min(1.0, promised / self.usable_pages))
+        preemptions = engine.sched.stats.preemptions
+        if preemptions > self._preemptions_seen:
+            self.preemptions.labels("strict").inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
         stalled = getattr(engine.policy, "stalled_steps", 0)  # only peak-fit ledgers count them
         if stalled > self._stalled_seen:
             self.stalled_steps.inc(stalled - self._stalled_seen)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from kvbank.engine.request import FinishReason
 from kvbank.engine.runner import TokenLogprob
 from kvbank.engine.serve.http.loop import EngineLoop, EngineStopped
 from kvbank.engine.serve.http.metrics import ServeMetrics
+
+log = logging.getLogger("kvbank.serve")
 
 DISCONNECT_POLL_S = 0.5
 _REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
@@ -231,12 +234,17 @@ async def events(shape: Shape, runs: Sequence[Run],
     merged: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, run: Run) -> None:
+        # Whatever ends a run, its end is posted: the merge below must never wait on a run
+        # that is gone.
         try:
             async for piece in run.pieces():
-                await merged.put((index, piece))
-        except EngineStopped as exc:
-            await merged.put((index, exc))
-        await merged.put((index, None))
+                merged.put_nowait((index, piece))
+        except Exception as exc:  # the engine stopped, or a fault: the client is told
+            if not isinstance(exc, EngineStopped):
+                log.exception("stream %s failed", run.rid)
+            merged.put_nowait((index, exc))
+        finally:
+            merged.put_nowait((index, None))
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(runs)]
     try:
