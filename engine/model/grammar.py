@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 from llguidance import LLMatcher, LLTokenizer
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+# Not llguidance.torch: importing it brings in torch.compile's machinery (measured 4.9 s), which
+# in a tensor-parallel group is longer than a follower waits for rank 0's first word.
 
 # Compact JSON: a model that may put whitespace anywhere fills its budget with it.
 JSON_OPTIONS: Any = {"whitespace_flexible": False}
@@ -57,7 +59,6 @@ class Matcher:
     def __init__(self, compiler: GrammarCompiler, grammar: str) -> None:
         self.compiler = compiler
         self.state = LLMatcher(compiler.tokenizer, grammar)
-        self.bitmask = allocate_token_bitmask(1, compiler.tokenizer.vocab_size)
 
     def mask(self, logits: torch.Tensor) -> None:
         """logits: [vocab], in place: the tokens the grammar forbids next get -inf."""
@@ -67,10 +68,10 @@ class Matcher:
             logits.fill_(float("-inf"))
             logits[eos] = keep
             return
-        fill_next_token_bitmask(self.state, self.bitmask, 0)
-        words = self.bitmask[0].to(logits.device)
-        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((words.unsqueeze(1) >> bits) & 1).flatten().bool()  # [words * 32]
+        # One bit per token, least significant first; computed with the GIL released.
+        packed = torch.frombuffer(bytearray(self.state.compute_bitmask()), dtype=torch.uint8)
+        bits = torch.arange(8, dtype=torch.uint8)
+        allowed = ((packed.unsqueeze(1) >> bits) & 1).flatten().bool().to(logits.device)
         size = min(allowed.shape[0], logits.shape[0])
         logits[:size].masked_fill_(~allowed[:size], float("-inf"))
         logits[size:] = float("-inf")  # ids past the tokenizer's vocabulary are never text
