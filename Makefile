@@ -23,7 +23,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-$(shell cat pyproject.toml
 KVBANK_SOURCES := $(shell find kvbank engine sidecar proto -name '*.py' -o -name '*.proto')
 KVBANK_IN_VLLM := $(VLLM_VENV)/.kvbank-installed
 
-.PHONY: serve test test-vllm e2e-node node-packages lint format venv vllm-venv clean
+.PHONY: serve test test-vllm e2e-node node-packages lint format venv vllm-venv clean bench-tools
 venv: $(STAMP)
 vllm-venv: $(KVBANK_IN_VLLM)
 
@@ -80,5 +80,14 @@ node-packages:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
 	fi
 
+# guidellm in an environment of its own (its pins are its own), reusing the engine's torch and
+# transformers through a .pth file instead of downloading CUDA torch again.
+BENCH_VENV ?= .venv-bench
+bench-tools: venv
+	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > \
+	  "$$($(BENCH_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz-engine.pth"
+	$(BENCH_VENV)/bin/python -m pip install -q 'guidellm==0.8.1'
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -20,7 +20,7 @@ from kvbank.engine.admission.backend import AdmissionBackend, embedded
 from kvbank.engine.admission.registry import make_policy
 from kvbank.engine.kv.cache import KVCache
 from kvbank.engine.request import FinishReason, Request, Status, build_request
-from kvbank.engine.runner import ModelRunner, SamplingParams, StepResult
+from kvbank.engine.runner import ModelRunner, SamplingParams, StepResult, TokenLogprob
 from kvbank.engine.scheduler import Scheduler
 
 
@@ -42,6 +42,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     message: str = ""  # why a request was rejected
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token, when asked
 
 
 class RequestRejected(ValueError):
@@ -186,11 +187,14 @@ class Engine:
         for rid, row in sched.rows.items():
             if not row.sample or rid in done:
                 continue
-            outputs.append(RequestOutput(rid, [result.tokens[rid]]))
+            token = result.tokens[rid]
+            outputs.append(RequestOutput(rid, [token], logprobs=_logprobs(result, rid)))
         for fin in sched.finished:
             rid = fin.req.rid
-            new = [result.tokens[rid]] if rid in sched.rows and sched.rows[rid].sample else []
-            outputs.append(RequestOutput(rid, new, True, fin.reason))
+            sampled = rid in sched.rows and sched.rows[rid].sample
+            new = [result.tokens[rid]] if sampled else []
+            logprobs = _logprobs(result, rid) if sampled else []
+            outputs.append(RequestOutput(rid, new, True, fin.reason, logprobs=logprobs))
             self._known.discard(rid)
             self.runner.release(rid)
         sched.finished.clear()
@@ -201,3 +205,8 @@ class Engine:
         """free + held + cached == usable pages; every running request within its worst case;
         the ledger safe and agreeing with the pool's supply. Raises InvariantBreach."""
         self.sched.check_integrity(deep)
+
+
+def _logprobs(result: StepResult, rid: str) -> list[TokenLogprob]:
+    found = result.logprobs.get(rid)
+    return [] if found is None else [found]

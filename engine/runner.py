@@ -20,6 +20,27 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
+    # Subtracted from a token's logit once it appeared in the output (presence), and per time
+    # it appeared (frequency), as OpenAI's API defines them.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # None: none; k: the sampled token's and the k likeliest
+    ignore_eos: bool = False  # run to max_tokens past the model's end-of-text token
+    grammar: str | None = None  # an llguidance grammar the output must match
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the likeliest alternatives at its position, under
+    the distribution after logit_bias and penalties and before temperature, top-k and top-p."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), likeliest first
 
 
 @dataclass(frozen=True)
@@ -53,6 +74,7 @@ class StepResult:
     # Model time of this step in seconds when the runner keeps a virtual clock; None when the
     # runner is real and wall-clock time is what counts.
     duration_s: float | None = None
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # rows that asked for them
 
 
 class ModelRunner(Protocol):

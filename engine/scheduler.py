@@ -257,7 +257,7 @@ class Scheduler:
                 continue
             token = result.tokens[rid]
             req.output.append(token)
-            if token == eos_token_id:
+            if token == eos_token_id and not req.sampling.ignore_eos:
                 self.finish(req, FinishReason.STOP)
             elif len(req.output) >= req.max_output:
                 self.finish(req, FinishReason.LENGTH)

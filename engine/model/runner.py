@@ -95,8 +95,10 @@ class TorchRunner:
         params = {row.rid: row.sampling for row in batch.rows if row.sample}
         rids = list(logits)
         stacked = torch.stack([logits[r] for r in rids])
-        tokens = self.sampler.sample(stacked, [(r, params[r]) for r in rids])
-        return StepResult(dict(zip(rids, tokens, strict=True)))
+        tokens, logprobs = self.sampler.sample_with_logprobs(
+            stacked, [(r, params[r]) for r in rids]
+        )
+        return StepResult(dict(zip(rids, tokens, strict=True)), logprobs=logprobs)
 
     def release(self, rid: str) -> None:
         self.sampler.forget(rid)

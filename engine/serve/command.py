@@ -23,6 +23,7 @@ from kvbank.mode import DEFAULT_MODE, LEDGER_MODE_NAMES
 if TYPE_CHECKING:  # torch, uvicorn and the model load only when serve runs
     import uvicorn
 
+    from kvbank.engine.model.grammar import GrammarCompiler
     from kvbank.engine.serve.http.loop import EngineLoop
     from kvbank.engine.serve.stack import ServeOptions, Stack
 
@@ -34,6 +35,13 @@ SIDECAR_POLICIES = LEDGER_MODE_NAMES
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model folder (default: the built-in model)")
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model id clients send and /v1/models lists (default: kvbank-builtin, or the "
+        "--model folder's name); a benchmark tool that loads its tokenizer by the model's id "
+        "finds it when this is the folder's path",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--pages", type=int, default=1024, help="KV pages per rank, sink included")
@@ -120,6 +128,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of unseeded requests")
     parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=2 << 20,
+        help="largest request body; a larger one gets 413 before it is read (default: 2 MiB)",
+    )
+    parser.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send a request's headers (default: 10)",
+    )
+    parser.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's body after its headers (default: 30)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="file of API keys, one a line (# comments): /v1/* then needs "
+        "'Authorization: Bearer KEY'; /health and /metrics stay open",
+    )
+    parser.add_argument(
         "--debug",
         action="store_true",
         help="check every pool and ledger invariant after every step",
@@ -133,6 +165,14 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("max_body_bytes", "header_timeout_s", "body_timeout_s"):
+        value = getattr(args, name)
+        if not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be above 0, got {value}")
+    if args.api_key_file is not None:
+        from kvbank.engine.serve.http.auth import read_api_keys
+
+        read_api_keys(args.api_key_file)  # refuse a missing or empty file before loading
     if args.pages < 2:
         raise ValueError(f"--pages must be at least 2 (one is the sink page), got {args.pages}")
     if args.host_pages < 0:
@@ -172,6 +212,11 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         sidecar_tls_server_name=args.sidecar_tls_server_name,
         debug=args.debug,
         seed=args.seed,
+        max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        api_key_file=args.api_key_file,
+        served_model_name=args.served_model_name,
     )
 
 
@@ -186,24 +231,57 @@ def build_server(
     import uvicorn
 
     from kvbank.engine.serve.http.app import Served, create_app
+    from kvbank.engine.serve.http.auth import read_api_keys
+    from kvbank.engine.serve.http.deadline import DeadlineProtocol, ReadDeadlines
     from kvbank.engine.serve.http.loop import EngineLoop
     from kvbank.engine.serve.http.metrics import ServeMetrics
 
+    options = stack.options
     metrics = ServeMetrics(stack.options.pages)
     loop = EngineLoop(
         stack.engine, stack.options.max_waiting, metrics.observe_step, step_fn, idle_fn
     )
     served = Served(
-        stack.name,
+        options.served_model_name or stack.name,
         stack.tokenizer,
         stack.config.vocab_size,
         stack.capacity.max_seq_len,
         stack.capacity.max_tokens,
         extra_stop_ids(stack),
+        root=str(stack.model_dir),
+        max_body_bytes=options.max_body_bytes,
+        api_keys=read_api_keys(options.api_key_file) if options.api_key_file else frozenset(),
+        grammars=grammar_compiler(stack),
     )
     app = create_app(served, loop, metrics)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False)
+    deadlines = ReadDeadlines(options.header_timeout_s, options.body_timeout_s)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        access_log=False,
+        http=DeadlineProtocol.factory(deadlines),
+    )
     return uvicorn.Server(config), loop
+
+
+def grammar_compiler(stack: Stack) -> GrammarCompiler | None:
+    """llguidance over the served tokenizer, handed to rank 0's sampler too; None when the
+    model has no end-of-text token to finish a grammar with, or llguidance is not installed."""
+    eos = stack.tokenizer.eos_token_id
+    if eos is None and stack.config.eos_token_ids:
+        eos = stack.config.eos_token_ids[0]
+    try:
+        from kvbank.engine.model.grammar import GrammarCompiler
+    except ImportError:
+        log.warning("llguidance is not installed: response_format json_schema is refused")
+        return None
+    if eos is None:
+        return None
+    compiler = GrammarCompiler(stack.tokenizer.to_json(), eos)
+    stack.runner.sampler.grammars = compiler
+    return compiler
 
 
 def extra_stop_ids(stack: Stack) -> tuple[int, ...]:

@@ -51,6 +51,12 @@ class ServeOptions:
     sidecar_tls_server_name: str | None = None
     debug: bool = False
     seed: int = 0
+    # The HTTP front: bounds on what a client may send and how slowly, and who may call /v1.
+    max_body_bytes: int = 2 << 20
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    api_key_file: str | None = None
+    served_model_name: str | None = None  # None: kvbank-builtin, or the model folder's name
     extra: dict[str, Any] = field(default_factory=dict)
 
 

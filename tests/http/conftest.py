@@ -76,12 +76,14 @@ def server(builtin_model_dir: Path) -> Iterator[LiveServer]:
 
 @contextlib.contextmanager
 def live_server(
-    model_dir: Path, wrap: Callable[[ASGIApp], ASGIApp] | None = None
+    model_dir: Path,
+    wrap: Callable[[ASGIApp], ASGIApp] | None = None,
+    options: ServeOptions = SMALL_POOL,
 ) -> Iterator[LiveServer]:
     """The small pool served on loopback; `wrap` puts an ASGI layer between uvicorn and the app."""
     from kvbank.engine.serve.command import build_server
 
-    stack = build_stack(SMALL_POOL, model_dir=model_dir)
+    stack = build_stack(options, model_dir=model_dir)
     # Generation runs to max_tokens: a random model's end-of-text would make timing-based
     # tests (a long stream to cut, a request that must stay running) depend on luck.
     stack.runner.eos_token_id = -1

@@ -106,22 +106,25 @@ def test_malformed_and_out_of_range_requests_name_the_field(server: LiveServer) 
 def test_a_request_the_pool_can_never_hold_is_refused_with_what_to_change(
     server: LiveServer,
 ) -> None:
-    # The client's own page figures are ignored: the same numbers come out with and without.
-    lies = {"pages": 1, "kv_pages": 1, "reserved_pages": 1, "num_pages": 1, "page_count": 1}
-    for extra in ({}, lies):
+    response = server.client.post(
+        "/v1/completions", json={"prompt": [0, 5, 6, 7], "max_tokens": 1500}
+    )
+    assert response.status_code == 400
+    error = _error(response)
+    assert error["param"] == "max_tokens"
+    assert "needs 94 KV pages (4 prompt tokens + 1500 max_tokens" in str(error["message"])
+    assert "the pool holds 63 pages" in str(error["message"])
+    assert "lower max_tokens to at most 1004" in str(error["message"])
+    assert "raise the pool to at least 95 pages" in str(error["message"])
+    # A client's own page figures never reach the ledger: each is refused, naming it.
+    for lie in ("pages", "kv_pages", "reserved_pages", "num_pages", "page_count"):
         response = server.client.post(
-            "/v1/completions", json={"prompt": [0, 5, 6, 7], "max_tokens": 1500, **extra}
+            "/v1/completions", json={"prompt": "x", "max_tokens": 2, lie: 100000}
         )
         assert response.status_code == 400
-        error = _error(response)
-        assert error["param"] == "max_tokens"
-        assert "needs 94 KV pages (4 prompt tokens + 1500 max_tokens" in str(error["message"])
-        assert "the pool holds 63 pages" in str(error["message"])
-        assert "lower max_tokens to at most 1004" in str(error["message"])
-        assert "raise the pool to at least 95 pages" in str(error["message"])
-    fine = server.client.post(
-        "/v1/completions", json={"prompt": "x", "max_tokens": 2, "pages": 100000}
-    )
+        assert _error(response)["param"] == lie
+        assert _error(response)["code"] == "unsupported_parameter"
+    fine = server.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert fine.status_code == 200
 
 
@@ -210,3 +213,24 @@ def test_every_end_of_turn_id_of_the_config_stops_a_request() -> None:
         config=SimpleNamespace(eos_token_ids=(128001, 128008, 128009)),
     )
     assert extra_stop_ids(stack) == (128001, 128008)  # type: ignore[arg-type]
+
+
+def test_a_batch_of_prompts_is_queued_whole_or_not_at_all(server: LiveServer) -> None:
+    """Behind a request that holds the whole pool, a batch of two finds room in the queue (its
+    bound is 1) for its first prompt only: the answer is 429 and the first is taken back."""
+    holder = {"prompt": [0, 11, 12, 13], "max_tokens": 1000, "temperature": 0, "stream": True}
+    server.wait_for(kvbank_running_requests=0, kvbank_waiting_requests=0)
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=holder) as first,
+    ):
+        lines = first.iter_lines()  # kept: a dropped iterator closes the response
+        assert next(lines).startswith("data: ")
+        server.wait_for(kvbank_running_requests=1)
+        batch = server.client.post(
+            "/v1/completions", json={"prompt": ["one", "two"], "max_tokens": 600}
+        )
+        assert batch.status_code == 429
+        assert _error(batch)["code"] == "queue_full"
+        server.wait_for(kvbank_running_requests=1, kvbank_waiting_requests=0)
+    server.wait_for(kvbank_running_requests=0, kvbank_outstanding_pages=0)

@@ -46,3 +46,23 @@ def test_an_unknown_policy_names_the_choices() -> None:
 @pytest.mark.parametrize("policy", ["peak", "peak+backfill", "banker+backfill", "preempt"])
 def test_in_process_policies_are_accepted(policy: str) -> None:
     assert options_from_args(parse("--policy", policy)).policy == policy
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--max-body-bytes", "0"), ("--header-timeout-s", "0"), ("--body-timeout-s", "-1")],
+)
+def test_http_bounds_must_be_positive(flag: str, value: str) -> None:
+    with pytest.raises(ValueError, match=f"{flag} must be above 0, got {value}"):
+        options_from_args(parse(flag, value))
+
+
+def test_http_bounds_reach_the_options() -> None:
+    options = options_from_args(
+        parse("--max-body-bytes", "1000", "--header-timeout-s", "2", "--body-timeout-s", "3")
+    )
+    assert (options.max_body_bytes, options.header_timeout_s, options.body_timeout_s) == (
+        1000,
+        2.0,
+        3.0,
+    )

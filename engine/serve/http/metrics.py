@@ -1,7 +1,14 @@
-"""Prometheus figures of one engine: requests by outcome, tokens, the pool and the queue.
+"""Prometheus figures of one engine: requests by outcome, tokens, latency, the pool and the queue.
 
 Each server has its own registry (two servers in one test process do not collide). Pool gauges
 are set by the engine thread after each step, so a scrape never touches the engine.
+
+Three gauges carry the names the Gateway API Inference Extension's model-server protocol gives
+for vLLM-compatible servers, so its endpoint picker routes to kvbank unchanged:
+`vllm:num_requests_waiting`, `vllm:num_requests_running` and `vllm:kv_cache_usage_perc`. kvbank's
+usage is the *promised* fraction of the pool (pages reserved for admitted requests, held or not
+yet taken, over usable pages), not the held one: a replica whose pages are all spoken for reads
+full before its requests have grown into them, so a gateway routes new work elsewhere.
 """
 
 from __future__ import annotations
@@ -30,6 +37,37 @@ class ServeMetrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=registry,
         )
+        self.tpot = Histogram(
+            "kvbank_time_per_output_token_seconds",
+            "per request, from its first token to its last, over the tokens after the first",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=registry,
+        )
+        self.gateway_waiting = Gauge(
+            "vllm:num_requests_waiting",
+            "requests awaiting admission (Gateway API Inference Extension: TotalQueuedRequests)",
+            registry=registry,
+        )
+        self.gateway_running = Gauge(
+            "vllm:num_requests_running",
+            "admitted requests (Gateway API Inference Extension: TotalRunningRequests)",
+            registry=registry,
+        )
+        self.gateway_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "promised fraction of the KV pool, 0..1: pages admitted requests hold or may still "
+            "take, over usable pages (Gateway API Inference Extension: KVCacheUtilization)",
+            registry=registry,
+        )
+        self.preemptions = Counter(
+            "kvbank_preemptions",
+            "running requests preempted (by recompute or retraction) to free pages, by service "
+            "class; every request is of the default class, strict, which kvbank's own policies "
+            "never preempt (the preempt and ratio baselines do)",
+            ["service_class"],
+            registry=registry,
+        )
+        self.preemptions.labels("strict")  # the series exists from the start, at 0
         self.running = Gauge("kvbank_running_requests", "admitted requests", registry=registry)
         self.waiting = Gauge(
             "kvbank_waiting_requests", "requests awaiting admission", registry=registry
@@ -74,8 +112,10 @@ class ServeMetrics:
             "back to the conservative reading until all advanced again",
             registry=registry,
         )
+        self.usable_pages = max(1, total_pages - 1)  # the sink page holds nothing
         self._hit_tokens_seen = 0
         self._stalled_seen = 0
+        self._preemptions_seen = 0
         self.total_pages.set(total_pages)
 
     def observe_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
@@ -99,7 +139,16 @@ class ServeMetrics:
         self.free_pages.set(kv.free)
         self.evictable_pages.set(kv.evictable)
         self.held_pages.set(kv.pool.held)
-        self.outstanding_pages.set(outstanding_pages(engine))
+        outstanding = outstanding_pages(engine)
+        self.outstanding_pages.set(outstanding)
+        self.gateway_waiting.set(engine.num_waiting)
+        self.gateway_running.set(engine.num_running)
+        promised = kv.pool.held + outstanding
+        self.gateway_usage.set(min(1.0, promised / self.usable_pages))
+        preemptions = engine.sched.stats.preemptions
+        if preemptions > self._preemptions_seen:
+            self.preemptions.labels("strict").inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
         stalled = getattr(engine.policy, "stalled_steps", 0)  # only peak-fit ledgers count them
         if stalled > self._stalled_seen:
             self.stalled_steps.inc(stalled - self._stalled_seen)

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API, validated by hand so every error names its field.
 
-Fields this server does not know are ignored, and so is anything a client says about pages or
-reservations: page counts come only from the model and the server's tokenizer.
+Which fields a route takes is `fields`' business (no field is ignored); this module reads their
+values. Page counts come only from the model and the server's tokenizer, never from a client.
 """
 
 from __future__ import annotations
@@ -10,18 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbank.engine.runner import SamplingParams
+from kvbank.engine.serve.http.errors import BadRequest, shown
+
+__all__ = ["BadRequest", "Generation", "parse_generation", "parse_messages", "parse_prompts"]
 
 MAX_STOP_STRINGS = 16
-
-
-class BadRequest(Exception):
-    """Maps to HTTP 400 in OpenAI's error format, with the offending field as `param`."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
+MAX_PROMPTS = 64  # prompts in one completion request, each its own engine request
+MAX_LOGIT_BIAS = 300
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -33,6 +29,14 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    max_tokens_param: str = "max_tokens"  # the field the client set it with, for errors
+    echo: bool = False
+    ignore_eos: bool = False
+    continuous_usage: bool = False  # vLLM's extension: usage so far in every streamed chunk
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.sampling.logprobs
 
 
 def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
@@ -71,15 +75,39 @@ def _boolean(body: dict[str, Any], key: str) -> bool:
     return value
 
 
-def parse_generation(body: dict[str, Any], vocab_size: int, max_tokens_key: str) -> Generation:
+def text(value: Any, where: str) -> str:
+    """`value` as a string UTF-8 can carry: JSON may hold a lone surrogate ("\\ud800"), which no
+    tokenizer can encode."""
+    if not isinstance(value, str):
+        raise BadRequest(f"'{where}' must be a string", where, "invalid_type")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(
+            f"'{where}' holds a lone UTF-16 surrogate ({value[exc.start]!a}) at character "
+            f"{exc.start}, which is not text; send valid Unicode",
+            where,
+        ) from exc
+    return value
+
+
+def parse_generation(body: dict[str, Any], vocab_size: int, chat: bool) -> Generation:
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest("'model' must be a string", "model", "invalid_type")
+    if model is not None:
+        text(model, "model")
     n = _integer(body, "n", 1)
     if n not in (None, 1):
-        raise BadRequest(f"'n' must be 1 (one choice per request), got {n}", "n")
-    max_tokens = _integer(body, max_tokens_key, 1)
-    if max_tokens is None and max_tokens_key != "max_tokens":
+        raise BadRequest(
+            f"'n' is {n}: this server returns one choice per prompt (n > 1 is not supported); "
+            "send n=1 or repeat the request",
+            "n",
+        )
+    max_tokens_param = "max_tokens"
+    max_tokens = None
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens_param = "max_completion_tokens"
+        max_tokens = _integer(body, max_tokens_param, 1)
+    else:
         max_tokens = _integer(body, "max_tokens", 1)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -87,12 +115,35 @@ def parse_generation(body: dict[str, Any], vocab_size: int, max_tokens_key: str)
         raise BadRequest("'top_p' must be above 0 (1 keeps every token), got 0", "top_p")
     top_k = _integer(body, "top_k", -1) or 0
     seed = _integer(body, "seed", -(1 << 63), (1 << 63) - 1)
-    sampling = SamplingParams(temperature, top_p, max(0, top_k), seed)
+    ignore_eos = _boolean(body, "ignore_eos")
+    sampling = SamplingParams(
+        temperature,
+        top_p,
+        max(0, top_k),
+        seed,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body, vocab_size),
+        logprobs=_chat_logprobs(body) if chat else _integer(body, "logprobs", 0, MAX_LOGPROBS),
+        ignore_eos=ignore_eos,
+    )
     stream = _boolean(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
+    for key in options:
+        if key not in ("include_usage", "continuous_usage_stats"):
+            raise BadRequest(
+                f"'stream_options' has no field {shown(key)}; it takes 'include_usage' and "
+                "'continuous_usage_stats'",
+                "stream_options",
+                "unsupported_parameter",
+            )
     include_usage = _boolean(options, "include_usage")
+    continuous_usage = _boolean(options, "continuous_usage_stats")
+    user = body.get("user")
+    if user is not None:
+        text(user, "user")
     return Generation(
         max_tokens,
         sampling,
@@ -101,7 +152,51 @@ def parse_generation(body: dict[str, Any], vocab_size: int, max_tokens_key: str)
         stream,
         include_usage,
         model,
+        max_tokens_param,
+        echo=False if chat else _boolean(body, "echo"),
+        ignore_eos=ignore_eos,
+        continuous_usage=continuous_usage,
     )
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    wanted = _boolean(body, "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise BadRequest(
+            "'logit_bias' must be an object of token id -> bias", "logit_bias", "invalid_type"
+        )
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(
+            f"'logit_bias' holds {len(bias)} tokens; at most {MAX_LOGIT_BIAS} are allowed",
+            "logit_bias",
+        )
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+            raise BadRequest(
+                f"'logit_bias' key {shown(key)} is not a token id in the vocabulary "
+                f"0..{vocab_size - 1}",
+                "logit_bias",
+            )
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not -100 <= value <= 100:
+            raise BadRequest(
+                f"'logit_bias' of token {key} must be a number between -100 and 100, "
+                f"got {shown(value)}",
+                "logit_bias",
+            )
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
@@ -112,6 +207,8 @@ def _stop(body: dict[str, Any]) -> list[str]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise BadRequest("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    for s in stop:
+        text(s, "stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise BadRequest(
             f"'stop' holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop"
@@ -138,32 +235,52 @@ def _stop_token_ids(body: dict[str, Any], vocab_size: int) -> list[int]:
     return ids
 
 
-def parse_prompt(body: dict[str, Any], vocab_size: int) -> str | list[int]:
+def parse_prompts(body: dict[str, Any], vocab_size: int) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, a list of token ids, or a list of either
+    (each its own choice, in order)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # a batch of one
+    if prompt is None:
+        raise BadRequest("'prompt' is required", "prompt", "missing_required_parameter")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [_one_prompt(prompt, "prompt", vocab_size)]
+    if isinstance(prompt, list) and prompt:
+        if len(prompt) > MAX_PROMPTS:
+            raise BadRequest(
+                f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} go in one request",
+                "prompt",
+            )
+        return [_one_prompt(p, f"prompt[{i}]", vocab_size) for i, p in enumerate(prompt)]
+    raise BadRequest(
+        "'prompt' must be a non-empty string, a list of token ids, or a list of those",
+        "prompt",
+        "invalid_type",
+    )
+
+
+def _is_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _one_prompt(prompt: Any, where: str, vocab_size: int) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise BadRequest("'prompt' is empty; send at least one character", "prompt")
+            raise BadRequest(f"'{where}' is empty; send at least one character", "prompt")
+        text(prompt, where)
         return prompt
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
+    if _is_ids(prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise BadRequest(
-                f"'prompt' holds token ids {bad[:4]} outside the vocabulary 0..{vocab_size - 1}",
+                f"'{where}' holds token ids {bad[:4]} outside the vocabulary 0..{vocab_size - 1}",
                 "prompt",
             )
         return list(prompt)
-    if prompt is None:
-        raise BadRequest("'prompt' is required", "prompt", "missing_required_parameter")
     raise BadRequest(
-        "'prompt' must be a non-empty string or list of token ids (one prompt per request)",
-        "prompt",
-        "invalid_type",
+        f"'{where}' must be a non-empty string or a list of token ids", "prompt", "invalid_type"
     )
 
 
@@ -181,13 +298,25 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise BadRequest(f"'{where}.role' must be a string", f"{where}.role", "invalid_type")
-        parsed.append({"role": role, "content": _content(message.get("content"), where)})
+        text(role, f"{where}.role")
+        for key in message:
+            if key not in ("role", "content", "name"):
+                raise BadRequest(
+                    f"'{where}' has field {shown(key)}, which this server does not read "
+                    "(tool calls are not supported); a message takes role, content and name",
+                    f"{where}.{str(key)[:64]}",
+                    "unsupported_parameter",
+                )
+        entry = {"role": role, "content": _content(message.get("content"), where)}
+        if message.get("name") is not None:  # handed to the chat template, which may read it
+            entry["name"] = text(message["name"], f"{where}.name")
+        parsed.append(entry)
     return parsed
 
 
 def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return text(content, f"{where}.content")
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         texts = []
         for j, part in enumerate(content):
@@ -196,14 +325,14 @@ def _content(content: Any, where: str) -> str:
                     f"'{where}.content[{j}]' must be a text part; this model reads text only",
                     f"{where}.content",
                 )
-            text = part.get("text")
-            if not isinstance(text, str):
+            part_text = part.get("text")
+            if not isinstance(part_text, str):
                 raise BadRequest(
                     f"'{where}.content[{j}].text' must be a string",
                     f"{where}.content",
                     "invalid_type",
                 )
-            texts.append(text)
+            texts.append(text(part_text, f"{where}.content"))
         return "".join(texts)
     raise BadRequest(
         f"'{where}.content' must be a string or a list of text parts",
