@@ -10,7 +10,6 @@ step ends with an integrity check; a breach is counted, not raised.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,7 @@ from kvbank.engine.admission.backend import AdmissionBackend
 from kvbank.engine.bench.outcomes import Outcome, RowObserver, admission_by_class, class_metrics
 from kvbank.engine.bench.scenario import Scenario
 from kvbank.engine.bench.virtual import VirtualRunner
-from kvbank.engine.bench.workload import RequestSpec, generate
+from kvbank.engine.bench.workload import Arrivals, RequestSpec
 from kvbank.engine.engine import Engine, EngineConfig, RequestRejected
 from kvbank.engine.request import FinishReason
 from kvbank.ledger import InvariantBreach, LedgerError
@@ -68,8 +67,7 @@ def run_policy(
     if prepare is not None:
         prepare(engine)
     workload = scenario.workload
-    specs = generate(workload)
-    upcoming: deque[RequestSpec] = deque()
+    arrivals = Arrivals(workload)
     ttft: dict[str, list[float]] = {}
     e2e: list[float] = []
     counts = {"completed": 0, "rejected": 0, "failed": 0}
@@ -101,30 +99,12 @@ def run_policy(
         tracks[spec.rid] = outcome = Outcome(cls, req, clock)
         outcomes.append(outcome)
 
-    def refill() -> None:
-        if workload.concurrency is not None:
-            while len(tracks) < workload.concurrency:
-                spec = next(specs, None)
-                if spec is None:
-                    return
-                send(spec)
-            return
-        while True:
-            if not upcoming:
-                spec = next(specs, None)
-                if spec is None:
-                    return
-                upcoming.append(spec)
-            if (upcoming[0].arrival_s or 0.0) > clock:
-                return
-            send(upcoming.popleft())
-
     while True:
-        refill()
+        arrivals.refill(clock, lambda: len(tracks), send)
         if not engine.has_work():
-            if upcoming:  # open loop, idle until the next arrival
-                clock = max(clock, upcoming[0].arrival_s or clock)
-                last_progress = clock
+            idle_until = arrivals.idle_until(clock)
+            if idle_until is not None:  # open loop, idle until the next arrival
+                clock = last_progress = idle_until
                 continue
             break
         try:

@@ -8,13 +8,12 @@ same metrics come out. Progress, finishes and their reasons are read from vLLM's
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 from kvbank.engine.bench.scenario import Scenario
 from kvbank.engine.bench.simulate import DEADLOCK_S, RunResult, _percentile, _progress_bar
 from kvbank.engine.bench.vllm_engine import FinishReason, VllmBench
-from kvbank.engine.bench.workload import RequestSpec, generate
+from kvbank.engine.bench.workload import Arrivals, RequestSpec
 from kvbank.ledger import InvariantBreach, LedgerError
 from kvbank.vllm.settings import Settings
 
@@ -40,8 +39,7 @@ def run_vllm_policy(
     settings = Settings(ledger_policy, sidecar) if ledger_policy is not None else None
     bench = VllmBench(scenario, settings)
     workload = scenario.workload
-    specs = generate(workload)
-    upcoming: deque[RequestSpec] = deque()
+    arrivals = Arrivals(workload)
     sent: dict[str, tuple[RequestSpec, float]] = {}
     first_token: set[str] = set()
     ttft: dict[str, list[float]] = {}
@@ -57,30 +55,12 @@ def run_vllm_policy(
         bench.add(spec.rid, spec.prompt, spec.cls.max_tokens, spec.output_tokens)
         sent[spec.rid] = (spec, clock)
 
-    def refill() -> None:
-        if workload.concurrency is not None:
-            while len(sent) < workload.concurrency:
-                spec = next(specs, None)
-                if spec is None:
-                    return
-                send(spec)
-            return
-        while True:
-            if not upcoming:
-                spec = next(specs, None)
-                if spec is None:
-                    return
-                upcoming.append(spec)
-            if (upcoming[0].arrival_s or 0.0) > clock:
-                return
-            send(upcoming.popleft())
-
     while True:
-        refill()
+        arrivals.refill(clock, lambda: len(sent), send)
         if not bench.has_work():
-            if upcoming:  # open loop, idle until the next arrival
-                clock = max(clock, upcoming[0].arrival_s or clock)
-                last_progress = clock
+            idle_until = arrivals.idle_until(clock)
+            if idle_until is not None:  # open loop, idle until the next arrival
+                clock = last_progress = idle_until
                 continue
             break
         try:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvbank.engine.bench.scenario import RequestClass, Workload
@@ -50,3 +51,44 @@ def generate(workload: Workload) -> Iterator[RequestSpec]:
             clock += rng.expovariate(workload.rate_per_s)
             arrival = clock
         yield RequestSpec(f"{cls.name}-{index}", cls, prompt, output, arrival)
+
+
+class Arrivals:
+    """Feeds a run its requests as the scenario sends them: a closed loop keeps `concurrency`
+    requests in flight, an open loop sends each once the clock reaches its arrival. Every
+    engine the bench drives (its own, vLLM's) takes requests from one of these, so both see the
+    same traffic at the same virtual times."""
+
+    def __init__(self, workload: Workload) -> None:
+        self._concurrency = workload.concurrency
+        self._specs = generate(workload)
+        self._upcoming: deque[RequestSpec] = deque()
+
+    def refill(
+        self, clock: float, in_flight: Callable[[], int], send: Callable[[RequestSpec], None]
+    ) -> None:
+        """Send what is due at `clock`; `in_flight` is asked again after each send (a refused
+        request frees its client at once)."""
+        if self._concurrency is not None:
+            while in_flight() < self._concurrency:
+                spec = next(self._specs, None)
+                if spec is None:
+                    return
+                send(spec)
+            return
+        while True:
+            if not self._upcoming:
+                spec = next(self._specs, None)
+                if spec is None:
+                    return
+                self._upcoming.append(spec)
+            if (self._upcoming[0].arrival_s or 0.0) > clock:
+                return
+            send(self._upcoming.popleft())
+
+    def idle_until(self, clock: float) -> float | None:
+        """With nothing running: the clock at the next open-loop arrival, or None if none is
+        coming."""
+        if not self._upcoming:
+            return None
+        return max(clock, self._upcoming[0].arrival_s or clock)
