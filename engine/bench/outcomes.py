@@ -11,17 +11,28 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvbank.engine.bench.scenario import RequestClass, ServiceClass
-from kvbank.engine.request import Request
 from kvbank.engine.runner import ModelRunner, StepBatch, StepResult
+
+
+class Preempted(Protocol):
+    """What an outcome reads of its request: how often it was preempted (kvbank's `Request`,
+    or the vLLM bench's count of vLLM's preemptions)."""
+
+    preemptions: int
+
+
+@dataclass
+class PreemptionCount:
+    preemptions: int = 0
 
 
 @dataclass
 class Outcome:
     cls: RequestClass
-    req: Request
+    req: Preempted
     sent_s: float
     first_token_s: float | None = None
     last_token_s: float | None = None

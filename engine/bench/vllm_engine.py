@@ -132,6 +132,8 @@ class StepTotals:
     scheduled: int = 0  # requests given tokens
     unscheduled_running: int = 0  # running requests given none (budget or pages)
     preempted: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+    rows: list[tuple[str, int, int]] = field(default_factory=list)  # (rid, first position, count)
     admitted_tokens: int = 0  # prompt positions of requests scheduled for the first time
     hit_tokens: int = 0  # of which the prefix cache covered
     outputs: list[Any] = field(default_factory=list)  # vLLM's EngineCoreOutput
@@ -188,7 +190,9 @@ class VllmBench:
         before = {r.request_id: r.num_computed_tokens for r in sched.running}
         out = sched.schedule()
         self.steps += 1
-        totals = StepTotals(preempted=len(out.preempted_req_ids))
+        totals = StepTotals(
+            preempted=len(out.preempted_req_ids), preempted_ids=sorted(out.preempted_req_ids)
+        )
         for new in out.scheduled_new_reqs:
             totals.admitted_tokens += len(new.prompt_token_ids or ())
             totals.hit_tokens += new.num_computed_tokens
@@ -202,6 +206,8 @@ class VllmBench:
         sampled: list[list[int]] = []
         for rid, count in out.num_scheduled_tokens.items():
             request = sched.requests[rid]
+            # schedule() has advanced num_computed_tokens past this step's positions
+            totals.rows.append((rid, request.num_computed_tokens - count, count))
             samples = request.num_computed_tokens >= request.num_tokens
             if count == 1 and samples and before.get(rid, 0) > 0:
                 decode += 1

@@ -10,6 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbank.engine.bench.outcomes import (
+    Outcome,
+    PreemptionCount,
+    admission_by_class,
+    class_metrics,
+)
 from kvbank.engine.bench.scenario import Scenario
 from kvbank.engine.bench.simulate import DEADLOCK_S, RunResult, _percentile, _progress_bar
 from kvbank.engine.bench.vllm_engine import FinishReason, VllmBench
@@ -41,6 +47,7 @@ def run_vllm_policy(
     workload = scenario.workload
     arrivals = Arrivals(workload)
     sent: dict[str, tuple[RequestSpec, float]] = {}
+    outcomes: dict[str, Outcome] = {}
     first_token: set[str] = set()
     ttft: dict[str, list[float]] = {}
     e2e: list[float] = []
@@ -54,6 +61,7 @@ def run_vllm_policy(
     def send(spec: RequestSpec) -> None:
         bench.add(spec.rid, spec.prompt, spec.cls.max_tokens, spec.output_tokens)
         sent[spec.rid] = (spec, clock)
+        outcomes[spec.rid] = Outcome(spec.cls, PreemptionCount(), clock)
 
     while True:
         arrivals.refill(clock, lambda: len(sent), send)
@@ -77,6 +85,12 @@ def run_vllm_policy(
         counts["stalled_rows"] += step.unscheduled_running
         admitted_tokens += step.admitted_tokens
         hit_tokens += step.hit_tokens
+        for rid in step.preempted_ids:
+            if rid in outcomes:
+                outcomes[rid].req.preemptions += 1
+        for rid, start, count in step.rows:
+            if rid in outcomes:
+                outcomes[rid].on_row(start, count)
         for out in step.outputs:
             entry = sent.get(out.request_id)
             if entry is None:
@@ -84,6 +98,7 @@ def run_vllm_policy(
             spec, sent_s = entry
             if out.new_token_ids:
                 last_progress = clock
+                outcomes[out.request_id].on_tokens(len(out.new_token_ids), clock)
                 if out.request_id not in first_token:
                     first_token.add(out.request_id)
                     ttft.setdefault(spec.cls.name, []).append(clock - sent_s)
@@ -93,6 +108,7 @@ def run_vllm_policy(
                 first_token.discard(out.request_id)
                 if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                     counts["completed"] += 1
+                    outcomes[out.request_id].completed = True
                     e2e.append(clock - sent_s)
                 elif out.finish_reason == FinishReason.ERROR and not ran:
                     counts["rejected"] += 1  # refused before it ran: the pool can never hold it
@@ -142,5 +158,11 @@ def run_vllm_policy(
         "max_running": max_running,
         "steps": bench.steps,
         "stopped": stop or "finished",
+        "admitted_as": admission_by_class(workload.classes, baseline=ledger_policy is None),
+        **class_metrics(outcomes.values(), workload.classes, clock, _percentile),
+        # This bench runs vLLM with no host tier.
+        "host_pages": 0,
+        "host_pages_saved": 0,
+        "host_pages_reloaded": 0,
     }
     return RunResult(scenario.name, policy, metrics, timeline)
