@@ -50,6 +50,22 @@ class LiveServer:
                 figures[name] = float(value)
         return figures
 
+    def settled(self, within: float = 20, quiet: float = 0.5) -> dict[str, float]:
+        """The figures once nothing runs or waits and the request counters have not moved for
+        `quiet` seconds: a request an earlier test sent may still be tokenized, outside the
+        engine's gauges, and finish after them."""
+        deadline = time.monotonic() + within
+        last = self.wait_for(within, kvbank_running_requests=0, kvbank_waiting_requests=0)
+        while True:
+            time.sleep(quiet)
+            now = self.wait_for(within, kvbank_running_requests=0, kvbank_waiting_requests=0)
+            counters = {k: v for k, v in now.items() if k.startswith("kvbank_requests_total")}
+            if counters == {k: v for k, v in last.items() if k.startswith("kvbank_requests_total")}:
+                return now
+            if time.monotonic() > deadline:
+                raise AssertionError(f"request counters still moving after {within} s: {now}")
+            last = now
+
     def wait_for(self, within: float = 20, **expected: float) -> dict[str, float]:
         deadline = time.monotonic() + within
         while True:

@@ -128,7 +128,7 @@ def test_a_client_gone_before_its_first_chunk_is_aborted_while_it_waits(
 ) -> None:
     server: LiveServer = request.getfixturevalue("server" if spec == "2.3" else "server_24")
     path, prompt, stream = CASES[case]
-    before = server.wait_for(kvbank_running_requests=0, kvbank_waiting_requests=0)
+    before = server.settled()
     with (
         httpx.Client(base_url=server.url, timeout=30) as holder_client,
         holder_client.stream("POST", "/v1/completions", json=POOL_HOLDER) as holder,
@@ -170,7 +170,7 @@ def test_a_stream_cut_mid_way_is_aborted_when_send_raises(server_24: LiveServer)
     """Under spec 2.4 Starlette learns of the leave only from a failed send and drops the
     generator inside a yield; the request is still aborted within seconds (the response closes
     it; before that only the generator's collection did, whenever that came)."""
-    before = server_24.wait_for(kvbank_running_requests=0, kvbank_waiting_requests=0)
+    before = server_24.settled()
     with (
         httpx.Client(base_url=server_24.url, timeout=30) as client,
         client.stream("POST", "/v1/completions", json=POOL_HOLDER) as stream,
