@@ -213,6 +213,10 @@ import_images() {
                 grep -qx "sha256:${blob##*/}" <<<"$have" || echo "$blob"
             done
         } | tar -cf - --files-from -) | "${ctr[@]}" images import - >/dev/null
+        # Earlier builds of the same image: removed, so containerd's garbage collector frees
+        # their layers (gigabytes each) once no image names them.
+        "${ctr[@]}" images ls -q | grep "^${name%:*}:" | grep -vx "$name" |
+            xargs -r "${ctr[@]}" images rm >/dev/null || true
     done
 }
 

@@ -182,6 +182,29 @@ kvbank_key() {
         done) | key
 }
 
+# prune LAYER...: the packages layer is gigabytes and changes with every dependency bump, so
+# only the layers just used, and the layouts built from them, are kept. A layout's layer blobs
+# are hard links to the layer files, so a layout is current when each of its blobs over 1 MiB
+# (the layers; configs and manifests are small) is one of the kept layers' files.
+prune() {
+    local keep=" $* " layer layout kept_inodes blob_inodes
+    for layer in "$cache"/layers/*.tar; do
+        [[ -e "$layer" && "$keep" != *" $layer "* ]] || continue
+        log "removing stale layer ${layer##*/}"
+        rm -f "$layer" "$layer.sha256"
+    done
+    kept_inodes="$(stat -c %i "$@" | sort -u)"
+    for layout in "$cache"/*/; do
+        layout="${layout%/}"
+        [[ -f "$layout/index.json" ]] || continue
+        blob_inodes="$(find "$layout/blobs" -type f -size +1M -printf '%i\n' | sort -u)"
+        if [[ -n "$(comm -23 <(echo "$blob_inodes") <(echo "$kept_inodes"))" ]]; then
+            log "removing stale layout ${layout##*/}"
+            rm -rf "$layout"
+        fi
+    done
+}
+
 ensure() {
     local base packages kvbank pause coredns env
     coredns_binary="$1"
@@ -204,6 +227,7 @@ ensure() {
         "$base" "$packages" "$kvbank"
     image kvbank-operator "{$env,\"User\":\"$kvbank_uid:$kvbank_uid\",\"WorkingDir\":\"/tmp\",\"Entrypoint\":[\"kvbank\"],\"Cmd\":[\"operator\"]}" \
         "$base" "$packages" "$kvbank"
+    prune "$base" "$packages" "$kvbank" "$pause" "$coredns"
     flock -u 9
 }
 
