@@ -110,6 +110,8 @@ class Run:
                     return None
 
     def _end(self, reason: str, engine_done: bool = False) -> None:
+        if self.closed:
+            return  # the client left first: aborted, counted once as such
         self.finished = True
         if not engine_done:
             self.loop.abort(self.rid)
