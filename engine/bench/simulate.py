@@ -160,27 +160,12 @@ def run_policy(
     from kvbank.engine.admission.baselines import FifoPolicy
 
     stats = engine.sched.stats
-    done = counts["completed"]
-    all_ttft = [v for values in ttft.values() for v in values]
     metrics: dict[str, Any] = {
         "scenario": scenario.name,
         "policy": policy,
         "tp": scenario.tp,  # the pool is per rank and identical on every rank: rank 0 is run
         "pool_pages": scenario.pages,
-        "completed": done,
-        "hung": workload.requests - done - counts["rejected"] - counts["failed"],
-        "rejected": counts["rejected"],
-        "failed": counts["failed"],
-        "duration_s": round(clock, 3),
-        "requests_per_s": round(done / clock, 4) if clock else 0.0,
-        "ttft_p50_s": _percentile(all_ttft, 50),
-        "ttft_p99_s": _percentile(all_ttft, 99),
-        "ttft_by_class": {
-            name: {"p50_s": _percentile(v, 50), "p99_s": _percentile(v, 99)}
-            for name, v in sorted(ttft.items())
-        },
-        "e2e_p50_s": _percentile(e2e, 50),
-        "kv_utilisation": round(util_area / clock, 4) if clock else 0.0,
+        **served_metrics(workload.requests, counts, clock, ttft, e2e, util_area),
         "preemptions": stats.preemptions,
         "stalled_rows": stats.stalled_rows,  # decode rows that sat a step out for want of a page
         # Steps in which a running request could not advance, so a peak-fit ledger admitted
@@ -202,6 +187,36 @@ def run_policy(
         "host_pages_reloaded": engine.kv.host.loaded if engine.kv.host else 0,
     }
     return RunResult(scenario.name, policy, metrics, timeline, class_timeline)
+
+
+def served_metrics(
+    requests: int,
+    counts: dict[str, int],
+    duration_s: float,
+    ttft: dict[str, list[float]],
+    e2e: list[float],
+    util_area: float,
+) -> dict[str, Any]:
+    """What every engine's run reports of the requests it served, in the bench's field order:
+    `counts` has completed, rejected and failed; `ttft` is by class."""
+    done = counts["completed"]
+    all_ttft = [v for values in ttft.values() for v in values]
+    return {
+        "completed": done,
+        "hung": requests - done - counts["rejected"] - counts["failed"],
+        "rejected": counts["rejected"],
+        "failed": counts["failed"],
+        "duration_s": round(duration_s, 3),
+        "requests_per_s": round(done / duration_s, 4) if duration_s else 0.0,
+        "ttft_p50_s": _percentile(all_ttft, 50),
+        "ttft_p99_s": _percentile(all_ttft, 99),
+        "ttft_by_class": {
+            name: {"p50_s": _percentile(v, 50), "p99_s": _percentile(v, 99)}
+            for name, v in sorted(ttft.items())
+        },
+        "e2e_p50_s": _percentile(e2e, 50),
+        "kv_utilisation": round(util_area / duration_s, 4) if duration_s else 0.0,
+    }
 
 
 def _progress_bar(total: int, label: str) -> Any:

@@ -17,7 +17,13 @@ from kvbank.engine.bench.outcomes import (
     class_metrics,
 )
 from kvbank.engine.bench.scenario import Scenario
-from kvbank.engine.bench.simulate import DEADLOCK_S, RunResult, _percentile, _progress_bar
+from kvbank.engine.bench.simulate import (
+    DEADLOCK_S,
+    RunResult,
+    _percentile,
+    _progress_bar,
+    served_metrics,
+)
 from kvbank.engine.bench.vllm_engine import FinishReason, VllmBench
 from kvbank.engine.bench.workload import Arrivals, RequestSpec
 from kvbank.ledger import InvariantBreach, LedgerError
@@ -127,28 +133,13 @@ def run_vllm_policy(
             break
     if bar is not None:
         bar.close()
-    done = counts["completed"]
-    all_ttft = [v for values in ttft.values() for v in values]
     metrics: dict[str, Any] = {
         "scenario": scenario.name,
         "policy": policy,
         "engine": "vllm",
         "tp": scenario.tp,
         "pool_pages": scenario.pages,
-        "completed": done,
-        "hung": workload.requests - done - counts["rejected"] - counts["failed"],
-        "rejected": counts["rejected"],
-        "failed": counts["failed"],
-        "duration_s": round(clock, 3),
-        "requests_per_s": round(done / clock, 4) if clock else 0.0,
-        "ttft_p50_s": _percentile(all_ttft, 50),
-        "ttft_p99_s": _percentile(all_ttft, 99),
-        "ttft_by_class": {
-            name: {"p50_s": _percentile(v, 50), "p99_s": _percentile(v, 99)}
-            for name, v in sorted(ttft.items())
-        },
-        "e2e_p50_s": _percentile(e2e, 50),
-        "kv_utilisation": round(util_area / clock, 4) if clock else 0.0,
+        **served_metrics(workload.requests, counts, clock, ttft, e2e, util_area),
         "preemptions": counts["preemptions"],
         # Running requests vLLM gave no tokens in a step (token budget or, stock, pages).
         "stalled_rows": counts["stalled_rows"],
