@@ -22,6 +22,7 @@ from kvbank.engine.kv.cache import KVCache
 from kvbank.engine.request import FinishReason, Request, Status, build_request
 from kvbank.engine.runner import ModelRunner, SamplingParams, StepResult, TokenLogprob
 from kvbank.engine.scheduler import Scheduler
+from kvbank.service_class import ClassPolicy, ServiceClass, effective_class
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class EngineConfig:
     max_batch_tokens: int = 2048  # tokens one step may compute, decode rows included
     max_running: int = 256
     host_pages: int = 0  # a host tier for evicted prefix pages; 0: none
+    classes: ClassPolicy = field(
+        default_factory=ClassPolicy
+    )  # default class, preemption bound, victim rule
     debug: bool = False  # deep integrity checks after every step (tests turn it on)
 
 
@@ -95,9 +99,13 @@ class Engine:
         extra_tokens: dict[str, int] | None = None,
         labels: frozenset[str] | None = None,
         sampling: SamplingParams | None = None,
+        service_class: ServiceClass | None = None,
     ) -> Request:
-        """Queue a request. Raises RequestRejected (a ValueError) for an empty prompt, a
-        max_tokens below 1, a duplicate id, or a request the pool can never hold."""
+        """Queue a request under `service_class` (None: the pool's default; strict whatever
+        is asked when its KV cannot be rebuilt: `Request.service_class` says what it got).
+
+        Raises RequestRejected (a ValueError) for an empty prompt, a max_tokens below 1, a
+        duplicate id, or a request the pool can never hold."""
         model = self.config.model
         if not prompt_token_ids:
             raise RequestRejected(
@@ -131,7 +139,10 @@ class Engine:
             self.sched.stats.rejected += 1
             raise RequestRejected(f"request {rid!r}: {refused.message}", refused.param, refused)
         prompt = list(prompt_token_ids)
-        req = build_request(model, rid, prompt, shape, count, sampling, self._arrivals)
+        # Fixed label tokens (an image's, an audio window's) cannot be recomputed from the prompt.
+        rebuildable = not any(shape.extra_tokens.values())
+        cls = effective_class(service_class, self.config.classes.default_class, rebuildable)
+        req = build_request(model, rid, prompt, shape, count, sampling, self._arrivals, cls)
         self._arrivals += 1
         self._known.add(rid)
         self.sched.enqueue(req)

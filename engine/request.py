@@ -23,6 +23,7 @@ from kvbank.capacity import (
 from kvbank.engine.kv.pages import SINK_PAGE
 from kvbank.engine.runner import SamplingParams
 from kvbank.ledger import PeakShape, peak_shape
+from kvbank.service_class import ServiceClass
 
 
 class Status(enum.Enum):
@@ -50,6 +51,8 @@ class Request:
     peak_shape: PeakShape
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival: int = 0  # arrival order
+    # What the pool promises it (kvbank/service_class.py); strict when its KV cannot be rebuilt.
+    service_class: ServiceClass = ServiceClass.STRICT
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
     status: Status = Status.WAITING
@@ -121,6 +124,7 @@ def build_request(
     count: PageCount,
     sampling: SamplingParams | None = None,
     arrival: int = 0,
+    service_class: ServiceClass = ServiceClass.STRICT,
 ) -> Request:
     """A request from its shape and the capacity function's count of it, made once at ingest
     (engine.py) and carried: nothing on the serving path counts its pages again."""
@@ -133,6 +137,7 @@ def build_request(
         peak_shape=peak_shape(model, shape, count=count),
         sampling=sampling or SamplingParams(),
         arrival=arrival,
+        service_class=service_class,
         page_size=model.page_size,
     )
     req.worst = count.total

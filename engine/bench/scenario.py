@@ -7,7 +7,6 @@ model does not have. Nothing is guessed.
 
 from __future__ import annotations
 
-import enum
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import yaml
 from kvbank.capacity import CapacityModel
 from kvbank.engine.bench.virtual import CostModel
 from kvbank.modelpool import KvSlot
+from kvbank.service_class import ServiceClass
 
 
 class ScenarioError(ValueError):
@@ -36,14 +36,6 @@ class Span:
 
     def sample(self, rng: random.Random) -> int:
         return self.low if self.low == self.high else rng.randint(self.low, self.high)
-
-
-class ServiceClass(enum.StrEnum):
-    """What a request is promised: `strict` is never preempted or paused; `best-effort` runs on
-    what strict requests do not need and may be preempted."""
-
-    STRICT = "strict"
-    BEST_EFFORT = "best-effort"
 
 
 @dataclass(frozen=True)
