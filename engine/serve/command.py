@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvbank.engine.engine import RequestOutput
+from kvbank.engine.serve.classes import add_class_arguments, class_options
 from kvbank.mode import DEFAULT_MODE, LEDGER_MODE_NAMES
 
 if TYPE_CHECKING:  # torch, uvicorn and the model load only when serve runs
@@ -66,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="admission policy: peak+backfill (the default), peak, banker, banker+backfill "
         "(these four also with --sidecar), or a baseline: optimistic, preempt, no-evict, ratio",
     )
+    add_class_arguments(parser)
     parser.add_argument(
         "--max-waiting",
         type=int,
@@ -217,6 +219,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         body_timeout_s=args.body_timeout_s,
         api_key_file=args.api_key_file,
         served_model_name=args.served_model_name,
+        **class_options(args),
     )
 
 
@@ -238,6 +241,7 @@ def build_server(
 
     options = stack.options
     metrics = ServeMetrics(stack.options.pages)
+    metrics.meter_recompute(stack.engine)
     loop = EngineLoop(
         stack.engine, stack.options.max_waiting, metrics.observe_step, step_fn, idle_fn
     )

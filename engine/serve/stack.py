@@ -24,6 +24,7 @@ from kvbank.engine.model.loader import DTYPES, load_model
 from kvbank.engine.model.runner import TorchRunner
 from kvbank.engine.model.tokenizer import Tokenizer
 from kvbank.modelpool import DEFAULT_POLICY, KvSlot
+from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS, ClassPolicy, ServiceClass, Victim
 
 BUILTIN_NAME = "kvbank-builtin"
 KV_LABEL = "kv"  # a decoder writes one KV position per prompt and per output token
@@ -57,7 +58,18 @@ class ServeOptions:
     body_timeout_s: float = 30.0
     api_key_file: str | None = None
     served_model_name: str | None = None  # None: kvbank-builtin, or the model folder's name
+    # The class settings (EngineConfig.classes), kept as plain values so the tensor-parallel
+    # launcher hands them to every rank as JSON.
+    default_class: str = ServiceClass.STRICT.value
+    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
+    victim: str = Victim.NEWEST.value
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def classes(self) -> ClassPolicy:
+        return ClassPolicy(
+            ServiceClass(self.default_class), self.max_preemptions, Victim(self.victim)
+        )
 
 
 @dataclass
@@ -197,6 +209,7 @@ def build_stack(
         max_batch_tokens=options.max_batch_tokens,
         max_running=options.max_running,
         host_pages=options.host_pages,
+        classes=options.classes,
         debug=options.debug,
     )
     engine = Engine(engine_config, runner, backend)

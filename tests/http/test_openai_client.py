@@ -173,7 +173,7 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
      "cannot compile: Invalid type: bogus"),
     ("response_format", {"response_format": {"type": "xml"}}, "must be text, json_object or"),
     ("tool_choice", {"tool_choice": "required"}, "can only be 'none'"),
-    ("service_tier", {"service_tier": "flex"}, "not offered"),
+    ("service_tier", {"service_tier": "scale"}, "offers auto, default, flex, priority"),
     ("store", {"store": True}, "stores no completions"),
     ("metadata", {"metadata": {"k": "v"}}, "stores no completions"),
     ("reasoning_effort", {"reasoning_effort": "low"}, "no reasoning mode"),

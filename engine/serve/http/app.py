@@ -44,6 +44,8 @@ from kvbank.engine.serve.http.schema import (
     parse_prompts,
 )
 from kvbank.engine.serve.http.stream import Run, RunStream, Shape, events, whole
+from kvbank.engine.serve.http.tiers import echoed_tier
+from kvbank.service_class import ServiceClass
 
 if TYPE_CHECKING:
     from kvbank.engine.model.grammar import GrammarCompiler
@@ -185,21 +187,26 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
         stop_ids = [*gen.stop_token_ids, *(() if gen.ignore_eos else served.extra_stop_ids)]
         if gen.sampling.grammar is not None and served.grammars is not None:
             stop_ids.append(served.grammars.eos_token_id)  # the grammar ends with it
+        granted: list[ServiceClass] = []
         for index, ids in enumerate(prompts):
             sub_rid = rid if len(prompts) == 1 else f"{rid}-{index}"
             outputs: asyncio.Queue[Any] = asyncio.Queue()
             sub = Submission(sub_rid, ids, gen.max_tokens, gen.sampling, outputs,
-                             asyncio.get_running_loop())  # fmt: skip
+                             asyncio.get_running_loop(), gen.service_class)  # fmt: skip
             refused = await _submit(sub, gen.max_tokens_param)
             if refused is not None:
                 for run in runs:  # a batch is queued whole or not at all
                     run.close()
                 return refused
+            assert sub.granted is not None  # set by the engine thread before it answered
+            granted.append(sub.granted)
+            metrics.class_requests.labels(sub.granted.value).inc()
             text = TextStream(tokenizer, gen.stop, stop_ids)
             runs.append(Run(sub_rid, outputs, text, loop, metrics, submitted, request, len(ids)))
             metrics.prompt_tokens.inc(len(ids))
+        tier = echoed_tier(gen.service_class, granted, loop.engine.config.classes.default_class)
         shape = Shape(rid, served.name, chat, token_text, echo, gen.include_usage,
-                      gen.continuous_usage)  # fmt: skip
+                      gen.continuous_usage, tier)  # fmt: skip
         want_logprobs = gen.logprobs is not None
         if gen.stream:
             return RunStream(runs, events(shape, runs, want_logprobs))

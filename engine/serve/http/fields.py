@@ -18,12 +18,12 @@ if TYPE_CHECKING:
 SHARED = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
     "stream", "stream_options", "presence_penalty", "frequency_penalty", "logit_bias", "n",
-    "user", "ignore_eos",
+    "user", "ignore_eos", "service_tier",
 })  # fmt: skip
 COMPLETION_FIELDS = SHARED | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = SHARED | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools",
-    "tool_choice", "parallel_tool_calls", "service_tier", "store",
+    "tool_choice", "parallel_tool_calls", "store",
 }  # fmt: skip
 
 NO_GRAMMAR = (
@@ -93,12 +93,6 @@ def _check_partial(body: dict[str, Any]) -> None:
     if body.get("tool_choice") not in (None, "none"):
         raise BadRequest(
             "'tool_choice' can only be 'none': this server does not call tools", "tool_choice"
-        )
-    if body.get("service_tier") not in (None, "auto", "default"):
-        raise BadRequest(
-            f"'service_tier' {str(body['service_tier'])[:32]!r} is not offered; every request "
-            "here is served at the default tier (send 'auto', 'default' or nothing)",
-            "service_tier",
         )
     if body.get("store") not in (None, False):
         raise BadRequest("this server stores no completions; send 'store': false or omit it",

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvbank.engine.engine import Engine, RequestOutput
 from kvbank.engine.runner import SamplingParams
+from kvbank.service_class import ServiceClass
 
 log = logging.getLogger("kvbank.serve")
 
@@ -47,6 +48,9 @@ class Submission:
     sampling: SamplingParams
     outputs: asyncio.Queue[RequestOutput]
     event_loop: asyncio.AbstractEventLoop
+    service_class: ServiceClass | None = None  # what the client asked; None: the pool's default
+    # What the engine granted (strict whenever its KV cannot be rebuilt), set once it is queued.
+    granted: ServiceClass | None = None
 
 
 StepHook = Callable[[Engine, list[RequestOutput]], None]
@@ -123,7 +127,9 @@ class EngineLoop:
         waiting = self.engine.num_waiting
         if waiting >= self.max_waiting:
             raise QueueFull(waiting, self.max_waiting)
-        self.engine.add_request(sub.rid, sub.prompt, sub.max_tokens, sampling=sub.sampling)
+        req = self.engine.add_request(sub.rid, sub.prompt, sub.max_tokens, sampling=sub.sampling,
+                                      service_class=sub.service_class)  # fmt: skip
+        sub.granted = req.service_class
         self._streams[sub.rid] = sub
 
     def _abort(self, rid: str) -> None:

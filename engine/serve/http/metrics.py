@@ -16,6 +16,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvbank.engine.engine import Engine, RequestOutput
+from kvbank.engine.serve.http.class_metrics import PreemptionCounter, RecomputeMeter
+from kvbank.service_class import ServiceClass
 
 
 class ServeMetrics:
@@ -62,12 +64,32 @@ class ServeMetrics:
         self.preemptions = Counter(
             "kvbank_preemptions",
             "running requests preempted (by recompute or retraction) to free pages, by service "
-            "class; every request is of the default class, strict, which kvbank's own policies "
-            "never preempt (the preempt and ratio baselines do)",
+            "class; kvbank's own policies never preempt a strict request (the preempt and ratio "
+            "baselines ignore classes and do)",
             ["service_class"],
             registry=registry,
         )
-        self.preemptions.labels("strict")  # the series exists from the start, at 0
+        self.recomputed_tokens = Counter(
+            "kvbank_recomputed_tokens",
+            "positions whose KV was computed again after a preemption (what the prefix cache "
+            "and the host tier could not give back), by service class",
+            ["service_class"],
+            registry=registry,
+        )
+        self.class_requests = Counter(
+            "kvbank_class_requests",
+            "requests the engine queued, by the service class it granted (strict whenever a "
+            "request's KV cannot be rebuilt, whatever its service_tier)",
+            ["service_class"],
+            registry=registry,
+        )
+        for cls in ServiceClass:  # every series exists from the start, at 0
+            self.preemptions.labels(cls.value)
+            self.recomputed_tokens.labels(cls.value)
+            self.class_requests.labels(cls.value)
+        self._preempted = PreemptionCounter(
+            lambda cls, n: self.preemptions.labels(cls.value).inc(n)
+        )
         self.running = Gauge("kvbank_running_requests", "admitted requests", registry=registry)
         self.waiting = Gauge(
             "kvbank_waiting_requests", "requests awaiting admission", registry=registry
@@ -106,6 +128,8 @@ class ServeMetrics:
             registry=registry,
         )
         self._host_seen = {"to-host": 0, "to-device": 0}
+        for direction in self._host_seen:
+            self.host_moves.labels(direction)
         self.stalled_steps = Counter(
             "kvbank_peak_stalled_steps",
             "steps in which a running request could not advance, so peak-fit admission fell "
@@ -115,7 +139,6 @@ class ServeMetrics:
         self.usable_pages = max(1, total_pages - 1)  # the sink page holds nothing
         self._hit_tokens_seen = 0
         self._stalled_seen = 0
-        self._preemptions_seen = 0
         self.total_pages.set(total_pages)
 
     def observe_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
@@ -145,14 +168,18 @@ class ServeMetrics:
         self.gateway_running.set(engine.num_running)
         promised = kv.pool.held + outstanding
         self.gateway_usage.set(min(1.0, promised / self.usable_pages))
-        preemptions = engine.sched.stats.preemptions
-        if preemptions > self._preemptions_seen:
-            self.preemptions.labels("strict").inc(preemptions - self._preemptions_seen)
-            self._preemptions_seen = preemptions
+        self._preempted.observe(engine, [o.rid for o in outputs if o.finished])
         stalled = getattr(engine.policy, "stalled_steps", 0)  # only peak-fit ledgers count them
         if stalled > self._stalled_seen:
             self.stalled_steps.inc(stalled - self._stalled_seen)
             self._stalled_seen = stalled
+
+    def meter_recompute(self, engine: Engine) -> None:
+        """Count recomputed positions by class: the engine's runner is wrapped by a meter (after
+        any tensor-parallel wrapper, so rank 0 counts what every rank computes once)."""
+        engine.runner = RecomputeMeter(
+            engine.runner, engine, lambda cls, n: self.recomputed_tokens.labels(cls.value).inc(n)
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,6 +11,8 @@ from typing import Any
 
 from kvbank.engine.runner import SamplingParams
 from kvbank.engine.serve.http.errors import BadRequest, shown
+from kvbank.engine.serve.http.tiers import requested_class
+from kvbank.service_class import ServiceClass
 
 __all__ = ["BadRequest", "Generation", "parse_generation", "parse_messages", "parse_prompts"]
 
@@ -33,6 +35,7 @@ class Generation:
     echo: bool = False
     ignore_eos: bool = False
     continuous_usage: bool = False  # vLLM's extension: usage so far in every streamed chunk
+    service_class: ServiceClass | None = None  # from service_tier; None: the pool's default
 
     @property
     def logprobs(self) -> int | None:
@@ -156,6 +159,7 @@ def parse_generation(body: dict[str, Any], vocab_size: int, chat: bool) -> Gener
         echo=False if chat else _boolean(body, "echo"),
         ignore_eos=ignore_eos,
         continuous_usage=continuous_usage,
+        service_class=requested_class(body),
     )
 
 

@@ -132,6 +132,7 @@ class Shape:
     echo: Sequence[str] = ()  # per choice, the prompt text to put first
     include_usage: bool = False
     continuous_usage: bool = False
+    service_tier: str = "default"  # the tier the request got, in every body (tiers.py)
 
     @property
     def kind(self) -> str:
@@ -198,7 +199,8 @@ async def whole(shape: Shape, runs: Sequence[Run], want_logprobs: bool) -> dict[
     if any(r.disconnected for r in runs):
         return None
     return {"id": shape.rid, "object": shape.kind, "created": int(time.time()),
-            "model": shape.model, "choices": list(choices), "usage": usage(runs)}  # fmt: skip
+            "model": shape.model, "service_tier": shape.service_tier, "choices": list(choices),
+            "usage": usage(runs)}  # fmt: skip
 
 
 async def events(shape: Shape, runs: Sequence[Run],
@@ -222,7 +224,7 @@ async def events(shape: Shape, runs: Sequence[Run],
         else:
             choice["text"] = text
         body = {"id": shape.rid, "object": kind, "created": created, "model": shape.model,
-                "choices": [choice]}  # fmt: skip
+                "service_tier": shape.service_tier, "choices": [choice]}  # fmt: skip
         if shape.continuous_usage:
             body["usage"] = usage(runs)
         return f"data: {json.dumps(body)}\n\n"
@@ -265,7 +267,8 @@ async def events(shape: Shape, runs: Sequence[Run],
             task.cancel()
     if shape.include_usage:
         body = {"id": shape.rid, "object": kind, "created": created, "model": shape.model,
-                "choices": [], "usage": usage(runs)}  # fmt: skip
+                "service_tier": shape.service_tier, "choices": [],
+                "usage": usage(runs)}  # fmt: skip
         yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"
 
