@@ -13,7 +13,8 @@ from kvbank.capacity import holdability
 from kvbank.deployment import parse_deployment
 from kvbank.fields import quote
 from kvbank.manifests import ManifestError, load_documents
-from kvbank.modelpool import KIND, SpecError, parse_modelpool
+from kvbank.modelpool import KIND, ModelPool, SpecError, parse_modelpool
+from kvbank.service_class import ServiceClass
 
 __all__ = ["ManifestError", "load_documents", "run"]  # the sidecar's --pool reads the same way
 
@@ -24,6 +25,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="FILE",
         help="YAML files with one or more ModelPool documents ('-' for stdin)",
+    )
+
+
+def default_class(pool: ModelPool) -> str:
+    """The class a request that names no service_tier gets. The concurrency above is the
+    strict guarantee whatever the class: best-effort requests run on what strict ones leave."""
+    adm = pool.admission
+    if adm.default_class is ServiceClass.STRICT:
+        return "default class strict (service_tier flex asks for best-effort)"
+    return (
+        f"default class best-effort (preempted at most {adm.max_preemptions} times, "
+        f"{adm.victim.value} first; service_tier priority asks for strict)"
     )
 
 
@@ -66,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     f"OK {where} {name}: worst-case request {result.worst_request_pages} "
                     f"pages; the pool ({result.pages} pages) holds {result.worst_concurrency} "
-                    f"worst-case requests at once"
+                    f"worst-case requests at once; {default_class(pool)}"
                 )
             else:
                 print(f"FAIL {where} {name}: {len(result.violations)} violation(s):")

@@ -32,6 +32,7 @@ from kvbank.pod_template import (
     read_name,
     read_template,
 )
+from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS
 
 # Re-exported: readers of the pod-facing fields find them all here.
 __all__ = [
@@ -51,12 +52,16 @@ RENDERED_FLAGS = {
     "kvbank": (
         "--host", "--port", "--sidecar", "--sidecar-token-file", "--sidecar-ca-file", "--model",
         "--pages", "--page-size", "--max-seq-len", "--max-tokens", "--policy", "--api-key-file",
+        "--host-pages", "--default-class", "--max-preemptions", "--victim",
     ),
     "vllm": (
         "--port", "--scheduler-cls", "--block-size", "--num-gpu-blocks-override",
         "--max-model-len", "--tensor-parallel-size", "--api-key",
     ),
 }  # fmt: skip
+
+# spec.admission.bestEffort as the CRD defaults it: what a vllm pool may carry unrefused.
+VLLM_BEST_EFFORT_DEFAULTS = {"maxPreemptions": DEFAULT_MAX_PREEMPTIONS, "victim": "newest"}
 
 SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 HF_REPO = re.compile(r"^[A-Za-z0-9][-\w.]*(/[-\w.]+)?$")
@@ -225,6 +230,42 @@ def _engine(r: FieldReader, obj: Any) -> Engine:
     return Engine(kind or "kvbank", image, tuple(a for a in args if isinstance(a, str)))
 
 
+def _section(parent: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = parent.get(key)
+    return value if isinstance(value, Mapping) else {}
+
+
+def _vllm_refusals(r: FieldReader, spec: Mapping[str, Any]) -> None:
+    """What a pool asks that the vllm engine would not carry out, refused rather than dropped.
+    Only values set and well-formed are judged: `kvbank.modelpool` reports malformed ones."""
+    kv = _section(spec, "kv")
+    host = kv.get("hostPages")
+    if isinstance(host, int) and not isinstance(host, bool) and host > 0:
+        r.fail(
+            "spec.kv.hostPages",
+            f"is {host}, but spec.engine.kind vllm has no host tier "
+            "kvbank's ledger counts (vLLM's own CPU offloading, --kv-offloading-size, reloads "
+            "pages behind kvbank's scheduler class); set hostPages: 0, or engine kind kvbank",
+        )
+    adm = _section(spec, "admission")
+    if adm.get("defaultClass") == "best-effort":
+        r.fail(
+            "spec.admission.defaultClass",
+            "is best-effort, but under spec.engine.kind vllm "
+            "kvbank's scheduler class admits every request strict; set defaultClass: strict, "
+            "or engine kind kvbank",
+        )
+    best = _section(adm, "bestEffort")
+    changed = {k: v for k, v in best.items() if VLLM_BEST_EFFORT_DEFAULTS.get(k, object()) != v}
+    if changed:
+        r.fail(
+            "spec.admission.bestEffort",
+            f"sets {', '.join(sorted(map(str, changed)))}, but "
+            "under spec.engine.kind vllm no request is best-effort; drop them, or use engine "
+            "kind kvbank",
+        )
+
+
 def parse_deployment(doc: Any) -> Deployment:
     """The pod-facing fields of a ModelPool manifest. Raises SpecError listing every problem."""
     r = FieldReader()
@@ -235,6 +276,8 @@ def parse_deployment(doc: Any) -> Deployment:
     source = _source(r, model["source"]) if "source" in model else None
     template = read_template(r, spec.get("template"), "spec.template")
     engine = _engine(r, spec.get("engine"))
+    if engine.kind == "vllm":
+        _vllm_refusals(r, spec)
     api_key = None
     if "apiKeySecret" in spec:
         api_key = _secret_key(r, spec["apiKeySecret"], "spec.apiKeySecret", DEFAULT_API_KEY)

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvbank.fields import FieldError, FieldReader, SpecError, check_size, key_path, quote
 from kvbank.mode import DEFAULT_MODE, AdmissionMode
+from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS, ClassPolicy, ServiceClass, Victim
 
 __all__ = ["FieldError", "FieldReader", "SpecError"]  # re-exported: readers of specs use them
 
@@ -34,6 +35,12 @@ MAX_REPLICAS = 4096
 MAX_SPECULATIVE = 64
 
 ADMISSION_POLICIES = ("conservative", "peak")
+SERVICE_CLASSES = tuple(c.value for c in ServiceClass)
+VICTIMS = tuple(v.value for v in Victim)
+# How best-effort admission estimates a request's output: SGLang's decaying ratio of its
+# max_tokens, or the output lengths the pool has seen for that class (learned online).
+ESTIMATES = ("ratio", "learned")
+MAX_PREEMPTIONS = 64
 MAX_POOL_NAME_LENGTH = 40  # leaves room for "-ranks", pod ordinals and revision hashes in 63
 MAX_MODEL_NAME_LENGTH = 253
 SPEC_FIELDS = ("model", "replicas", "tensorParallel", "gpu", "kv", "kvSlots", "limits", "admission")
@@ -107,6 +114,17 @@ class Admission:
     # policy: that is what the pool is guaranteed to hold at once.
     policy: str = "peak" if DEFAULT_MODE.peak else "conservative"
     backfill: bool = DEFAULT_MODE.backfill
+    # Service classes (kvbank/service_class.py): what a request that names no service_tier is,
+    # and how best-effort requests are preempted. Strict by default: nothing changes for a pool
+    # that never heard of classes.
+    default_class: ServiceClass = ServiceClass.STRICT
+    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
+    victim: Victim = Victim.NEWEST
+    estimate: str | None = None  # one of ESTIMATES; None: the engine's own choice
+
+    @property
+    def classes(self) -> ClassPolicy:
+        return ClassPolicy(self.default_class, self.max_preemptions, self.victim)
 
     @property
     def mode(self) -> AdmissionMode:
@@ -220,6 +238,37 @@ def _kv_slots(r: FieldReader, obj: Any) -> dict[str, KvSlot]:
     return result
 
 
+CLASS_FIELDS = ("defaultClass", "bestEffort")
+
+
+def _classes(
+    r: FieldReader, adm: Mapping[str, Any]
+) -> tuple[ServiceClass, int, Victim, str | None]:
+    """spec.admission's class fields: defaultClass and bestEffort {maxPreemptions, victim,
+    estimate}, with the defaults of `Admission` for what is left out."""
+    path = "spec.admission"
+    if adm.get("defaultClass") in ("flex", "priority"):  # OpenAI's tier names, not classes
+        meant = "best-effort" if adm["defaultClass"] == "flex" else "strict"
+        told = adm["defaultClass"]
+        r.fail(f"{path}.defaultClass", f"{told!r} is a service_tier, not a class; write "
+               f"defaultClass: {meant} (one of {', '.join(SERVICE_CLASSES)})")  # fmt: skip
+        cls = None
+    else:
+        cls = r.string(adm, "defaultClass", path, required=False, choices=SERVICE_CLASSES,
+                       default=Admission.default_class.value)  # fmt: skip
+    sub = f"{path}.bestEffort"
+    best = r.mapping(adm.get("bestEffort"), sub, required=False) or {}
+    r.unknown(best, sub, {"maxPreemptions", "victim", "estimate"})
+    most = r.integer(best, "maxPreemptions", sub, lo=0, hi=MAX_PREEMPTIONS,
+                     default=Admission.max_preemptions)  # fmt: skip
+    victim = r.string(best, "victim", sub, required=False, choices=VICTIMS,
+                      default=Admission.victim.value)  # fmt: skip
+    estimate = r.string(best, "estimate", sub, required=False, choices=ESTIMATES)
+    if cls is None or most is None or victim is None:
+        return Admission.default_class, Admission.max_preemptions, Admission.victim, None
+    return ServiceClass(cls), most, Victim(victim), estimate
+
+
 def parse_modelpool(doc: Any) -> ModelPool:
     """Read a ModelPool manifest (a dict as from YAML). Raises SpecError listing every problem."""
     too_big = check_size(doc)
@@ -298,7 +347,7 @@ def parse_modelpool(doc: Any) -> ModelPool:
         )
 
     adm = r.mapping(spec.get("admission"), "spec.admission", required=False) or {}
-    r.unknown(adm, "spec.admission", {"minConcurrency", "policy", "backfill"})
+    r.unknown(adm, "spec.admission", {"minConcurrency", "policy", "backfill", *CLASS_FIELDS})
     min_conc = r.integer(adm, "minConcurrency", "spec.admission", lo=0, hi=MAX_PAGES, default=0)
     policy = r.string(
         adm,
@@ -311,6 +360,8 @@ def parse_modelpool(doc: Any) -> ModelPool:
     backfill = adm.get("backfill", Admission.backfill)
     if not isinstance(backfill, bool):
         r.fail("spec.admission.backfill", f"must be true or false, got {quote(backfill)}")
+
+    classes = _classes(r, adm)
 
     if r.errors:
         raise SpecError(r.errors)
@@ -328,5 +379,5 @@ def parse_modelpool(doc: Any) -> ModelPool:
         kv=KvPool(page_size, pages, fraction, spec_tokens, host_pages),
         kv_slots=slots,
         limits=Limits(max_seq_len, max_tokens),
-        admission=Admission(min_conc, policy, bool(backfill)),
+        admission=Admission(min_conc, policy, bool(backfill), *classes),
     )

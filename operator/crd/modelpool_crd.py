@@ -10,17 +10,21 @@ from kvbank.modelpool import (
     API_GROUP,
     API_VERSION,
     DTYPE_BYTES,
+    ESTIMATES,
     KIND,
     MAX_FIXED_TOKENS,
     MAX_LABELS,
     MAX_PAGE_SIZE,
     MAX_PAGES,
+    MAX_PREEMPTIONS,
     MAX_REPLICAS,
     MAX_SEQ_LEN,
     MAX_SLOT_MULTIPLIER,
     MAX_SPECULATIVE,
     MAX_TP,
     PRESETS,
+    SERVICE_CLASSES,
+    VICTIMS,
     Admission,
 )
 from kvbank.operator.crd import pod_schema
@@ -81,6 +85,36 @@ def _kv_slot() -> Schema:
     )
 
 
+def _best_effort() -> Schema:
+    return obj(
+        {
+            "maxPreemptions": {
+                **integer(
+                    0,
+                    MAX_PREEMPTIONS,
+                    "times a best-effort request may be preempted; then it is admitted as "
+                    "strict and runs to completion",
+                ),
+                "default": Admission.max_preemptions,
+            },
+            "victim": {
+                **enum(
+                    VICTIMS,
+                    "which best-effort request a shortage preempts: the most recently arrived, "
+                    "or the one cheapest to rebuild after host reload",
+                ),
+                "default": Admission.victim.value,
+            },
+            "estimate": enum(
+                ESTIMATES,
+                "how a best-effort request's output is estimated at admission: a decaying "
+                "ratio of its max_tokens, or the lengths the pool has seen (learned)",
+            ),
+        },
+        description="how best-effort requests (service_tier flex) are preempted",
+    )
+
+
 def _spec() -> Schema:
     kv_slots: Schema = {
         "type": "object",
@@ -124,6 +158,12 @@ def _spec() -> Schema:
                         0, 1, "of the memory weights and reserve leave", exclusive_minimum=True
                     ),
                     "speculativeTokens": integer(0, MAX_SPECULATIVE),
+                    "hostPages": integer(
+                        0,
+                        MAX_PAGES,
+                        "pages of host memory per rank keeping evicted prefix pages for reload "
+                        "instead of recompute; 0: no host tier",
+                    ),
                 },
                 required=("pageSize",),
                 rules=[
@@ -154,6 +194,15 @@ def _spec() -> Schema:
                     "minConcurrency": integer(0, MAX_PAGES, "worst-case requests held at once"),
                     "policy": {**enum(ADMISSION_POLICIES), "default": Admission.policy},
                     "backfill": {"type": "boolean", "default": Admission.backfill},
+                    "defaultClass": {
+                        **enum(
+                            SERVICE_CLASSES,
+                            "the class of a request whose service_tier is auto, default or "
+                            "absent: strict (never preempted) or best-effort",
+                        ),
+                        "default": Admission.default_class.value,
+                    },
+                    "bestEffort": _best_effort(),
                 }
             ),
             "template": pod_schema.template(),

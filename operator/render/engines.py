@@ -16,7 +16,7 @@ from typing import Any
 
 from kvbank.capacity import pool_pages
 from kvbank.deployment import Deployment, SecretKey
-from kvbank.modelpool import ModelPool
+from kvbank.modelpool import Admission, ModelPool
 from kvbank.operator.render.names import CONFIG_DIR, POOL_FILE, RenderSettings
 from kvbank.operator.render.token import TOKEN_FILE
 from kvbank.operator.render.weights import model_path
@@ -71,7 +71,24 @@ def kvbank_args(pool: ModelPool, settings: RenderSettings, deployment: Deploymen
         args += ["--sidecar-ca-file", TLS_CA_FILE]
     if deployment.api_key is not None:
         args += ["--api-key-file", f"{API_KEY_DIR}/{deployment.api_key.key}"]
-    return [*args, *deployment.engine.args]
+    return [*args, *host_tier_args(pool), *class_args(pool.admission), *deployment.engine.args]
+
+
+def host_tier_args(pool: ModelPool) -> list[str]:
+    return ["--host-pages", str(pool.kv.host_pages)] if pool.kv.host_pages else []
+
+
+def class_args(admission: Admission) -> list[str]:
+    """The class flags whose values differ from `kvbank serve`'s own defaults (which are the
+    spec's): a pool that sets none keeps its command, so an operator upgrade rolls no pod."""
+    args = []
+    if admission.default_class is not Admission.default_class:
+        args += ["--default-class", admission.default_class.value]
+    if admission.max_preemptions != Admission.max_preemptions:
+        args += ["--max-preemptions", str(admission.max_preemptions)]
+    if admission.victim is not Admission.victim:
+        args += ["--victim", admission.victim.value]
+    return args
 
 
 def vllm_args(pool: ModelPool, settings: RenderSettings, deployment: Deployment) -> list[str]:

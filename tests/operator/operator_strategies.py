@@ -52,7 +52,7 @@ BASE_SPEC = st.fixed_dictionaries(
         "kv": st.one_of(
             st.fixed_dictionaries(
                 {"pageSize": st.integers(1, 64), "pages": st.integers(2, 5000)},
-                optional={"speculativeTokens": st.integers(0, 3)},
+                optional={"speculativeTokens": st.integers(0, 3), "hostPages": st.integers(0, 99)},
             ),
             st.fixed_dictionaries(
                 {"pageSize": st.integers(1, 64), "memoryFraction": st.floats(0.01, 1)}
@@ -76,6 +76,15 @@ BASE_SPEC = st.fixed_dictionaries(
                 "minConcurrency": st.integers(0, 20),
                 "policy": st.sampled_from(["conservative", "peak"]),
                 "backfill": st.booleans(),
+                "defaultClass": st.sampled_from(["strict", "best-effort"]),
+                "bestEffort": st.fixed_dictionaries(
+                    {},
+                    optional={
+                        "maxPreemptions": st.integers(0, 64),
+                        "victim": st.sampled_from(["newest", "cheapest"]),
+                        "estimate": st.sampled_from(["ratio", "learned"]),
+                    },
+                ),
             },
         ),
     },
@@ -173,6 +182,17 @@ MUTATIONS: list[tuple[tuple[str, ...], Any]] = [
     (("admission", "policy"), "greedy"),
     (("admission", "backfill"), "yes"),
     (("admission",), "fast"),
+    (("admission", "defaultClass"), "flex"),
+    (("admission", "defaultClass"), "gold"),
+    (("admission", "bestEffort"), 2),
+    (("admission", "bestEffort", "maxPreemptions"), -1),
+    (("admission", "bestEffort", "maxPreemptions"), 65),
+    (("admission", "bestEffort", "maxPreemptions"), "2"),
+    (("admission", "bestEffort", "victim"), "oldest"),
+    (("admission", "bestEffort", "estimate"), "oracle"),
+    (("admission", "bestEffort", "budget"), 1),
+    (("kv", "hostPages"), -1),
+    (("kv", "hostPages"), (1 << 24) + 1),
     (("scheduler",), {}),
 ]
 
