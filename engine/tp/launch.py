@@ -233,8 +233,9 @@ def _journal_requests(engine: Any, journal: list[Any]) -> None:
 
     def add_request(rid: str, prompt: list[int], max_tokens: int | None = None, **kw: Any) -> Any:
         req = add(rid, prompt, max_tokens, **kw)
-        journal.append(Added(rid, list(prompt), max_tokens, kw.get("sampling"),
-                             kw.get("service_class")))  # fmt: skip
+        journal.append(
+            Added(rid, list(prompt), max_tokens, kw.get("sampling"), kw.get("service_class"))
+        )
         return req
 
     def abort_request(rid: str) -> bool:
@@ -245,18 +246,6 @@ def _journal_requests(engine: Any, journal: list[Any]) -> None:
 
     engine.add_request = add_request
     engine.abort = abort_request
-
-
-def replay_journal(engine: Any, journal: list[Added | str]) -> None:
-    """A follower applies rank 0's adds and aborts, in order, with what rank 0 was asked (its
-    service class too), so every rank queues the same requests under the same classes."""
-    for entry in journal:
-        if isinstance(entry, Added):
-            engine.add_request(entry.rid, entry.prompt, entry.max_tokens,
-                               sampling=entry.sampling,
-                               service_class=entry.service_class)  # fmt: skip
-        else:
-            engine.abort(entry)
 
 
 def _follower(
@@ -301,7 +290,13 @@ def _follower(
             return 1
         error = None
         try:
-            replay_journal(engine, plan.journal)
+            for entry in plan.journal:
+                if isinstance(entry, Added):
+                    engine.add_request(entry.rid, entry.prompt, entry.max_tokens,
+                                       sampling=entry.sampling,
+                                       service_class=entry.service_class)  # fmt: skip
+                else:
+                    engine.abort(entry)
             if backend is not None:
                 backend.expect(plan.polls)
             runner.synced = False

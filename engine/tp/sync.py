@@ -45,7 +45,7 @@ class Added:
     prompt: list[int]
     max_tokens: int | None
     sampling: SamplingParams | None
-    service_class: ServiceClass | None = None  # as asked: every rank grants the same class
+    service_class: ServiceClass | None = None  # as asked; each rank derives the same class
 
 
 @dataclass
