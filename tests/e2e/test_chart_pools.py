@@ -180,7 +180,16 @@ def test_the_dashboard_config_map_reads_metrics_the_code_exports(helm: Tools) ->
     dashboard = json.loads(config_map["data"]["kvbank.json"])
     assert dashboard == json.loads((CHART / "dashboards" / "kvbank.json").read_text())
     titles = " | ".join(p["title"].lower() for p in dashboard["panels"])
-    for topic in ("promised", "held", "queue", "first token", "per output token", "preemptions"):
+    for topic in (
+        "promised",
+        "held",
+        "queue",
+        "first token",
+        "per output token",
+        "preemptions",
+        "recomputed",
+        "host tier",
+    ):
         assert topic in titles, topic
     read = dashboard_metrics(dashboard)
     assert {"kvbank_pages_reserved", "kvbank_pages_outstanding", "kvbank_pool_held_pages"} <= read
