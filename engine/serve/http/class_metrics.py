@@ -57,6 +57,8 @@ class RecomputeMeter:
         self.inner.release(rid)
 
     def __getattr__(self, name: str) -> Any:  # what else a caller reads of the real runner
+        if name == "inner":  # not set yet (a copy being built): no lookup through itself
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
 
