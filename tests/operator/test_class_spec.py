@@ -181,3 +181,12 @@ def test_kvbank_check_says_the_default_class(tmp_path: Path) -> None:
     assert "holds 38 worst-case requests at once; default class strict" in a
     assert ("holds 38 worst-case requests at once; default class best-effort (preempted at "
             "most 3 times, cheapest first") in b  # fmt: skip
+
+
+def test_kvbank_check_refuses_what_vllm_would_not_carry_out(tmp_path: Path) -> None:
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(pool_doc(engine=VLLM, kv={**KV, "hostPages": 8})))
+    out = subprocess.run([sys.executable, "-m", "kvbank.cli", "check", str(path)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 2
+    assert "spec.kv.hostPages: is 8, but spec.engine.kind vllm has no host tier" in out.stderr
