@@ -33,9 +33,9 @@ class Generation:
     model: str | None = None
     max_tokens_param: str = "max_tokens"  # the field the client set it with, for errors
     echo: bool = False
+    service_class: ServiceClass | None = None  # from service_tier; None: the pool's default
     ignore_eos: bool = False
     continuous_usage: bool = False  # vLLM's extension: usage so far in every streamed chunk
-    service_class: ServiceClass | None = None  # from service_tier; None: the pool's default
 
     @property
     def logprobs(self) -> int | None:
@@ -157,9 +157,9 @@ def parse_generation(body: dict[str, Any], vocab_size: int, chat: bool) -> Gener
         model,
         max_tokens_param,
         echo=False if chat else _boolean(body, "echo"),
+        service_class=requested_class(body),
         ignore_eos=ignore_eos,
         continuous_usage=continuous_usage,
-        service_class=requested_class(body),
     )
 
 
