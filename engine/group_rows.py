@@ -120,21 +120,25 @@ def finish(sched: Scheduler, seq: Request, reason: FinishReason) -> None:
     if seq is leader and not group.prefix_ready():
         for other in group.live():
             _end(sched, group, other, reason)
+        freed = 0
     else:
-        _end(sched, group, seq, reason)
+        freed = _end(sched, group, seq, reason)
     if not group.live():
         if leader.status is Status.RUNNING:
             sched._leave(leader)
         leader.status = Status.FINISHED
+    elif leader.status is Status.RUNNING:
+        # The others run on: this sequence's share of the reservation goes back now.
+        own = (leader.worst - group.shared * len(leader.layout)) // len(group.sequences)
+        sched.policy.on_give_back(leader, freed, own)
 
 
-def _end(sched: Scheduler, group: SequenceGroup, seq: Request, reason: FinishReason) -> None:
+def _end(sched: Scheduler, group: SequenceGroup, seq: Request, reason: FinishReason) -> int:
+    """End one sequence; returns the pages of its own it freed."""
     group.done.add(seq.rid)
+    freed = 0
     if seq.status is Status.RUNNING:
-        for name, table in seq.pages.items():
-            own = len(table) - group.shared
-            group.finished_pages[name] = group.finished_pages.get(name, 0) + max(0, own)
-        sched.kv.drop_tail(seq, group.shared)
+        freed = sched.kv.drop_tail(seq, group.shared)
         if seq is not group.leader:
             seq.pages = {}
     if seq is not group.leader:
@@ -142,6 +146,7 @@ def _end(sched: Scheduler, group: SequenceGroup, seq: Request, reason: FinishRea
     seq.finish_reason = reason
     sched.finished.append(sched_finished(seq, reason))
     sched.stats.finished += 1
+    return freed
 
 
 def sched_finished(seq: Request, reason: FinishReason) -> Finished:

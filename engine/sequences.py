@@ -26,8 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvbank.capacity import group_tokens
+from kvbank.capacity import CapacityModel, group_tokens, pages_for
 from kvbank.engine.request import Request, Status
+from kvbank.ledger import PeakShape, peak_shape
 
 if TYPE_CHECKING:
     from kvbank.engine.kv.view import CacheView
@@ -41,7 +42,6 @@ class SequenceGroup:
     page_size: int
     primed: set[str] = field(default_factory=set)  # sampled their first token since the start
     done: set[str] = field(default_factory=set)  # finished sequences
-    finished_pages: dict[str, int] = field(default_factory=dict)  # label -> their own pages
 
     @property
     def sequences(self) -> list[Request]:
@@ -121,21 +121,32 @@ def prefilled(req: Request) -> bool:
 def progress(req: Request, kv: CacheView) -> tuple[int, dict[str, int], int]:
     """A running group's progress as its peak shape reads it: output tokens (its slowest live
     sequence's), tokens per label (kvbank.capacity.group_tokens: each live sequence's own
-    written tokens, never below its own prompt tokens, and the finished ones' pages), and its
-    pages no other request holds."""
+    written tokens, never below its own prompt tokens; the finished ones gave theirs back), and
+    its pages no other request holds."""
     group = req.group
     assert group is not None
     live, prompt_len = group.live(), len(req.prompt)
     produced = min(len(seq.output) for seq in live)
     written = {}
-    shape = req.peak_shape
-    for lay, worst in zip(req.layout, shape.worst, strict=True):
+    worst_tokens = [
+        (group.shared + len(live) * (pages_for(tokens, group.page_size) - group.shared))
+        * group.page_size
+        for tokens in req.count.tokens_per_label.values()
+    ]
+    for lay, worst in zip(req.layout, worst_tokens, strict=True):
         floor = lay.tokens_at(prompt_len, prompt_len)
         own = [
             max(lay.tokens_at(seq.num_computed, prompt_len), floor) - group.prefix_positions
             for seq in live
         ]
-        finished = group.finished_pages.get(lay.name, 0)
-        written[lay.name] = group_tokens(group.page_size, group.shared, worst, own, finished)
+        written[lay.name] = group_tokens(group.page_size, group.shared, worst, own)
     exclusive = kv.exclusive_pages(req) + sum(seq.held for seq in live if seq is not req)
     return produced, written, exclusive
+
+
+def live_shape(model: CapacityModel, req: Request) -> PeakShape:
+    """The growth of what still runs of a group whose sequence finished: its live sequences'."""
+    group = req.group
+    assert group is not None
+    chunks = req.peak_shape.prefill_chunks
+    return peak_shape(model, req.shape, chunks, req.count, live=len(group.live()))

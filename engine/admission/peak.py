@@ -193,6 +193,11 @@ class PeakFitPolicy(AdmissionPolicy):
         if any(r.hit_pages for r in self.view.running.values()):
             self._sharing_changed = True
 
+    def on_give_back(self, req: Request, held: int, reserved: int) -> None:
+        # What still runs of it grows as its live sequences do (their own pages only).
+        shape = groups.live_shape(self.view.model, req)
+        self.backend.give_back(req.rid, held, reserved, shape)
+
     def end_step(self) -> None:
         """Report every running request's progress, then close the step in the ledger."""
         view, backend = self.view, self.backend

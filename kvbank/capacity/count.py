@@ -165,27 +165,32 @@ class LabelGrowth:
 
 
 def label_growth(
-    model: CapacityModel, request: RequestShape, count: PageCount | None = None
+    model: CapacityModel,
+    request: RequestShape,
+    count: PageCount | None = None,
+    live: int | None = None,
 ) -> tuple[dict[str, LabelGrowth], PageCount]:
     """Per label, the request's token timeline, read off count_pages (or `count`, its result
     for this request when the caller has it) so that the worst case a timeline reaches is
-    exactly the one the ledger reserves."""
+    exactly the one the ledger reserves. `live`: of a request's sequences, how many still run
+    (the others finished and gave their share back); all of them by default."""
     if count is None:
         count = count_pages(model, request)
     decode_positions = count.output_tokens + model.speculative_tokens
-    sequences, page = request.sequences, model.page_size
+    page = model.page_size
+    sequences = request.sequences if live is None else live
     shared = shared_prompt_pages(model, request)
     growth = {}
     for label, worst in count.tokens_per_label.items():
         rate = model.kv_slots[label].output
         base = worst - rate * decode_positions
-        if sequences == 1:
+        if request.sequences == 1:
             growth[label] = LabelGrowth(base, rate, worst)
             continue
         # n sequences grow at once, so n times the rate; their tokens are read as a group's
         # (group_tokens): each sequence's own tokens padded to pages, so that the pages of the
         # sum bound the sum of its sequences' pages.
-        group_worst = count.per_label[label] * page
+        group_worst = (shared + sequences * (pages_for(worst, page) - shared)) * page
         own_base = base - shared * page
         start = group_tokens(page, shared, group_worst, [own_base] * sequences)
         growth[label] = LabelGrowth(start, sequences * rate, group_worst)
@@ -201,9 +206,9 @@ def group_tokens(
 ) -> int:
     """A label's tokens for a request of several sequences, as its peak shape reads them: its
     `shared` pages in full, each running sequence's own tokens (past the shared pages) plus
-    page_size - 1, and the pages of the sequences that finished, capped at the count's `worst`
-    (pages x page_size). As ceil(t / p) <= (t + p - 1) / p, the pages of this sum, grown by n
-    times a sequence's rate, are at least the sequences' own pages summed, whichever grows."""
+    page_size - 1, and the pages the finished ones had, capped at the count's `worst` (pages x
+    page_size). As ceil(t / p) <= (t + p - 1) / p, the pages of this sum, grown by n times a
+    sequence's rate, are at least the sequences' own pages summed, however each grows."""
     padded = sum(tokens + page_size - 1 for tokens in own_tokens)
     return min(worst, (shared + finished_pages) * page_size + padded)
 
