@@ -140,8 +140,7 @@ def progress(req: Request, kv: CacheView) -> tuple[int, dict[str, int], int]:
             for seq in live
         ]
         written[lay.name] = group_tokens(group.page_size, group.shared, worst, own)
-    exclusive = kv.exclusive_pages(req) + sum(seq.held for seq in live if seq is not req)
-    return produced, written, exclusive
+    return produced, written, kv.exclusive_pages(req)
 
 
 def live_shape(model: CapacityModel, req: Request) -> PeakShape:
