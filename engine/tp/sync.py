@@ -44,6 +44,7 @@ class Added:
     prompt: list[int]
     max_tokens: int | None
     sampling: SamplingParams | None
+    siblings: tuple[tuple[str, SamplingParams], ...] = ()  # the other sequences (n > 1)
 
 
 @dataclass
