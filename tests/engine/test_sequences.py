@@ -232,3 +232,23 @@ def test_no_group_ever_holds_more_than_its_count(
             continue
         written = count_pages(model, replace(leader.shape, max_tokens=max_tokens - 1))
         assert most[leader.rid] == written.total
+
+
+@pytest.mark.parametrize("policy", ["banker", "peak+backfill"])
+def test_a_group_whose_prompt_comes_back_from_host_reloads_it_once_for_all(policy: str) -> None:
+    engine, _ = make_engine(14, policy, host_pages=16)  # 13 usable pages
+    add_group(engine, "first", 2, max_tokens=2)
+    drain(engine)
+    for i in range(3):  # other prompts push the first's cached pages out to host
+        engine.add_request(f"other{i}", list(range(50 + 20 * i, 70 + 20 * i)), 6)
+        drain(engine)
+    host = engine.kv.host
+    assert host is not None and host.saved > 0
+    loaded = host.loaded
+    steps = record_rows(engine)
+    leader = add_group(engine, "again", 3, max_tokens=4)
+    finished, _ = drain(engine)
+    assert {"again", "again/1", "again/2"} <= set(finished)
+    assert host.loaded - loaded == 2  # the two shared prompt pages, copied back once
+    assert steps[0]["again"] == 2  # only the last prompt page is computed
+    assert [len(seq.output) for seq in leader.group.sequences] == [4, 4, 4]
