@@ -138,7 +138,8 @@ class PeakFitPolicy(AdmissionPolicy):
             if backend.settled():
                 yield from self._pin_head()
                 self._sync_supply()
-            yield from self._apply(backend.poll(max(0, self.running_cap - len(self.view.running))))
+            rows = self._rows(None) - 1
+            yield from self._apply(backend.poll(max(0, self.running_cap - rows)))
             return
         for decision in backend.admissions(self._peek):
             req, chunks = self._admitted(decision)
@@ -238,13 +239,14 @@ class PeakFitPolicy(AdmissionPolicy):
 
         self.stalled_steps = backend.stalled_steps()
 
-    def _rows(self, req: Request) -> int:
-        """Decode rows once `req` runs beside the running requests (a group has one a sequence):
-        the running cap counts rows, which is what leaves prefill its guaranteed rate."""
+    def _rows(self, req: Request | None) -> int:
+        """Decode rows once `req` (None: a lone request) runs beside the running requests (a
+        group has one a sequence): the running cap counts rows, which is what leaves prefill
+        its guaranteed rate."""
         running = sum(
             1 if r.group is None else len(r.group.live()) for r in self.view.running.values()
         )
-        return running + (1 if req.group is None else len(req.group.live()))
+        return running + (1 if req is None or req.group is None else len(req.group.live()))
 
     def _sync_supply(self) -> None:
         kv = self.view.kv
