@@ -69,12 +69,6 @@ class ConservativeTimeline:
     def take(self, rid: str, pages: int) -> None:
         pass
 
-    def check_give_back(self, rid: str, shape: PeakShape | None) -> str | None:
-        return None
-
-    def give_back(self, rid: str, held: int, shape: PeakShape | None) -> None:
-        pass
-
     def check_advance(
         self,
         rid: str,

@@ -210,42 +210,6 @@ class Timeline:
         track.exclusive += pages  # pages a request allocates are its own until shared
         self._changed()
 
-    def check_give_back(self, rid: str, shape: PeakShape | None) -> str | None:
-        """What is wrong with the curve a request that gives pages back would follow, or None:
-        it must be of the same labels and never above the one it follows now."""
-        track = self.tracks[rid]
-        if shape is None or track.budget == NEVER:
-            return None
-        if shape.labels != track.labels:
-            return f"request {rid!r} gives back labels {shape.labels}; it writes {track.labels}"
-        for name, new, old in (
-            ("worst", shape.worst, track.worst),
-            ("per_output", shape.per_output, track.per_output),
-        ):
-            if any(a > b for a, b in zip(new, old, strict=True)) and (
-                self.peak_policy.peak or name == "worst"
-            ):
-                return f"request {rid!r} gives back pages but its {name} {new} rose from {old}"
-        return None
-
-    def give_back(self, rid: str, held: int, shape: PeakShape | None) -> None:
-        """Pages the request held went back to the pool before its end (the supply report
-        counts them), and what still runs of it follows `shape` from its progress so far: by
-        at most the pages that went back less in every step (kvbank.capacity.group_tokens), so
-        no promise breaks (docs/admission.md)."""
-        track = self.tracks[rid]
-        track.held -= held
-        track.exclusive = max(0, track.exclusive - held)
-        if shape is not None and track.budget != NEVER:
-            track.worst = shape.worst
-            track.base = shape.base
-            if self.peak_policy.peak:
-                track.per_output = shape.per_output
-                track.tokens = [min(t, w) for t, w in zip(track.tokens, shape.worst, strict=True)]
-            else:
-                track.tokens = list(shape.worst)
-        self._changed()
-
     def check_advance(
         self,
         rid: str,
