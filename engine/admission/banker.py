@@ -78,6 +78,9 @@ class BankerPolicy(AdmissionPolicy):
     def on_release(self, req: Request) -> None:
         self.backend.release(req.rid)
 
+    def on_give_back(self, req: Request, held: int, reserved: int) -> None:
+        self.backend.give_back(req.rid, held, reserved)
+
     def end_step(self) -> None:
         kv = self.view.kv
         self.backend.set_supply(kv.free, kv.evictable)

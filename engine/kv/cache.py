@@ -284,6 +284,35 @@ class KVCache:
         req.index_open = True
         self.unpin(req)
 
+    def share(self, req: Request, holder: Request, depth: int) -> None:
+        """Give `req` the first `depth` pages per label of `holder`'s tables without holding
+        them: a sequence of a group reads its group's prompt pages, which the group's first
+        sequence holds once for all of them (so a page's holders are requests, never
+        sequences), and computes from there. `req` writes no page it shares."""
+        req.pages = {name: table[:depth] for name, table in holder.pages.items()}
+        req.held = 0
+        req.room = 0
+        req.num_computed = depth * self.page_size
+        req.indexed = depth
+        req.index_open = False  # its pages past the shared ones are its own copy
+
+    def drop_tail(self, req: Request, keep: int) -> int:
+        """Drop the request's pages past the first `keep` per label (a sequence of a group that
+        finished: its own pages go, the shared prompt pages stay). Returns pages dropped."""
+        dropped = 0
+        for table in req.pages.values():
+            tail = table[keep:]
+            self.index.touch(tail)
+            for page in tail:
+                self._drop(page)
+            del table[keep:]
+            dropped += len(tail)
+        req.held -= dropped
+        req.room = 0
+        req.indexed = min(req.indexed, keep)
+        req.index_open = False
+        return dropped
+
     def _drop(self, page: int) -> None:
         indexed = page in self.index
         if self.pool.drop(page, indexed) and indexed:

@@ -68,9 +68,11 @@ class CacheView:
     def exclusive_pages(self, req: Request) -> int:
         """Pages only this running request holds. Only pages in the prefix index can be shared
         (a leased hit, or a prompt page another request leased since), so only those are looked
-        at: O(indexed pages)."""
+        at: O(indexed pages). A group of sequences is one holder: its other sequences' own
+        pages (never indexed, engine/sequences.py) are its too."""
         refcount = self._refcount
         shared = sum(
             1 for table in req.pages.values() for page in table[: req.indexed] if refcount[page] > 1
         )
-        return req.held - shared
+        others = 0 if req.group is None else sum(seq.held for seq in req.group.siblings)
+        return req.held - shared + others

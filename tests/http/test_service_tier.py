@@ -156,3 +156,15 @@ def test_a_best_effort_pool_serves_untiered_requests_best_effort(
         tier = {} if asked is None else {"service_tier": asked}
         assert chat_tier(client, **tier) == echoed
     assert queued(best_effort_pool)[granted] == before[granted] + 1
+
+
+def test_n_sequences_are_one_request_of_the_class_asked(strict_pool: ServeProcess) -> None:
+    before = queued(strict_pool)
+    with client_of(strict_pool) as client:
+        answer = client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=2, n=3, service_tier="flex"
+        )
+    assert len(answer.choices) == 3 and answer.service_tier == "flex"
+    after = queued(strict_pool)
+    assert after["best-effort"] == before["best-effort"] + 1  # one prompt, its three sequences
+    assert after["strict"] == before["strict"]

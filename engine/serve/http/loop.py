@@ -48,6 +48,9 @@ class Submission:
     sampling: SamplingParams
     outputs: asyncio.Queue[RequestOutput]
     event_loop: asyncio.AbstractEventLoop
+    # More sequences from the same prompt (n > 1), each streaming to its own queue; the engine
+    # admits them with this one (kvbank.engine.sequences).
+    siblings: tuple[Submission, ...] = ()
     service_class: ServiceClass | None = None  # what the client asked; None: the pool's default
     # What the engine granted (strict whenever its KV cannot be rebuilt), set once it is queued.
     granted: ServiceClass | None = None
@@ -127,10 +130,18 @@ class EngineLoop:
         waiting = self.engine.num_waiting
         if waiting >= self.max_waiting:
             raise QueueFull(waiting, self.max_waiting)
-        req = self.engine.add_request(sub.rid, sub.prompt, sub.max_tokens, sampling=sub.sampling,
-                                      service_class=sub.service_class)  # fmt: skip
+        siblings = [(other.rid, other.sampling) for other in sub.siblings]
+        req = self.engine.add_request(
+            sub.rid,
+            sub.prompt,
+            sub.max_tokens,
+            sampling=sub.sampling,
+            siblings=siblings,
+            service_class=sub.service_class,
+        )
         sub.granted = req.service_class
         self._streams[sub.rid] = sub
+        self._streams.update((other.rid, other) for other in sub.siblings)
 
     def _abort(self, rid: str) -> None:
         self.engine.abort(rid)
