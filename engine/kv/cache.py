@@ -48,8 +48,9 @@ class KVCache:
         if not req.cacheable:
             return {}
         limit = req.max_hit_pages
+        tokens = req.keyed_tokens()
         chains = {
-            lay.name: self.index.match(lay.name, req.prompt, limit, (after or {}).get(lay.name, ()))
+            lay.name: self.index.match(lay.name, tokens, limit, (after or {}).get(lay.name, ()))
             for lay in req.layout
         }
         depth = min((len(c) for c in chains.values()), default=0)
@@ -213,15 +214,16 @@ class KVCache:
             return []
         depth = req.indexed
         limit = req.max_hit_pages
+        tokens = req.keyed_tokens()
         parents = {}
         for lay in req.layout:
             table = req.pages.get(lay.name, [])[:depth]
-            if len(self.index.match(lay.name, req.prompt, depth + 1, table)) > depth:
+            if len(self.index.match(lay.name, tokens, depth + 1, table)) > depth:
                 return []
             parents[lay.name] = self.index.node(table[-1]).digest if table else None
         found: list[dict[str, HostEntry]] = []
         while depth + len(found) < limit:
-            key = self.index.page_key(req.prompt, depth + len(found))
+            key = self.index.page_key(tokens, depth + len(found))
             entries = {name: host.lookup(parent, name, key) for name, parent in parents.items()}
             hits = {name: entry for name, entry in entries.items() if entry is not None}
             if len(hits) < len(entries):
@@ -269,6 +271,34 @@ class KVCache:
                     req.index_open = False
                     return
             req.indexed += 1
+
+    def cache_output(self, req: Request) -> None:
+        """Before a preempted request lets its pages go: index every full page it computed,
+        its output's too, chained under its prompt, so that its readmission leases what is
+        still cached (or reloads what went to host) instead of recomputing it. Eviction then
+        takes its pages tail first, and only as many as a shortage needs. Only for a request
+        whose every label writes one position per token (a decoder's KV), which is what keys
+        a page by its tokens."""
+        if not req.index_open or not req.cacheable:
+            return
+        if any(lay.per_prompt != 1 or lay.per_output != 1 for lay in req.layout):
+            return
+        tokens = req.prompt + req.output
+        full = min(req.num_computed, len(tokens)) // self.page_size
+        while req.indexed < full:
+            position = req.indexed
+            key = self.index.page_key(tokens, position)
+            for lay in req.layout:
+                table = req.pages[lay.name]
+                parent = table[position - 1] if position else None
+                if not self.index.insert(lay.name, parent, key, table[position]):
+                    req.index_open = False  # another request indexed this prefix first
+                    break
+            else:
+                req.indexed += 1
+                continue
+            break
+        req.output_cached = True
 
     def release(self, req: Request) -> None:
         """Drop every page of the request. Indexed pages become cached, re-stamped as just
