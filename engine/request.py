@@ -72,7 +72,9 @@ class Request:
     cacheable: bool = False
     room: int = 0  # positions the held pages cover; a decode row within it allocates nothing
     # May be preempted to make room for strict requests; the pages only such requests hold are
-    # reclaimable supply for strict admission.
+    # reclaimable supply for strict admission. Set at ingest from `service_class`; cleared
+    # (for the rest of its life) once it was preempted the pool's `max_preemptions` times, and
+    # only while it holds and pins no page (the cache counts strict holders per page).
     best_effort: bool = False
     # Preempted with every computed page indexed, its output's too: a hit may cover them.
     output_cached: bool = False
@@ -153,6 +155,7 @@ def build_request(
         page_size=model.page_size,
     )
     req.worst = count.total
+    req.best_effort = service_class is ServiceClass.BEST_EFFORT
     req.cacheable = all(label.keyed for label in req.layout)
     return req
 

@@ -22,6 +22,10 @@ Chains = dict[str, list[int]]  # label -> cached pages from the root, all labels
 class KVCache:
     def __init__(self, total_pages: int, page_size: int, host_pages: int = 0) -> None:
         self.pool = PagePool(total_pages)
+        # References by strict requests per page, and the pages with at least one: every other
+        # held page is held by best-effort requests only.
+        self._strict_refs = [0] * total_pages
+        self.strict_held = 0
         self.host = HostTier(host_pages) if host_pages else None
         self.index = PrefixIndex(self.pool, page_size, digests=self.host is not None)
         if self.host is not None:
@@ -81,7 +85,7 @@ class KVCache:
                 break
             max_idle -= cost
             for name, chain in chains.items():
-                self.pool.hold(chain[depth])
+                self._hold(chain[depth], req)
                 req.pinned.setdefault(name, []).append(chain[depth])
             depth += 1
         return self.pinned_pages(req)
@@ -94,7 +98,7 @@ class KVCache:
         """Drop pins past the first `keep` pages per label. Not a use: no re-stamp."""
         for chain in req.pinned.values():
             for page in chain[keep:]:
-                self._drop(page)
+                self._drop(page, req)
             del chain[keep:]
         if not keep:
             req.pinned.clear()
@@ -111,7 +115,7 @@ class KVCache:
             have = len(pinned.get(name, ()))
             for position, page in enumerate(chain):
                 if position >= have:
-                    self.pool.hold(page)
+                    self._hold(page, req)
                 table.append(page)
             leased += len(chain)
             self.index.touch(chain)
@@ -164,7 +168,11 @@ class KVCache:
                     if spared is None:
                         spared = protected()
                     self.index.evict(spared)
-                table.append(self.pool.allocate())
+                page = self.pool.allocate()
+                if not req.best_effort:
+                    self._strict_refs[page] += 1
+                    self.strict_held += 1
+                table.append(page)
         req.held += missing
         req.room = self._room(req)
         return missing
@@ -306,7 +314,7 @@ class KVCache:
         for table in req.pages.values():
             self.index.touch(table)
             for page in table:
-                self._drop(page)
+                self._drop(page, req)
         req.pages = {}
         req.held = 0
         req.room = 0
@@ -314,10 +322,27 @@ class KVCache:
         req.index_open = True
         self.unpin(req)
 
-    def _drop(self, page: int) -> None:
+    def _hold(self, page: int, req: Request) -> None:
+        self.pool.hold(page)
+        if not req.best_effort:
+            refs = self._strict_refs[page]
+            self._strict_refs[page] = refs + 1
+            self.strict_held += not refs
+
+    def _drop(self, page: int, req: Request) -> None:
+        if not req.best_effort:
+            refs = self._strict_refs[page] - 1
+            self._strict_refs[page] = refs
+            self.strict_held -= not refs
         indexed = page in self.index
         if self.pool.drop(page, indexed) and indexed:
             self.index.on_idle(page)
+
+    @property
+    def reclaimable(self) -> int:
+        """Pages held by best-effort requests only: preempting them hands these back at once
+        (as cache, or free), so strict admission counts them as supply."""
+        return self.pool.held - self.strict_held
 
     # ---- integrity -----------------------------------------------------------------------------
 
@@ -327,6 +352,13 @@ class KVCache:
             self.index.check_integrity()
             if self.host is not None:
                 self.host.check_integrity()
+            refs, counts = self._strict_refs, self.pool.refcount
+            strict = sum(1 for r in refs if r)
+            if strict != self.strict_held or any(r > c for r, c in zip(refs, counts, strict=True)):
+                raise InvariantBreach(
+                    f"{strict} pages have a strict holder but the cache counts {self.strict_held}, "
+                    f"or a page has more strict holders than holders"
+                )
 
     def check_request(self, req: Request, deep: bool = False) -> None:
         """No request holds more pages than its worst case; (deep) its count matches its

@@ -68,3 +68,27 @@ def test_without_caching_its_output_only_the_prompt_stays() -> None:
     kv.release(victim)
     assert (kv.free, kv.evictable) == (7, 2)
     assert not victim.output_cached and victim.max_hit_pages == 2
+
+
+def test_pages_only_best_effort_requests_hold_are_reclaimable() -> None:
+    kv = KVCache(20, 4)
+    batch = make_request("batch", list(range(12)), max_tokens=4)  # three pages
+    batch.best_effort = True
+    kv.grow(batch, 12)
+    batch.num_computed = 12
+    kv.index_prompt(batch)
+    assert (kv.pool.held, kv.strict_held, kv.reclaimable) == (3, 0, 3)
+    voice = make_request("voice", [*range(8), 50, 51, 52], max_tokens=4)  # shares two pages
+    chains = kv.peek(voice)
+    assert chains == {"main": [1, 2]}
+    kv.lease(voice, chains)
+    kv.grow(voice, voice.num_tokens)
+    assert voice.pages == {"main": [1, 2, 4]}
+    # Pages 1 and 2 now have a strict holder: preempting the batch request frees only page 3.
+    assert (kv.pool.held, kv.strict_held, kv.reclaimable) == (4, 3, 1)
+    kv.check_integrity(deep=True)
+    kv.release(batch)
+    assert (kv.pool.held, kv.strict_held, kv.reclaimable, kv.evictable) == (3, 3, 0, 1)
+    kv.release(voice)
+    assert (kv.pool.held, kv.strict_held, kv.reclaimable) == (0, 0, 0)
+    kv.check_integrity(deep=True)
