@@ -76,7 +76,7 @@ class Engine:
         self.runner = runner
         self.backend = admission_backend
         self.kv = KVCache(config.total_pages, config.model.page_size, config.host_pages)
-        self.policy = make_policy(config.policy, admission_backend)
+        self.policy = make_policy(config.policy, admission_backend, config.classes)
         self.sched = Scheduler(
             config.model, self.kv, self.policy, config.max_batch_tokens, config.max_running
         )
@@ -143,6 +143,7 @@ class Engine:
         rebuildable = not any(shape.extra_tokens.values())
         cls = effective_class(service_class, self.config.classes.default_class, rebuildable)
         req = build_request(model, rid, prompt, shape, count, sampling, self._arrivals, cls)
+        req.best_effort = req.best_effort and self.policy.honours_classes  # else run as strict
         self._arrivals += 1
         self._known.add(rid)
         self.sched.enqueue(req)

@@ -51,7 +51,7 @@ class BankerPolicy(AdmissionPolicy):
         while True:
             if backend.settled():
                 # Idle pages only up to the slack, so the ledger stays safe while the pin waits.
-                yield from self._pin.grow(view, backend, self._slack)
+                yield from self._pin.grow(view, backend, self._slack, self.head())
             room = 1 if view.can_start() else 0
             decisions = self.backend.poll(room)
             admitted = yield from self._apply(decisions)
@@ -85,7 +85,7 @@ class BankerPolicy(AdmissionPolicy):
     def on_cancel(self, req: Request) -> None:
         self._parts.cancel(self.backend, req)
 
-    def on_shortage(self, req: Request) -> Preempt | None:
+    def on_shortage(self, req: Request, spared: bool = False) -> Preempt | None:
         self._parts.shortage(self.name, self.view, self.backend, req)
 
     def check_integrity(self) -> None:

@@ -24,7 +24,7 @@ class KVCache:
         self.pool = PagePool(total_pages)
         # References by strict requests per page, and the pages with at least one: every other
         # held page is held by best-effort requests only.
-        self._strict_refs = [0] * total_pages
+        self.strict_refs = [0] * total_pages
         self.strict_held = 0
         self.host = HostTier(host_pages) if host_pages else None
         self.index = PrefixIndex(self.pool, page_size, digests=self.host is not None)
@@ -76,7 +76,7 @@ class KVCache:
             return self.pinned_pages(req)
         old_depth = len(next(iter(req.pinned.values()), ()))
         new_depth = len(next(iter(chains.values())))
-        refcount = self.pool.refcount
+        refcount = self.strict_refs  # holders that strict admission counts on
         most = 1 if sole_costs else 0
         depth = old_depth
         while depth < new_depth:
@@ -146,10 +146,12 @@ class KVCache:
         req: Request,
         positions: int,
         protected: Callable[[], Collection[int]] = frozenset,
+        spare: bool = False,
     ) -> int:
         """Allocate room for `positions` positions, evicting idle cached pages if the free list
-        runs out, the `protected` ones last (asked only when an eviction happens). All or
-        nothing: raises OutOfPages, changing nothing, when supply is short."""
+        runs out, the `protected` ones last (asked only when an eviction happens); with `spare`,
+        never the protected ones (short instead, so a best-effort request can be preempted
+        first). All or nothing: raises OutOfPages, changing nothing, when supply is short."""
         if positions <= req.room:
             return 0
         missing = self.need(req, positions)
@@ -158,8 +160,16 @@ class KVCache:
             return 0
         if missing > self.supply:
             raise OutOfPages(f"request {req.rid!r} needs {missing} pages, supply is {self.supply}")
-        prompt_len = len(req.prompt)
         spared: Collection[int] | None = None
+        if spare and missing > self.pool.free:
+            spared = protected()
+            kept = sum(1 for page in spared if not self.pool.refcount[page])
+            if missing > self.supply - kept:
+                raise OutOfPages(
+                    f"request {req.rid!r} needs {missing} pages; supply is {self.supply}, "
+                    f"{kept} of them cached for the waiting head"
+                )
+        prompt_len = len(req.prompt)
         for lay in req.layout:
             want = pages_for(lay.tokens_at(positions, prompt_len), self.page_size)
             table = req.pages.setdefault(lay.name, [])
@@ -170,7 +180,7 @@ class KVCache:
                     self.index.evict(spared)
                 page = self.pool.allocate()
                 if not req.best_effort:
-                    self._strict_refs[page] += 1
+                    self.strict_refs[page] += 1
                     self.strict_held += 1
                 table.append(page)
         req.held += missing
@@ -280,6 +290,15 @@ class KVCache:
                     return
             req.indexed += 1
 
+    @staticmethod
+    def caches_output(req: Request) -> bool:
+        """Whether `cache_output` keeps the request's computed pages (see there)."""
+        return (
+            req.index_open
+            and req.cacheable
+            and all(lay.per_prompt == 1 and lay.per_output == 1 for lay in req.layout)
+        )
+
     def cache_output(self, req: Request) -> None:
         """Before a preempted request lets its pages go: index every full page it computed,
         its output's too, chained under its prompt, so that its readmission leases what is
@@ -287,9 +306,7 @@ class KVCache:
         takes its pages tail first, and only as many as a shortage needs. Only for a request
         whose every label writes one position per token (a decoder's KV), which is what keys
         a page by its tokens."""
-        if not req.index_open or not req.cacheable:
-            return
-        if any(lay.per_prompt != 1 or lay.per_output != 1 for lay in req.layout):
+        if not self.caches_output(req):
             return
         tokens = req.prompt + req.output
         full = min(req.num_computed, len(tokens)) // self.page_size
@@ -325,14 +342,14 @@ class KVCache:
     def _hold(self, page: int, req: Request) -> None:
         self.pool.hold(page)
         if not req.best_effort:
-            refs = self._strict_refs[page]
-            self._strict_refs[page] = refs + 1
+            refs = self.strict_refs[page]
+            self.strict_refs[page] = refs + 1
             self.strict_held += not refs
 
     def _drop(self, page: int, req: Request) -> None:
         if not req.best_effort:
-            refs = self._strict_refs[page] - 1
-            self._strict_refs[page] = refs
+            refs = self.strict_refs[page] - 1
+            self.strict_refs[page] = refs
             self.strict_held -= not refs
         indexed = page in self.index
         if self.pool.drop(page, indexed) and indexed:
@@ -352,7 +369,7 @@ class KVCache:
             self.index.check_integrity()
             if self.host is not None:
                 self.host.check_integrity()
-            refs, counts = self._strict_refs, self.pool.refcount
+            refs, counts = self.strict_refs, self.pool.refcount
             strict = sum(1 for r in refs if r)
             if strict != self.strict_held or any(r > c for r, c in zip(refs, counts, strict=True)):
                 raise InvariantBreach(

@@ -165,7 +165,7 @@ def test_the_table_says_how_classes_were_admitted(
     assert main(["bench", "--scenario", str(path), "--policy", "peak+backfill"]) == 0
     out = capsys.readouterr().out
     assert "| goodput/s |" in out and "preempt batch" in out
-    assert "batch best-effort, admitted as strict (kvbank has no best-effort admission yet)" in out
+    assert "admitted as, under peak+backfill: batch best-effort; plain strict; voice strict" in out
 
 
 def test_the_class_plot_shows_pages_held_by_each_class(tmp_path: Path) -> None:
