@@ -233,7 +233,9 @@ def _journal_requests(engine: Any, journal: list[Any]) -> None:
 
     def add_request(rid: str, prompt: list[int], max_tokens: int | None = None, **kw: Any) -> Any:
         req = add(rid, prompt, max_tokens, **kw)
-        journal.append(Added(rid, list(prompt), max_tokens, kw.get("sampling")))
+        journal.append(
+            Added(rid, list(prompt), max_tokens, kw.get("sampling"), kw.get("service_class"))
+        )
         return req
 
     def abort_request(rid: str) -> bool:
@@ -291,7 +293,8 @@ def _follower(
             for entry in plan.journal:
                 if isinstance(entry, Added):
                     engine.add_request(entry.rid, entry.prompt, entry.max_tokens,
-                                       sampling=entry.sampling)  # fmt: skip
+                                       sampling=entry.sampling,
+                                       service_class=entry.service_class)  # fmt: skip
                 else:
                     engine.abort(entry)
             if backend is not None:

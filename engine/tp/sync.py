@@ -29,6 +29,7 @@ import torch.distributed as dist
 from kvbank.engine.admission.backend import AdmissionBackend, EmbeddedBackend
 from kvbank.engine.runner import SamplingParams, StepBatch, StepResult
 from kvbank.ledger import Admitted, Decision, Hit, Ledger, PeakShape
+from kvbank.service_class import ServiceClass
 
 IDLE = "idle"
 NO_ROWS = "no rows"
@@ -44,6 +45,7 @@ class Added:
     prompt: list[int]
     max_tokens: int | None
     sampling: SamplingParams | None
+    service_class: ServiceClass | None = None  # as asked; each rank derives the same class
 
 
 @dataclass
