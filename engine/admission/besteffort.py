@@ -14,21 +14,25 @@ its books. What the ledger is told keeps strict requests safe whatever best-effo
   on a page, and is never preempted.
 
 A best-effort request is admitted, in arrival order after the strict pass, when its prompt's
-uncached pages fit the pool now (never taking idle pages the waiting strict head will reuse)
-and its prompt plus an estimate of its output (engine/admission/estimate.py) fits what the
-strict reservations leave (`headroom`, less what best-effort requests hold and are expected to
-grow by). A victim's pages become cache, its output's too (tail first: eviction takes only
-what the shortage needs), and it is requeued under its arrival time. One preempted
-`ClassPolicy.max_preemptions` times is promoted: submitted to the ledger (at its worst case, no
-shape: its output so far makes the fresh shape's curve too low) and admitted by the strict test
-for the rest of its life, so every request finishes.
+uncached pages fit the pool now (never taking idle pages the waiting strict head will reuse) and
+its prompt plus an estimate of its output (engine/admission/estimate.py) fits what the strict
+reservations leave: free and evictable pages, less what running strict requests may still take
+(reserved minus held) and what running best-effort requests are expected to grow by. Those
+figures are the engine's own, so an embedded ledger, a sidecar's and every tensor-parallel rank
+give the same answer; the test is for throughput only (safety rests on the supply the ledger is
+told). A victim's pages become cache, its output's too (tail first: eviction takes only what the
+shortage needs), and it is requeued under its arrival time. One preempted
+`ClassPolicy.max_preemptions` times is promoted: submitted to the ledger (with a shape re-made
+from where it is, `resumed_shape`: the one made at ingest would start its curve below the output
+it already has) and admitted by the strict test for the rest of its life, so every request
+finishes.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from kvbank.capacity import RequestShape, count_pages
 from kvbank.engine.admission.actions import Action, Preempt, Start
@@ -61,12 +65,10 @@ class BestEffort:
         self,
         classes: ClassPolicy,
         view: AdmissionView,
-        headroom: Callable[[], int],
         running_cap: int,
     ) -> None:
         self.classes = classes
         self.view = view
-        self.headroom = headroom  # pages strict promises leave (the ledger's headroom)
         self.running_cap = running_cap
         self.estimator = make_estimator(classes.estimate)
         self.waiting: list[Request] = []  # best-effort, by arrival
@@ -162,7 +164,9 @@ class BestEffort:
         if now > kv.supply - self._head_idle():
             return False
         growth = sum(max(0, self.expected_pages(r) - r.held) for r in self.running.values())
-        left = self.headroom() - kv.reclaimable - growth
+        running = self.view.running.values()
+        strict = sum(r.worst - r.held for r in running if r.rid not in self.running)
+        left = kv.free + kv.evictable - strict - growth
         return self.expected_pages(req) - hit + idle <= left
 
     def _head_idle(self) -> int:

@@ -94,7 +94,7 @@ class PeakFitPolicy(AdmissionPolicy):
         budget = view.max_batch_tokens
         self.running_cap = max(1, min(view.max_running, budget - 1))
         self.prefill_rate = max(1, budget - self.running_cap)
-        self.best_effort = BestEffort(self.classes, view, self.backend.headroom, self.running_cap)
+        self.best_effort = BestEffort(self.classes, view, self.running_cap)
 
     # ---- arrivals and admission ----------------------------------------------------------------
 
