@@ -209,10 +209,14 @@ class BestEffort:
         return Preempt(victim, cache=True)
 
     def victim(self, short: int) -> Request | None:
-        """The best-effort request to preempt for a shortage of `short` pages."""
+        """The best-effort request to preempt for a shortage of `short` pages, by the pool's
+        rule (`Victim`) among those this preemption would not promote, when there are any: a
+        promoted request reserves its remaining worst case, which the others then run without."""
         running = [r for r in self.running.values() if r.rid not in self.victims]
         if not running:
             return None
+        last = self.classes.max_preemptions - 1
+        running = [r for r in running if r.preemptions < last] or running
         if self.classes.victim is Victim.NEWEST:
             return max(running, key=lambda r: r.arrival)
         return min(running, key=lambda r: (self.rebuild_cost(r, short), -r.arrival))

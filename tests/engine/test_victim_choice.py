@@ -83,3 +83,13 @@ def test_a_request_preempted_max_preemptions_times_runs_as_strict() -> None:
     assert b.rid in {r.rid for r in engine.policy.best_effort.strict}  # type: ignore[attr-defined]
     _finish(engine)
     assert b.preemptions == 1
+
+
+def test_a_victim_this_preemption_would_promote_is_spared_while_another_can_go() -> None:
+    engine, a, b = _running_pair(Victim.NEWEST)
+    b.preemptions = 1  # one more would promote it (max_preemptions 2): a goes instead
+    s = engine.add_request("s", list(range(100, 148)), 4)
+    engine.step()
+    assert a.status is Status.WAITING and b.status is Status.RUNNING
+    assert s.pages == {"main": [9, *range(10, 21)]}
+    assert a.best_effort and a.preemptions == 1
