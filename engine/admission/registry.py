@@ -23,7 +23,7 @@ def _ledger(mode: AdmissionMode) -> PolicyFactory:
         if mode == BANKER:
             if backend is None:
                 raise ValueError("the banker policy needs an admission backend")
-            return BankerPolicy(backend)
+            return BankerPolicy(backend, classes)
         return PeakFitPolicy(mode, cast("PeakBackend | None", backend), classes)
 
     return make

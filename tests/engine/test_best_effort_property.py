@@ -86,7 +86,7 @@ def _run(
     raise AssertionError("the workload did not finish in 4000 steps")
 
 
-@pytest.mark.parametrize("policy", ["peak+backfill", "peak", "banker+backfill"])
+@pytest.mark.parametrize("policy", ["peak+backfill", "peak", "banker+backfill", "banker"])
 @settings(max_examples=60, deadline=None)
 @given(
     pages=st.integers(12, 30),
@@ -120,7 +120,7 @@ def test_strict_requests_keep_their_promise_whatever_best_effort_ones_do(
     assert got.keys() <= expected.keys()
     assert {rid: got[rid] for rid in got} == {rid: expected[rid] for rid in got}
     assert engine.kv.pool.held == 0 and engine.kv.strict_held == 0
-    assert engine.policy.stalled_steps == 0  # type: ignore[attr-defined]
+    assert getattr(engine.policy, "stalled_steps", 0) == 0
     SEEN["preempted"] += engine.sched.stats.preemptions
     SEEN["promoted"] += engine.policy.best_effort.promoted  # type: ignore[attr-defined]
     SEEN["runs"] += 1

@@ -38,15 +38,18 @@ workload:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("victim", ["newest", "cheapest"])
+@pytest.mark.parametrize(
+    ("policy", "victim"),
+    [("peak+backfill", "newest"), ("peak+backfill", "cheapest"), ("banker", "newest")],
+)
 def test_bench_over_a_sidecar_gives_the_embedded_json_with_best_effort_requests(
-    tmp_path: Path, victim: str
+    tmp_path: Path, policy: str, victim: str
 ) -> None:
     path = tmp_path / "mixed.yaml"
     path.write_text(MIXED)
     bench = [sys.executable, "-m", "kvbank.cli", "bench", "--scenario", str(path)]
-    bench += ["--policy", "peak+backfill", "--json", "--victim", victim]
-    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--debug", "--policy", "peak+backfill")
+    bench += ["--policy", policy, "--json", "--victim", victim]
+    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--debug", "--policy", policy)
     try:
         local = subprocess.run(bench, capture_output=True, text=True, timeout=60, cwd=ROOT)
         remote = subprocess.run(
