@@ -71,6 +71,8 @@ class BestEffort:
         self.view = view
         self.running_cap = running_cap
         self.estimator = make_estimator(classes.estimate)
+        # Until the learned estimate has lengths to go by, the decaying ratio answers.
+        self.warmup = DecayingRatio()
         self.waiting: list[Request] = []  # best-effort, by arrival
         self.strict: deque[Request] = deque()  # strict, in the ledger's order
         self.running: dict[str, Request] = {}  # best-effort, in admission order
@@ -141,6 +143,7 @@ class BestEffort:
 
     def end_step(self) -> None:
         self.estimator.end_step()
+        self.warmup.end_step()
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -177,7 +180,13 @@ class BestEffort:
         """Pages the request is expected to reach: its prompt and the estimate of its output,
         with one step's lookahead."""
         produced = len(req.output)
-        out = self.estimator.expected_output(CLASS, produced, req.max_output)
+        estimator: DecayingRatio | LearnedLengths = self.estimator
+        if (
+            isinstance(estimator, LearnedLengths)
+            and estimator.samples(CLASS) < estimator.min_samples
+        ):
+            estimator = self.warmup
+        out = estimator.expected_output(CLASS, produced, req.max_output)
         positions = len(req.prompt) + out + self.view.model.speculative_tokens
         return min(req.worst, req.pages_at(positions))
 
@@ -206,6 +215,7 @@ class BestEffort:
     def _preempt(self, victim: Request) -> Preempt:
         self.victims.add(victim.rid)
         self.estimator.on_preemption()
+        self.warmup.on_preemption()
         return Preempt(victim, cache=True)
 
     def victim(self, short: int) -> Request | None:
