@@ -83,11 +83,17 @@ node-packages:
 # guidellm in an environment of its own (its pins are its own), reusing the engine's torch and
 # transformers through a .pth file instead of downloading CUDA torch again.
 BENCH_VENV ?= .venv-bench
+# inference-perf declares Python >= 3.12; its code runs unchanged on 3.11 once numpy and av are
+# held at releases that still ship 3.11 wheels (newer ones would build from source and refuse).
+IPERF_VENV ?= .venv-inference-perf
 bench-tools: venv
 	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > \
 	  "$$($(BENCH_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz-engine.pth"
 	$(BENCH_VENV)/bin/python -m pip install -q 'guidellm==0.8.1'
+	@test -x $(IPERF_VENV)/bin/python || $(PYTHON) -m venv $(IPERF_VENV)
+	$(IPERF_VENV)/bin/python -m pip install -q --ignore-requires-python 'inference-perf==0.7.0' \
+	  'numpy>=2.2.2,<2.4' 'av>=13,<16' --only-binary av
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) $(IPERF_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

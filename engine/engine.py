@@ -13,9 +13,18 @@ not ready this step are applied at a later one. Not thread-safe: one caller driv
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvbank.capacity import CapacityModel, Refusal, RequestShape, count_pages, refusal
+from kvbank.capacity import (
+    CapacityModel,
+    Refusal,
+    RequestShape,
+    count_pages,
+    refusal,
+    shared_prompt_pages,
+)
+from kvbank.engine import sequences as groups
 from kvbank.engine.admission.backend import AdmissionBackend, embedded
 from kvbank.engine.admission.registry import make_policy
 from kvbank.engine.kv.cache import KVCache
@@ -86,6 +95,7 @@ class Engine:
         self.last_schedule_s = 0.0
         self._arrivals = 0
         self._known: set[str] = set()
+        self._sequences: dict[str, Request] = {}  # the other sequences of groups, by id
         self._aborted: list[RequestOutput] = []
 
     # ---- requests ------------------------------------------------------------------------------
@@ -100,9 +110,13 @@ class Engine:
         labels: frozenset[str] | None = None,
         sampling: SamplingParams | None = None,
         service_class: ServiceClass | None = None,
+        siblings: Sequence[tuple[str, SamplingParams]] = (),
     ) -> Request:
         """Queue a request under `service_class` (None: the pool's default; strict whatever
         is asked when its KV cannot be rebuilt: `Request.service_class` says what it got).
+        `siblings`: more sequences sampled from the same prompt, by id and sampling (OpenAI's
+        `n` is 1 + their number); they are admitted with it, share its prompt's pages and
+        stream under their own ids (engine/sequences.py).
 
         Raises RequestRejected (a ValueError) for an empty prompt, a max_tokens below 1, a
         duplicate id, or a request the pool can never hold."""
@@ -117,9 +131,13 @@ class Engine:
                 f"(or omitted for the model's limit of {model.max_tokens})",
                 "max_tokens",
             )
-        if rid in self._known:
-            raise RequestRejected(f"request id {rid!r} is already in use")
-        shape = RequestShape(len(prompt_token_ids), max_tokens, dict(extra_tokens or {}), labels)
+        ids = [rid, *(sibling for sibling, _ in siblings)]
+        for seq_id in ids:
+            if seq_id in self._known or ids.count(seq_id) > 1:
+                raise RequestRejected(f"request id {seq_id!r} is already in use")
+        shape = RequestShape(
+            len(prompt_token_ids), max_tokens, dict(extra_tokens or {}), labels, len(ids)
+        )
         if labels is not None and not labels <= set(model.kv_slots):
             raise RequestRejected(
                 f"request {rid!r} names labels {sorted(labels - set(model.kv_slots))} the model "
@@ -143,9 +161,19 @@ class Engine:
         rebuildable = not any(shape.extra_tokens.values())
         cls = effective_class(service_class, self.config.classes.default_class, rebuildable)
         req = build_request(model, rid, prompt, shape, count, sampling, self._arrivals, cls)
-        req.best_effort = req.best_effort and self.policy.honours_classes  # else run as strict
+        if siblings:
+            others = [
+                build_request(model, seq_id, prompt, shape, count, seq_sampling, req.arrival, cls)
+                for seq_id, seq_sampling in siblings
+            ]
+            shared = shared_prompt_pages(model, shape)
+            groups.group_of(req, others, shared, model.page_size)
+            self._sequences.update((seq.rid, seq) for seq in others)
+        # Best-effort only under a policy that honours classes, and never a group of sequences
+        # (preempted whole or not at all, so it runs strict); else it runs as strict.
+        req.best_effort = req.best_effort and self.policy.honours_classes and not siblings
         self._arrivals += 1
-        self._known.add(rid)
+        self._known.update(ids)
         self.sched.enqueue(req)
         self.policy.on_arrival(req)
         return req
@@ -154,10 +182,10 @@ class Engine:
         """Stop a request wherever it is; its final output comes with the next step. False when
         the request is unknown or already finished."""
         sched = self.sched
-        req = sched.waiting_by_rid.get(rid) or sched.running.get(rid)
-        if req is None:
+        req = sched.waiting_by_rid.get(rid) or sched.running.get(rid) or self._sequences.get(rid)
+        if req is None or (req.group is not None and rid in req.group.done):
             return False
-        if req.status is Status.WAITING:
+        if req is req.holder and req.status is Status.WAITING:
             sched.cancel(req)
         sched.finish(req, FinishReason.ABORT)
         return True
@@ -207,11 +235,25 @@ class Engine:
             new = [result.tokens[rid]] if sampled else []
             logprobs = _logprobs(result, rid) if sampled else []
             outputs.append(RequestOutput(rid, new, True, fin.reason, logprobs=logprobs))
-            self._known.discard(rid)
-            self.runner.release(rid)
+            self._forget(fin.req)
         sched.finished.clear()
         sched.rows = {}
         return outputs
+
+    def _forget(self, req: Request) -> None:
+        """A finished sequence's id is free again; a group's first keeps its id (the group's,
+        to admission) until the group's last sequence ends."""
+        self.runner.release(req.rid)
+        self._sequences.pop(req.rid, None)
+        group = req.group
+        if group is None:
+            self._known.discard(req.rid)
+            return
+        if req is not group.leader:
+            self._known.discard(req.rid)
+        if group.leader.status is Status.FINISHED:
+            self._known.discard(group.leader.rid)
+            self.runner.release(group.leader.rid)
 
     def check_integrity(self, deep: bool = False) -> None:
         """free + held + cached == usable pages; every running request within its worst case;

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvbank.capacity import (
     CapacityModel,
@@ -24,6 +25,9 @@ from kvbank.engine.kv.pages import SINK_PAGE
 from kvbank.engine.runner import SamplingParams
 from kvbank.ledger import PeakShape, peak_shape
 from kvbank.service_class import ServiceClass
+
+if TYPE_CHECKING:
+    from kvbank.engine.sequences import SequenceGroup
 
 
 class Status(enum.Enum):
@@ -78,6 +82,13 @@ class Request:
     best_effort: bool = False
     # Preempted with every computed page indexed, its output's too: a hit may cover them.
     output_cached: bool = False
+    # The sequences sampled from one prompt (n > 1), engine/sequences.py; None: a lone one.
+    group: SequenceGroup | None = None
+
+    @property
+    def holder(self) -> Request:
+        """The request admission knows this sequence by: its group's first, or itself."""
+        return self if self.group is None else self.group.leader
 
     @property
     def num_tokens(self) -> int:

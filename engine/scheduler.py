@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from kvbank.capacity import CapacityModel
+from kvbank.engine import group_rows as groups
 from kvbank.engine.admission.actions import Action, Pin, Preempt, Reject, Start
 from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains, KVCache
 from kvbank.engine.kv.pages import OutOfPages
+from kvbank.engine.kv.victims import cache_output
 from kvbank.engine.kv.view import CacheView
 from kvbank.engine.request import FinishReason, Request, Status
 from kvbank.engine.runner import RowInput, StepBatch, StepResult
@@ -118,7 +120,10 @@ class Scheduler:
         return self.budget_left > 0 and len(self.running) < self.max_running
 
     def _scheduled(self, rid: str) -> bool:
-        return rid in self.rows
+        if rid in self.rows:
+            return True
+        req = self.running.get(rid)
+        return req is not None and req.group is not None and groups.scheduled(self, req)
 
     def cancel(self, req: Request) -> None:
         """A waiting request leaves before admission (its client went away): its pins go."""
@@ -144,7 +149,7 @@ class Scheduler:
         after preemption, of everything it had), and give it a first chunk if budget is left."""
         self.dequeue(req)
         leased = self.kv.lease(req, chains)
-        grown = self.kv.grow_reloading(req, req.num_tokens, self._protected)
+        grown = self.kv.grow_reloading(req, groups.start_positions(req), self._protected)
         if grown:
             self.policy.on_take(req, grown)
         req.status = Status.RUNNING
@@ -154,7 +159,10 @@ class Scheduler:
         self.stats.admitted += 1
         self.stats.hit_tokens += (leased // max(1, len(req.layout))) * self.kv.page_size
         self.stats.prefill_tokens += req.num_tokens
-        self._prefill_row(req)
+        if req.group is not None:
+            groups.start(self, req)  # the other sequences take their pages; first rows
+        else:
+            self._prefill_row(req)
 
     # ---- schedule ------------------------------------------------------------------------------
 
@@ -165,13 +173,19 @@ class Scheduler:
         for req in list(self.running.values()):
             if req.rid not in self.running:
                 continue  # preempted by an earlier row's shortage this step
-            if len(req.prompt) + len(req.output) - req.num_computed == 1:
+            if req.group is not None:
+                if not groups.decode_rows(self, req):
+                    pending.append(req)
+            elif len(req.prompt) + len(req.output) - req.num_computed == 1:
                 self._decode_row(req)
             else:
                 pending.append(req)
         for req in pending:
             if req.rid in self.running and self.budget_left > 0:
-                self._prefill_row(req)
+                if req.group is not None:
+                    groups.prefill_rows(self, req)
+                else:
+                    self._prefill_row(req)
         for action in self.policy.admit():
             self.carry_out(action)
         rows = [self._row_input(row) for row in self.rows.values()]
@@ -186,7 +200,7 @@ class Scheduler:
             try:
                 grown = self.kv.grow(req, positions, self._protected, spare)
             except OutOfPages:
-                victim = self.policy.on_shortage(req, spare)
+                victim = self.policy.on_shortage(req.holder, spare)
                 if victim is None:
                     if spare:
                         spare = False
@@ -194,11 +208,11 @@ class Scheduler:
                     self.stats.stalled_rows += 1
                     return
                 self.preempt(victim.req, victim.cache)
-                if victim.req is req:
+                if victim.req is req.holder:
                     return
                 continue
             if grown:
-                self.policy.on_take(req, grown)
+                self.policy.on_take(req.holder, grown)
             break
         self.rows[req.rid] = Row(req, req.num_computed, 1, True)
         self.budget_left -= 1
@@ -239,11 +253,13 @@ class Scheduler:
         and requeue it at the head with its output so far; readmission recomputes the rest.
         With `cache`, every computed page stays cached, its output's too, and it is requeued
         under its arrival time; readmission leases or reloads what is still there."""
+        if req.group is not None:
+            groups.preempt(self, req)
         row = self.rows.pop(req.rid, None)
         if row is not None:
             self.budget_left += row.count
         if cache:
-            self.kv.cache_output(req)
+            cache_output(self.kv, req)
         self._leave(req)
         req.num_computed = 0
         req.preemptions += 1
@@ -252,6 +268,9 @@ class Scheduler:
         self.policy.on_requeue(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
+        if req.group is not None:
+            groups.finish(self, req, reason)
+            return
         if req.status is Status.RUNNING:
             self._leave(req)
         req.status = Status.FINISHED
@@ -276,6 +295,7 @@ class Scheduler:
                 continue
             token = result.tokens[rid]
             req.output.append(token)
+            groups.sampled(req)
             if token == eos_token_id and not req.sampling.ignore_eos:
                 self.finish(req, FinishReason.STOP)
             elif len(req.output) >= req.max_output:
@@ -288,4 +308,6 @@ class Scheduler:
         self.kv.check_integrity(deep)
         for req in self.running.values():
             self.kv.check_request(req, deep)
+            if req.group is not None:
+                groups.check(req)
         self.policy.check_integrity()

@@ -92,8 +92,20 @@ class Exclusive(_message.Message):
     pages: int
     def __init__(self, rid: _Optional[str] = ..., pages: _Optional[int] = ...) -> None: ...
 
+class GiveBack(_message.Message):
+    __slots__ = ("rid", "held", "reserved", "shape")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    held: int
+    reserved: int
+    shape: PeakShape
+    def __init__(self, rid: _Optional[str] = ..., held: _Optional[int] = ..., reserved: _Optional[int] = ..., shape: _Optional[_Union[PeakShape, _Mapping]] = ...) -> None: ...
+
 class Event(_message.Message):
-    __slots__ = ("submit", "cancel", "take", "release", "supply", "advance", "end_step", "start", "exclusive")
+    __slots__ = ("submit", "cancel", "take", "release", "supply", "advance", "end_step", "start", "exclusive", "give_back")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     TAKE_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +115,7 @@ class Event(_message.Message):
     END_STEP_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
+    GIVE_BACK_FIELD_NUMBER: _ClassVar[int]
     submit: Submit
     cancel: Cancel
     take: Take
@@ -112,7 +125,8 @@ class Event(_message.Message):
     end_step: EndStep
     start: Start
     exclusive: Exclusive
-    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., take: _Optional[_Union[Take, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ..., advance: _Optional[_Union[Progress, _Mapping]] = ..., end_step: _Optional[_Union[EndStep, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., exclusive: _Optional[_Union[Exclusive, _Mapping]] = ...) -> None: ...
+    give_back: GiveBack
+    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., take: _Optional[_Union[Take, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ..., advance: _Optional[_Union[Progress, _Mapping]] = ..., end_step: _Optional[_Union[EndStep, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., exclusive: _Optional[_Union[Exclusive, _Mapping]] = ..., give_back: _Optional[_Union[GiveBack, _Mapping]] = ...) -> None: ...
 
 class HeadHit(_message.Message):
     __slots__ = ("rid", "hit", "stop", "prefill_chunks")

@@ -124,6 +124,24 @@ class SidecarBackend:
         self.books.outstanding -= entry[0] - entry[1]
         self.books.events.append(pb.Event(release=pb.Release(rid=rid)))
 
+    def give_back(self, rid: str, held: int, reserved: int, shape: PeakShape | None = None) -> None:
+        entry = self.books.running.get(rid)
+        if entry is None:
+            raise UnknownRequest(f"request {rid!r} is not running")
+        if not 0 <= held <= min(reserved, entry[1]) or reserved - held > entry[0] - entry[1]:
+            raise InvalidPages(
+                f"request {rid!r} holds {entry[1]} of its {entry[0]} reserved pages; it cannot "
+                f"give back {reserved} reserved pages of which {held} held"
+            )
+        entry[0] -= reserved
+        entry[1] -= held
+        self.books.outstanding -= reserved - held
+        self.books.supply_in_ledger = False
+        event = pb.GiveBack(rid=rid, held=held, reserved=reserved)
+        if shape is not None:
+            event.shape.CopyFrom(shape_to_wire(shape))
+        self.books.events.append(pb.Event(give_back=event))
+
     def set_supply(self, free: int, evictable: int) -> None:
         if self.books.supply == (free, evictable) and self.books.supply_in_ledger:
             return

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger, Refused
+from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger, Refused, give_back
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.peakpass import shape_from_wire
 
@@ -74,10 +74,17 @@ def apply_events(
             ledger.start(event.start.rid, event.start.prefill_chunks)
         elif kind == "exclusive":
             ledger.set_exclusive(event.exclusive.rid, event.exclusive.pages)
+        elif kind == "give_back":
+            back = event.give_back
+            shape = None
+            if back.HasField("shape"):
+                stays = ledger.reservation(back.rid).reserved - back.reserved
+                shape = shape_from_wire(back.rid, back.shape, stays)
+            give_back(ledger, back.rid, back.held, back.reserved, shape)
         else:
             raise InvalidPages(
                 "an event must carry one of submit, cancel, take, release, supply, "
-                "advance, end_step, start, exclusive"
+                "advance, end_step, start, exclusive, give_back"
             )
     for step in req.progress:
         advance(ledger, step)

@@ -26,6 +26,7 @@ from kvbank.ledger import (
     PeakPolicy,
     PeakShape,
     Refused,
+    give_back,
 )
 
 # A peak-fit admission pass asks the engine for each candidate's hit in turn (None: that
@@ -56,6 +57,12 @@ class AdmissionBackend(Protocol):
 
     def release(self, rid: str) -> None:
         """A running request finished or was aborted."""
+        ...
+
+    def give_back(self, rid: str, held: int, reserved: int, shape: PeakShape | None = None) -> None:
+        """A running request gave back `reserved` pages of its reservation before its end, of
+        which `held` it held and freed; `shape`: the growth of what still runs of it
+        (kvbank.ledger.give_back)."""
         ...
 
     def set_supply(self, free: int, evictable: int) -> None:
@@ -244,6 +251,9 @@ class EmbeddedBackend:
 
     def release(self, rid: str) -> None:
         self.ledger.release(rid)
+
+    def give_back(self, rid: str, held: int, reserved: int, shape: PeakShape | None = None) -> None:
+        give_back(self.ledger, rid, held, reserved, shape)
 
     def set_supply(self, free: int, evictable: int) -> None:
         ledger = self.ledger

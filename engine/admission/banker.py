@@ -102,6 +102,9 @@ class BankerPolicy(AdmissionPolicy):
         if not self.best_effort.released(req):
             self.backend.release(req.rid)
 
+    def on_give_back(self, req: Request, held: int, reserved: int) -> None:
+        self.backend.give_back(req.rid, held, reserved)
+
     def end_step(self) -> None:
         self.backend.set_supply(*self.view.kv.ledger_supply())  # reclaimable pages included
         self.best_effort.end_step()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+from kvbank.engine import sequences as groups
 from kvbank.engine.admission.actions import Action, Preempt, Start
 from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.engine.kv.cache import Chains
@@ -47,7 +48,7 @@ class FifoPolicy(AdmissionPolicy):
 
     def _prompt_fits(self, req: Request, chains: Chains) -> bool:
         hit, idle = self._hit(chains)
-        return req.pages_at(req.num_tokens) - hit <= self.view.kv.supply - idle
+        return groups.start_pages(req) - hit <= self.view.kv.supply - idle
 
 
 class OptimisticPolicy(FifoPolicy):
@@ -69,7 +70,7 @@ class NoEvictPolicy(FifoPolicy):
     name = "no-evict"
 
     def fits(self, req: Request, chains: Chains) -> bool:
-        claims = sum(r.worst - r.held for r in self.view.running.values())
+        claims = sum(r.worst - groups.held(r) for r in self.view.running.values())
         return claims + req.count.total <= self.view.kv.supply
 
     def on_shortage(self, req: Request, spared: bool = False) -> Preempt | None:
@@ -92,12 +93,15 @@ class RatioPolicy(FifoPolicy):
     def _estimate(self, req: Request) -> int:
         """Pages the request is expected to reach: its tokens so far plus ratio x what is left
         of its output budget."""
-        left = req.max_output - len(req.output)
-        return req.pages_at(req.num_tokens + math.ceil(self.ratio * left))
+        ratio, budget = self.ratio, req.max_output
+        return groups.pages_at(
+            req, lambda seq: seq.num_tokens + math.ceil(ratio * (budget - len(seq.output)))
+        )
 
     def fits(self, req: Request, chains: Chains) -> bool:
         hit, idle = self._hit(chains)
-        expected = sum(max(0, self._estimate(r) - r.held) for r in self.view.running.values())
+        running = self.view.running.values()
+        expected = sum(max(0, self._estimate(r) - groups.held(r)) for r in running)
         return expected + self._estimate(req) - hit <= self.view.kv.supply - idle
 
     def on_shortage(self, req: Request, spared: bool = False) -> Preempt | None:

@@ -33,6 +33,7 @@ import logging
 from collections.abc import Generator, Iterator
 from dataclasses import replace
 
+from kvbank.engine import sequences as groups
 from kvbank.engine.admission.actions import Action, Preempt, Reject, Start
 from kvbank.engine.admission.backend import PeakBackend, embedded
 from kvbank.engine.admission.besteffort import BestEffort
@@ -121,22 +122,23 @@ class PeakFitPolicy(AdmissionPolicy):
     def _prefill_bound(self, req: Request) -> int:
         """Steps the request's prefill may take if admitted now: every prefill token ahead of
         it, and its own, at the guaranteed rate, plus the admission step (which may have no
-        budget left for it)."""
+        budget left for it). A group's other sequences start a step after the leader computed
+        the shared prompt (that step's rest may go to later requests): one step more."""
         ahead = sum(
-            r.num_tokens - r.num_computed
-            for r in self.view.running.values()
-            if r.rid in self._chunks
+            groups.prefill_tokens(r) for r in self.view.running.values() if r.rid in self._chunks
         ) + sum(  # best-effort prompts being computed are served in admission order too
             r.num_tokens - r.num_computed
             for r in self.best_effort.running.values()
             if r.num_tokens - r.num_computed > 1
         )
-        return -(-(ahead + req.num_tokens) // self.prefill_rate) + 1
+        own = req.num_tokens if req.group is None else groups.prefill_tokens(req)
+        later = 0 if req.group is None else 1
+        return -(-(ahead + own) // self.prefill_rate) + 1 + later
 
     def _peek(self, rid: str) -> Hit | None:
         view = self.view
         req = view.waiting_by_rid.get(rid)
-        if req is None or not view.can_start() or len(view.running) >= self.running_cap:
+        if req is None or not view.can_start() or self._rows(req) > self.running_cap:
             return None
         chunks = self._prefill_bound(req)
         if req.peak_shape.prefill_chunks != chunks:
@@ -171,7 +173,8 @@ class PeakFitPolicy(AdmissionPolicy):
             if backend.settled():
                 yield from self._pin_head()
                 self._sync_supply()
-            yield from self._apply(backend.poll(max(0, self.running_cap - len(self.view.running))))
+            rows = self._rows(None) - 1
+            yield from self._apply(backend.poll(max(0, self.running_cap - rows)))
             yield from self.best_effort.admit()
             return
         for decision in backend.admissions(self._peek):
@@ -238,6 +241,11 @@ class PeakFitPolicy(AdmissionPolicy):
         if any(r.hit_pages for r in self.view.running.values()):
             self._sharing_changed = True
 
+    def on_give_back(self, req: Request, held: int, reserved: int) -> None:
+        # What still runs of it grows as its live sequences do (their own pages only).
+        shape = groups.live_shape(self.view.model, req)
+        self.backend.give_back(req.rid, held, reserved, shape)
+
     def end_step(self) -> None:
         """Report every running request's progress, then close the step in the ledger."""
         view, backend = self.view, self.backend
@@ -248,7 +256,7 @@ class PeakFitPolicy(AdmissionPolicy):
                 continue  # not the ledger's
             chunks = self._chunks.get(req.rid)
             if chunks is not None:  # in prefill: the bound counts down, progress or not
-                if req.num_computed >= len(req.prompt):
+                if groups.prefilled(req):
                     del self._chunks[req.rid]
                     chunks = 0
                 elif chunks <= 1:
@@ -258,6 +266,10 @@ class PeakFitPolicy(AdmissionPolicy):
                     self._chunks[req.rid] = chunks
             elif not view.scheduled(req.rid):
                 continue  # a decode row was skipped: stalled
+            if req.group is not None:  # its sequences as one (exact exclusive pages each step)
+                produced, tokens, own = groups.progress(req, view.kv)
+                backend.advance(req.rid, produced, tokens, chunks or 0, own)
+                continue
             # Tokens whose KV is written (the last sampled token is not yet): the timeline's
             # next step writes the one after them.
             written = {
@@ -278,6 +290,15 @@ class PeakFitPolicy(AdmissionPolicy):
 
         self.stalled_steps = backend.stalled_steps()
         self.best_effort.end_step()
+
+    def _rows(self, req: Request | None) -> int:
+        """Decode rows once `req` (None: a lone request) runs beside the running requests (a
+        group has one a sequence): the running cap counts rows, which is what leaves prefill
+        its guaranteed rate."""
+        running = sum(
+            1 if r.group is None else len(r.group.live()) for r in self.view.running.values()
+        )
+        return running + (1 if req is None or req.group is None else len(req.group.live()))
 
     def _sync_supply(self) -> None:
         # Free, and evictable with the reclaimable pages (engine/kv/view.py); a no-op when the

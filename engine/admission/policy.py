@@ -64,6 +64,10 @@ class AdmissionPolicy:
     def on_release(self, req: Request) -> None:
         """A running request left the running set: finished, aborted or preempted."""
 
+    def on_give_back(self, req: Request, held: int, reserved: int) -> None:
+        """A running request of several sequences no longer needs one of them: `reserved` pages
+        of its worst case, `held` of which it held and freed."""
+
     def end_step(self) -> None:
         """The step's pages have settled (after postprocess)."""
 

@@ -290,41 +290,6 @@ class KVCache:
                     return
             req.indexed += 1
 
-    @staticmethod
-    def caches_output(req: Request) -> bool:
-        """Whether `cache_output` keeps the request's computed pages (see there)."""
-        return (
-            req.index_open
-            and req.cacheable
-            and all(lay.per_prompt == 1 and lay.per_output == 1 for lay in req.layout)
-        )
-
-    def cache_output(self, req: Request) -> None:
-        """Before a preempted request lets its pages go: index every full page it computed,
-        its output's too, chained under its prompt, so that its readmission leases what is
-        still cached (or reloads what went to host) instead of recomputing it. Eviction then
-        takes its pages tail first, and only as many as a shortage needs. Only for a request
-        whose every label writes one position per token (a decoder's KV), which is what keys
-        a page by its tokens."""
-        if not self.caches_output(req):
-            return
-        tokens = req.prompt + req.output
-        full = min(req.num_computed, len(tokens)) // self.page_size
-        while req.indexed < full:
-            position = req.indexed
-            key = self.index.page_key(tokens, position)
-            for lay in req.layout:
-                table = req.pages[lay.name]
-                parent = table[position - 1] if position else None
-                if not self.index.insert(lay.name, parent, key, table[position]):
-                    req.index_open = False  # another request indexed this prefix first
-                    break
-            else:
-                req.indexed += 1
-                continue
-            break
-        req.output_cached = True
-
     def release(self, req: Request) -> None:
         """Drop every page of the request. Indexed pages become cached, re-stamped as just
         used; the rest go back to the free list."""
@@ -338,6 +303,35 @@ class KVCache:
         req.indexed = 0
         req.index_open = True
         self.unpin(req)
+
+    def share(self, req: Request, holder: Request, depth: int) -> None:
+        """Give `req` the first `depth` pages per label of `holder`'s tables without holding
+        them: a sequence of a group reads its group's prompt pages, which the group's first
+        sequence holds once for all of them (so a page's holders are requests, never
+        sequences), and computes from there. `req` writes no page it shares."""
+        req.pages = {name: table[:depth] for name, table in holder.pages.items()}
+        req.held = 0
+        req.room = 0
+        req.num_computed = depth * self.page_size
+        req.indexed = depth
+        req.index_open = False  # its pages past the shared ones are its own copy
+
+    def drop_tail(self, req: Request, keep: int) -> int:
+        """Drop the request's pages past the first `keep` per label (a sequence of a group that
+        finished: its own pages go, the shared prompt pages stay). Returns pages dropped."""
+        dropped = 0
+        for table in req.pages.values():
+            tail = table[keep:]
+            self.index.touch(tail)
+            for page in tail:
+                self._drop(page, req)
+            del table[keep:]
+            dropped += len(tail)
+        req.held -= dropped
+        req.room = 0
+        req.indexed = min(req.indexed, keep)
+        req.index_open = False
+        return dropped
 
     def _hold(self, page: int, req: Request) -> None:
         self.pool.hold(page)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvbank.engine.kv.cache import Chains, KVCache
+from kvbank.engine.kv.victims import caches_output
 from kvbank.engine.request import Request
 
 
@@ -47,8 +48,8 @@ class CacheView:
         return host.capacity if host is not None else 0
 
     def caches_output(self, req: Request) -> bool:
-        """Whether a preempted request's computed pages stay cached (KVCache.cache_output)."""
-        return self._kv.caches_output(req)
+        """Whether a preempted request's computed pages stay cached (engine/kv/victims.py)."""
+        return caches_output(req)
 
     @property
     def reclaimable(self) -> int:
@@ -106,9 +107,11 @@ class CacheView:
     def exclusive_pages(self, req: Request) -> int:
         """Pages only this running request holds. Only pages in the prefix index can be shared
         (a leased hit, or a prompt page another request leased since), so only those are looked
-        at: O(indexed pages)."""
+        at: O(indexed pages). A group of sequences is one holder: its other sequences' own
+        pages (never indexed, engine/sequences.py) are its too."""
         refcount = self._refcount
         shared = sum(
             1 for table in req.pages.values() for page in table[: req.indexed] if refcount[page] > 1
         )
-        return req.held - shared
+        others = 0 if req.group is None else sum(seq.held for seq in req.group.siblings)
+        return req.held - shared + others

@@ -233,9 +233,11 @@ def _journal_requests(engine: Any, journal: list[Any]) -> None:
 
     def add_request(rid: str, prompt: list[int], max_tokens: int | None = None, **kw: Any) -> Any:
         req = add(rid, prompt, max_tokens, **kw)
+        siblings = tuple(kw.get("siblings", ()))
         journal.append(
-            Added(rid, list(prompt), max_tokens, kw.get("sampling"), kw.get("service_class"))
-        )
+            Added(rid, list(prompt), max_tokens, kw.get("sampling"), siblings,
+                  kw.get("service_class"))
+        )  # fmt: skip
         return req
 
     def abort_request(rid: str) -> bool:
@@ -294,6 +296,7 @@ def _follower(
                 if isinstance(entry, Added):
                     engine.add_request(entry.rid, entry.prompt, entry.max_tokens,
                                        sampling=entry.sampling,
+                                       siblings=entry.siblings,
                                        service_class=entry.service_class)  # fmt: skip
                 else:
                     engine.abort(entry)

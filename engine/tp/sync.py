@@ -45,6 +45,7 @@ class Added:
     prompt: list[int]
     max_tokens: int | None
     sampling: SamplingParams | None
+    siblings: tuple[tuple[str, SamplingParams], ...] = ()  # the other sequences (n > 1)
     service_class: ServiceClass | None = None  # as asked; each rank derives the same class
 
 
@@ -170,6 +171,9 @@ class RecordingBackend:
     def release(self, rid: str) -> None:
         self.inner.release(rid)
 
+    def give_back(self, rid: str, held: int, reserved: int, shape: PeakShape | None = None) -> None:
+        self.inner.give_back(rid, held, reserved, shape)
+
     def set_supply(self, free: int, evictable: int) -> None:
         self.inner.set_supply(free, evictable)
 
@@ -201,6 +205,7 @@ class FollowerBackend:
         self.report_hits = self.embedded.report_hits
         self.take = self.embedded.take
         self.release = self.embedded.release
+        self.give_back = self.embedded.give_back
         self.set_supply = self.embedded.set_supply
         self.outstanding = self.embedded.outstanding
         self.check_integrity = self.embedded.check_integrity
@@ -301,6 +306,7 @@ class PeakFollowerBackend:
     def report_hits(self, hits: Mapping[str, Hit]) -> None: ...
     def take(self, rid: str, pages: int) -> None: ...
     def release(self, rid: str) -> None: ...
+    def give_back(self, *args: Any) -> None: ...
     def set_supply(self, free: int, evictable: int) -> None: ...
     def set_prefill_chunks(self, rid: str, chunks: int) -> None: ...
     def advance(self, *args: Any) -> None: ...

@@ -3,7 +3,7 @@ read off it (a label's growth, the model's worst-case request)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvbank.modelpool import KvSlot, ModelPool
@@ -43,12 +43,15 @@ class RequestShape:
     extra_tokens: Mapping[str, int] = field(default_factory=dict)
     # The labels this request writes; the others go to the sink page. None: every label.
     labels: frozenset[str] | None = None
+    # Sequences sampled from the one prompt (OpenAI's `n`). They share the prompt's pages where
+    # every label is keyed (`shared_prompt_pages`); each writes the rest itself.
+    sequences: int = 1
 
 
 @dataclass(frozen=True)
 class PageCount:
-    per_label: Mapping[str, int]
-    tokens_per_label: Mapping[str, int]
+    per_label: Mapping[str, int]  # all sequences of the request together
+    tokens_per_label: Mapping[str, int]  # what one sequence writes (its prompt included)
     output_tokens: int  # the output budget after the max_seq_len cap
     cached: int = 0
 
@@ -113,12 +116,28 @@ def label_terms(model: CapacityModel, request: RequestShape) -> dict[str, LabelT
     }
 
 
+def shared_prompt_pages(model: CapacityModel, request: RequestShape) -> int:
+    """Pages per label that the sequences of a request with `sequences > 1` hold once, together:
+    the prompt's pages before the one holding its last token. Each sequence computes that last
+    token itself (its logits give the sequence's first token), so the page holding it, full or
+    partial, is each sequence's own copy. Nothing is shared when some label is not keyed (its
+    tokens are not described by the prompt, so the prefix machinery cannot share them), nor for
+    a single sequence."""
+    if request.sequences <= 1 or not all(t.keyed for t in label_terms(model, request).values()):
+        return 0
+    return (request.prompt_tokens - 1) // model.page_size
+
+
 def count_pages(model: CapacityModel, request: RequestShape, cached_pages: int = 0) -> PageCount:
     """Pages one request may need, per label: its prompt, its output budget and one speculative
     step. A label's prompt count (prompt tokens x multiplier, fixed tokens, the model's extra
-    tokens) is reserved whole; what decode adds is capped at max_seq_len positions."""
+    tokens) is reserved whole; what decode adds is capped at max_seq_len positions. A request of
+    n sequences counts its shared prompt pages once and, n times, the pages each sequence writes
+    itself (the page holding its last prompt token onwards)."""
     output = output_budget(model, request.prompt_tokens, request.max_tokens)
     decode_positions = output + model.speculative_tokens
+    sequences = request.sequences
+    shared = shared_prompt_pages(model, request)
     per_label: dict[str, int] = {}
     tokens: dict[str, int] = {}
     for label, terms in label_terms(model, request).items():
@@ -128,7 +147,8 @@ def count_pages(model: CapacityModel, request: RequestShape, cached_pages: int =
             + terms.per_output * decode_positions
         )
         tokens[label] = label_tokens
-        per_label[label] = pages_for(label_tokens, model.page_size)
+        one = pages_for(label_tokens, model.page_size)
+        per_label[label] = shared + sequences * (one - shared)
     total = sum(per_label.values())
     return PageCount(per_label, tokens, output, min(cached_pages, total))
 
@@ -145,19 +165,52 @@ class LabelGrowth:
 
 
 def label_growth(
-    model: CapacityModel, request: RequestShape, count: PageCount | None = None
+    model: CapacityModel,
+    request: RequestShape,
+    count: PageCount | None = None,
+    live: int | None = None,
 ) -> tuple[dict[str, LabelGrowth], PageCount]:
     """Per label, the request's token timeline, read off count_pages (or `count`, its result
     for this request when the caller has it) so that the worst case a timeline reaches is
-    exactly the one the ledger reserves."""
+    exactly the one the ledger reserves. `live`: of a request's sequences, how many still run
+    (the others finished and gave their share back); all of them by default."""
     if count is None:
         count = count_pages(model, request)
     decode_positions = count.output_tokens + model.speculative_tokens
+    page = model.page_size
+    sequences = request.sequences if live is None else live
+    shared = shared_prompt_pages(model, request)
     growth = {}
     for label, worst in count.tokens_per_label.items():
         rate = model.kv_slots[label].output
-        growth[label] = LabelGrowth(worst - rate * decode_positions, rate, worst)
+        base = worst - rate * decode_positions
+        if request.sequences == 1:
+            growth[label] = LabelGrowth(base, rate, worst)
+            continue
+        # n sequences grow at once, so n times the rate; their tokens are read as a group's
+        # (group_tokens): each sequence's own tokens padded to pages, so that the pages of the
+        # sum bound the sum of its sequences' pages.
+        group_worst = (shared + sequences * (pages_for(worst, page) - shared)) * page
+        own_base = base - shared * page
+        start = group_tokens(page, shared, group_worst, [own_base] * sequences)
+        growth[label] = LabelGrowth(start, sequences * rate, group_worst)
     return growth, count
+
+
+def group_tokens(
+    page_size: int,
+    shared: int,
+    worst: int,
+    own_tokens: Iterable[int],
+    finished_pages: int = 0,
+) -> int:
+    """A label's tokens for a request of several sequences, as its peak shape reads them: its
+    `shared` pages in full, each running sequence's own tokens (past the shared pages) plus
+    page_size - 1, and the pages the finished ones had, capped at the count's `worst` (pages x
+    page_size). As ceil(t / p) <= (t + p - 1) / p, the pages of this sum, grown by n times a
+    sequence's rate, are at least the sequences' own pages summed, however each grows."""
+    padded = sum(tokens + page_size - 1 for tokens in own_tokens)
+    return min(worst, (shared + finished_pages) * page_size + padded)
 
 
 def pages_for_labels(tokens_per_label: Mapping[str, int], page_size: int) -> int:

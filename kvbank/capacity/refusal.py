@@ -18,9 +18,10 @@ from kvbank.capacity.count import (
 
 @dataclass(frozen=True)
 class Refusal:
-    """A request the pool can never hold. `param` is the request parameter to change:
-    `max_tokens` when a lower one fits (`max_tokens_fit`, the largest that does), else `prompt`.
-    The HTTP layer names `max_tokens` as the client did (`max_completion_tokens`, say)."""
+    """A request the pool can never hold. `param` is the request parameter to change: `n` when
+    fewer sequences fit (`n_fit`, the most that do), else `max_tokens` when a lower one fits
+    (`max_tokens_fit`, the largest that does), else `prompt`. The HTTP layer names
+    `max_tokens` as the client did (`max_completion_tokens`, say)."""
 
     param: str
     pages: int  # the request's worst case
@@ -28,6 +29,7 @@ class Refusal:
     pool_pages_needed: int  # the smallest pool that holds it
     max_tokens_fit: int | None
     message: str
+    n_fit: int | None = None
 
 
 def refusal_message(pages: int, usable: int, advice: str, detail: str = "") -> str:
@@ -63,15 +65,26 @@ def refusal(
         )
         if best is not None:
             advice.insert(0, f"lower max_tokens to at most {best}")
+    sequences = request.sequences
+    fewer = None
+    if sequences > 1:
+        fewer = largest_fitting(
+            1,
+            sequences - 1,
+            lambda n: count_pages(model, replace(request, sequences=n)).total <= usable,
+        )
+        if fewer is not None:
+            advice.insert(0, f"lower n to at most {fewer}")
     if len(advice) == 1:
         advice.insert(0, "shorten the prompt")
+    group = f"{sequences} sequences of " if sequences > 1 else ""
     detail = (
-        f" ({request.prompt_tokens} prompt tokens + {count.output_tokens} max_tokens + "
+        f" ({group}{request.prompt_tokens} prompt tokens + {count.output_tokens} max_tokens + "
         f"{model.speculative_tokens} speculative at page size {model.page_size})"
     )
     message = refusal_message(count.total, usable, ", or ".join(advice), detail)
-    param = "prompt" if best is None else "max_tokens"
-    return Refusal(param, count.total, usable, needed, best, message)
+    param = "n" if fewer is not None else "prompt" if best is None else "max_tokens"
+    return Refusal(param, count.total, usable, needed, best, message, fewer)
 
 
 def _with_max_tokens(request: RequestShape, max_tokens: int) -> RequestShape:

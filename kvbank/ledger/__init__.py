@@ -8,6 +8,7 @@ records and errors callers pass, get back and catch).
 """
 
 from kvbank.ledger.books import pool_usable_pages
+from kvbank.ledger.giveback import give_back
 from kvbank.ledger.ledger import Ledger, Peek
 from kvbank.ledger.policy import PeakPolicy
 from kvbank.ledger.shape import NEVER, PeakShape, peak_shape
@@ -48,6 +49,7 @@ __all__ = [
     "Reservation",
     "Timeline",
     "UnknownRequest",
+    "give_back",
     "open_ended",
     "peak_shape",
     "pool_usable_pages",

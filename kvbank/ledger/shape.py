@@ -70,18 +70,21 @@ def peak_shape(
     request: RequestShape,
     prefill_chunks: int = 1,
     count: PageCount | None = None,
+    live: int | None = None,
 ) -> PeakShape:
     """The shape of a request, read off the capacity function (or `count`, its result for this
-    request: never recounted here)."""
-    growth, count = label_growth(model, request, count)
+    request: never recounted here). `live`: for a request of several sequences, how many still
+    run (kvbank.capacity.label_growth); its pages are then what they may hold."""
+    growth, count = label_growth(model, request, count, live)
     labels = list(growth.values())
+    worst = tuple(g.worst for g in labels)
     return PeakShape(
         tuple(g.base for g in labels),
         tuple(g.per_output for g in labels),
-        tuple(g.worst for g in labels),
+        worst,
         count.output_tokens,
         prefill_chunks,
-        count.total,
+        count.total if live is None else sum(pages_for(w, model.page_size) for w in worst),
         tuple(growth),
     )
 

@@ -172,7 +172,8 @@ class Admission:
             request = entry.request
             if request.status != running:
                 continue
-            held = len(self.sched.kv_cache_manager.get_blocks(rid).blocks[0])
+            table = self.sched.kv_cache_manager.get_blocks(rid).blocks[0]
+            held = len(table)
             if entry.pin:
                 if held < len(entry.pin):
                     # The ledger counted the pinned hit as held; pages vLLM did not adopt
@@ -184,6 +185,13 @@ class Admission:
                 self.pool.free_blocks(entry.pin)
                 entry.pin = []
             if held > entry.held:
+                # vLLM caches a prompt's full blocks as it allocates them, so a request
+                # scheduled after another in the same step can hit blocks the other has just
+                # taken: pages it holds without taking them from the supply, which the other
+                # no longer returns alone. The ledger counts them as taken (the request needs
+                # no more of them) and hears the exact exclusive counts at this step's end.
+                if any(block.ref_cnt > 1 for block in table[entry.held :]):
+                    self._sharing_changed = True
                 self.backend.take(rid, held - entry.held)
                 entry.held = held
         self._sync_supply()

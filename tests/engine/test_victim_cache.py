@@ -11,6 +11,7 @@ from engine_builders import make_request
 
 from kvbank.engine.kv.cache import KVCache
 from kvbank.engine.kv.host import Direction, HostMove
+from kvbank.engine.kv.victims import cache_output
 
 PROMPT = [10, 11, 12, 13, 14, 15, 16, 17]  # two full pages
 OUTPUT = [20, 21, 22, 23, 24, 25, 26, 27, 28]  # nine tokens: the ninth is not yet written
@@ -25,7 +26,7 @@ def preempted(kv: KVCache):  # type: ignore[no-untyped-def]
     kv.grow(victim, victim.num_tokens)
     victim.num_computed = victim.num_tokens - 1  # the last sampled token is written next step
     assert victim.pages == {"main": [1, 2, 3, 4, 5]}
-    kv.cache_output(victim)
+    cache_output(kv, victim)
     kv.release(victim)
     return victim
 

@@ -11,6 +11,7 @@ from engine_builders import tiny_model
 from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig
 from kvbank.engine.request import Request, Status
+from kvbank.engine.runner import SamplingParams
 from kvbank.service_class import ClassPolicy, ServiceClass, Victim
 
 BE = ServiceClass.BEST_EFFORT
@@ -93,3 +94,16 @@ def test_a_victim_this_preemption_would_promote_is_spared_while_another_can_go()
     assert a.status is Status.WAITING and b.status is Status.RUNNING
     assert s.pages == {"main": [9, *range(10, 21)]}
     assert a.best_effort and a.preemptions == 1
+
+
+def test_a_group_of_sequences_runs_strict_whatever_its_class() -> None:
+    """A group is preempted whole or not at all, so kvbank's policies never make it a victim."""
+    engine, _, _ = _running_pair(Victim.NEWEST)
+    sampling = SamplingParams()
+    group = engine.add_request(
+        "g", list(range(70, 78)), 4, service_class=BE, siblings=[("g-1", sampling)]
+    )
+    assert not group.best_effort and group.service_class is BE
+    s = engine.add_request("s", list(range(100, 140)), 4)
+    _finish(engine)
+    assert group.preemptions == s.preemptions == 0

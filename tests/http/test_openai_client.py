@@ -166,7 +166,7 @@ def test_logit_bias_and_penalties_change_what_is_sampled(
 
 BOGUS = {"name": "x", "schema": {"type": "bogus"}}
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
-    ("n", {"n": 2}, "n > 1 is not supported"),
+    ("n", {"n": 17}, "at most 16 sequences from one prompt"),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
      "JSON schemas only"),
     ("response_format", {"response_format": {"type": "json_schema", "json_schema": BOGUS}},

@@ -93,6 +93,21 @@ BAD_REPORTS: dict[str, tuple[Callable[[int], pb.ReportRequest], str, str]] = {
         "'w' is not running",
     ),
     "duplicate request": (lambda s: report(s, submit("w", 3)), "ALREADY_EXISTS", "'w'"),
+    "give back more than held": (
+        lambda s: report(s, pb.Event(give_back=pb.GiveBack(rid="a", held=6, reserved=10))),
+        "INVALID_ARGUMENT",
+        "holds 5 of its 30 reserved pages; it cannot give back 10 reserved pages of which 6",
+    ),
+    "give back negative pages": (
+        lambda s: report(s, pb.Event(give_back=pb.GiveBack(rid="a", held=-1, reserved=2))),
+        "INVALID_ARGUMENT",
+        "held must be a non-negative integer, got -1",
+    ),
+    "give back of a request that is not running": (
+        lambda s: report(s, pb.Event(give_back=pb.GiveBack(rid="w", held=0, reserved=1))),
+        "NOT_FOUND",
+        "'w' is not running",
+    ),
     # Good events first, then a bad one: nothing of the batch may stick.
     "a bad event after good ones": (
         lambda s: report(

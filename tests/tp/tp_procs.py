@@ -48,8 +48,8 @@ def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout: float 
 
 
 def answers(url: str) -> list[str]:
-    """Greedy completions of PROMPTS (batched together) and of three prompts sharing a prefix
-    (one after another, so the later ones hit the prefix cache)."""
+    """Greedy completions of PROMPTS (batched together), of three prompts sharing a prefix
+    (one after another, so the later ones hit the prefix cache) and of one with n = 3."""
 
     def ask(prompt: str) -> str:
         body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
@@ -62,7 +62,13 @@ def answers(url: str) -> list[str]:
     # The follower must replay rank 0's pinned hits exactly.
     shared = "The ledger admits a request only if every admitted request can finish. " * 3
     said += [ask(shared + tail) for tail in ("First.", "Second one.", "First.")]
-    return said
+    # Three sequences of one prompt (n = 3): the follower replays the group's rows too.
+    body = {"prompt": shared + "Third.", "max_tokens": 16, "temperature": 0, "n": 3}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    group = [str(choice["text"]) for choice in response.json()["choices"]]
+    assert group == [ask(shared + "Third.")] * 3
+    return said + group
 
 
 def stop(proc: subprocess.Popen[bytes]) -> int:

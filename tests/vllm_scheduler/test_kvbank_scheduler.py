@@ -144,3 +144,24 @@ def test_aborts_while_waiting_and_while_running_return_every_page() -> None:
     assert seen.finished["c"] == FinishReason.LENGTH
     assert pool.get_num_free_blocks() == 23  # nothing pinned or reserved is left behind
     assert run.sched.kvbank.backend.ledger.outstanding == 0
+
+
+def test_a_prefix_two_requests_share_within_one_schedule_is_not_counted_twice() -> None:
+    """vLLM caches a prompt's full blocks as it allocates them, so the second of two requests
+    with one uncached prefix, scheduled in the same step, hits the first one's blocks. Neither
+    then returns those blocks alone when it finishes; the ledger must hear that before it
+    promises pages on their return."""
+    run = bench(48, "peak+backfill")
+    prefix = [11] * 200  # 12 full pages
+    run.add("a", [*prefix, 1], None, 3)
+    run.add("b", [*prefix, 2], 2, 2)
+    run.step()
+    blocks = {rid: run.sched.kv_cache_manager.get_blocks(rid).blocks[0] for rid in ("a", "b")}
+    shared = {b.block_id for b in blocks["a"]} & {b.block_id for b in blocks["b"]}
+    assert len(shared) == 12  # vLLM shared them within the step
+    tracks = run.sched.kvbank.backend.ledger.timeline.tracks
+    for rid, table in blocks.items():
+        assert tracks[rid].exclusive == sum(1 for b in table if b.ref_cnt == 1) == 1
+    run.check_integrity()
+    drive(run, {})  # to the end, checked every step
+    assert run.sched.kvbank.backend.ledger.outstanding == 0

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp
 from kvbank.engine.engine import RequestRejected
 from kvbank.engine.model.textstream import TextStream
 from kvbank.engine.model.tokenizer import ChatTemplateError, Tokenizer
+from kvbank.engine.runner import SamplingParams
 from kvbank.engine.serve.http.auth import RequireApiKey
 from kvbank.engine.serve.http.errors import BadRequest, error, shown
 from kvbank.engine.serve.http.fields import (
@@ -38,6 +39,7 @@ from kvbank.engine.serve.http.fields import (
 from kvbank.engine.serve.http.loop import EngineLoop, EngineStopped, QueueFull, Submission
 from kvbank.engine.serve.http.metrics import ServeMetrics
 from kvbank.engine.serve.http.schema import (
+    MAX_PROMPTS,
     Generation,
     parse_generation,
     parse_messages,
@@ -145,6 +147,7 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
         prompts = parse_prompts(body, served.vocab_size)
         ids = [(await off_loop(tokenizer.encode, p)) if isinstance(p, str) else p for p in prompts]
         echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+        echo = [text for text in echo for _ in range(gen.n)]  # per choice
         return await _generate(request, ids, gen, chat=False, echo=echo if gen.echo else [])
 
     @app.post("/v1/chat/completions")
@@ -185,18 +188,33 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
         stop_ids = [*gen.stop_token_ids, *(() if gen.ignore_eos else served.extra_stop_ids)]
         if gen.sampling.grammar is not None and served.grammars is not None:
             stop_ids.append(served.grammars.eos_token_id)  # the grammar ends with it
+        n = gen.n
+        if len(prompts) * n > MAX_PROMPTS:
+            raise BadRequest(
+                f"'n' is {n} with {len(prompts)} prompts, {len(prompts) * n} choices; at most "
+                f"{MAX_PROMPTS} go in one request: lower n or send fewer prompts",
+                "n",
+            )
+        single = len(prompts) * n == 1
         for index, ids in enumerate(prompts):
-            sub_rid = rid if len(prompts) == 1 else f"{rid}-{index}"
-            outputs: asyncio.Queue[Any] = asyncio.Queue()
-            sub = Submission(sub_rid, ids, gen.max_tokens, gen.sampling, outputs,
-                             asyncio.get_running_loop())  # fmt: skip
-            refused = await _submit(sub, gen.max_tokens_param)
+            # Choice i * n + j is prompt i's sequence j, as OpenAI orders them; the n sequences
+            # of a prompt are one engine request (they share the prompt's pages).
+            subs = [
+                Submission(rid if single else f"{rid}-{index * n + j}", ids, gen.max_tokens,
+                           sequence_sampling(gen.sampling, j), asyncio.Queue(),
+                           asyncio.get_running_loop())
+                for j in range(n)
+            ]  # fmt: skip
+            refused = await _submit(replace(subs[0], siblings=tuple(subs[1:])),
+                                    gen.max_tokens_param)  # fmt: skip
             if refused is not None:
                 for run in runs:  # a batch is queued whole or not at all
                     run.close()
                 return refused
-            text = TextStream(tokenizer, gen.stop, stop_ids)
-            runs.append(Run(sub_rid, outputs, text, loop, metrics, submitted, request, len(ids)))
+            for j, sub in enumerate(subs):  # the prompt counts once in usage
+                text = TextStream(tokenizer, gen.stop, stop_ids)
+                runs.append(Run(sub.rid, sub.outputs, text, loop, metrics, submitted, request,
+                                0 if j else len(ids)))  # fmt: skip
             metrics.prompt_tokens.inc(len(ids))
         shape = Shape(rid, served.name, chat, token_text, echo, gen.include_usage,
                       gen.continuous_usage)  # fmt: skip
@@ -216,7 +234,8 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
         try:
             await loop.submit(sub)
         except asyncio.CancelledError:  # the command may be queued already: take it back
-            loop.abort(sub.rid)
+            for seq in (sub, *sub.siblings):
+                loop.abort(seq.rid)
             raise
         except RequestRejected as exc:
             metrics.requests.labels("rejected").inc()
@@ -232,6 +251,15 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
         return None
 
     return RequireApiKey(app, served.api_keys) if served.api_keys else app
+
+
+def sequence_sampling(sampling: SamplingParams, sequence: int) -> SamplingParams:
+    """Sequence `sequence` of a prompt samples with the request's seed plus its number, so a
+    seeded request with n > 1 gives n different, reproducible choices."""
+    if not sequence or sampling.seed is None:
+        return sampling
+    seed = (sampling.seed + sequence + (1 << 63)) % (1 << 64) - (1 << 63)  # within int64
+    return replace(sampling, seed=seed)
 
 
 def _reject_constant(name: str) -> None:

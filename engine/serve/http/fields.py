@@ -67,7 +67,7 @@ def check_fields(body: dict[str, Any], allowed: frozenset[str], route: str) -> N
 
 def _check_partial(body: dict[str, Any]) -> None:
     best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
+    if best_of is not None and best_of != (body.get("n") or 1):
         raise BadRequest(
             f"'best_of' is {best_of!r}; this server returns every sequence it samples, so "
             "best_of must equal n (or be omitted)",

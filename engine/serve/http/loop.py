@@ -47,6 +47,9 @@ class Submission:
     sampling: SamplingParams
     outputs: asyncio.Queue[RequestOutput]
     event_loop: asyncio.AbstractEventLoop
+    # More sequences from the same prompt (n > 1), each streaming to its own queue; the engine
+    # admits them with this one (kvbank.engine.sequences).
+    siblings: tuple[Submission, ...] = ()
 
 
 StepHook = Callable[[Engine, list[RequestOutput]], None]
@@ -123,8 +126,12 @@ class EngineLoop:
         waiting = self.engine.num_waiting
         if waiting >= self.max_waiting:
             raise QueueFull(waiting, self.max_waiting)
-        self.engine.add_request(sub.rid, sub.prompt, sub.max_tokens, sampling=sub.sampling)
+        siblings = [(other.rid, other.sampling) for other in sub.siblings]
+        self.engine.add_request(
+            sub.rid, sub.prompt, sub.max_tokens, sampling=sub.sampling, siblings=siblings
+        )
         self._streams[sub.rid] = sub
+        self._streams.update((other.rid, other) for other in sub.siblings)
 
     def _abort(self, rid: str) -> None:
         self.engine.abort(rid)

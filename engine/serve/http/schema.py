@@ -16,6 +16,7 @@ __all__ = ["BadRequest", "Generation", "parse_generation", "parse_messages", "pa
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64  # prompts in one completion request, each its own engine request
+MAX_N = 16  # sequences sampled per prompt; prompts x n is at most MAX_PROMPTS choices
 MAX_LOGIT_BIAS = 300
 MAX_LOGPROBS = 20
 
@@ -33,6 +34,7 @@ class Generation:
     echo: bool = False
     ignore_eos: bool = False
     continuous_usage: bool = False  # vLLM's extension: usage so far in every streamed chunk
+    n: int = 1  # sequences per prompt, admitted together and sharing the prompt's pages
 
     @property
     def logprobs(self) -> int | None:
@@ -95,11 +97,11 @@ def parse_generation(body: dict[str, Any], vocab_size: int, chat: bool) -> Gener
     model = body.get("model")
     if model is not None:
         text(model, "model")
-    n = _integer(body, "n", 1)
-    if n not in (None, 1):
+    n = _integer(body, "n", 1) or 1
+    if n > MAX_N:
         raise BadRequest(
-            f"'n' is {n}: this server returns one choice per prompt (n > 1 is not supported); "
-            "send n=1 or repeat the request",
+            f"'n' is {n}; this server samples at most {MAX_N} sequences from one prompt: send "
+            f"n <= {MAX_N}, or repeat the request",
             "n",
         )
     max_tokens_param = "max_tokens"
@@ -156,6 +158,7 @@ def parse_generation(body: dict[str, Any], vocab_size: int, chat: bool) -> Gener
         echo=False if chat else _boolean(body, "echo"),
         ignore_eos=ignore_eos,
         continuous_usage=continuous_usage,
+        n=n,
     )
 
 
