@@ -1,5 +1,6 @@
-"""Best-effort requests beside strict ones, for kvbank's ledger policies (engine/admission/peak.py
-holds one `BestEffort`).
+"""Best-effort requests beside strict ones, for kvbank's ledger policies (`PeakFitPolicy` in
+engine/admission/peak.py and `BankerPolicy` in engine/admission/banker.py each hold one
+`BestEffort`).
 
 Strict requests go through the ledger as they always did; best-effort requests are never in
 its books. What the ledger is told keeps strict requests safe whatever best-effort ones do:
@@ -40,7 +41,7 @@ from kvbank.engine.admission.estimate import DecayingRatio, LearnedLengths
 from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
-from kvbank.ledger import PeakShape, peak_shape
+from kvbank.ledger import InvariantBreach, PeakShape, peak_shape
 from kvbank.service_class import ClassPolicy, Estimate, ServiceClass, Victim
 
 # Reloading a page from host costs about a tenth of recomputing its tokens (a page copy against
@@ -202,8 +203,11 @@ class BestEffort:
             if short <= 0:
                 return
             victim = self.victim(short)
-            if victim is None:
-                return  # nothing to preempt: the ledger's promise says this cannot happen
+            if victim is None:  # the ledger's promise says this cannot happen
+                raise InvariantBreach(
+                    f"strict request {req.rid!r} was admitted but is {short} pages short of its "
+                    f"prompt with no best-effort request left to preempt (supply {kv.supply})"
+                )
             yield self._preempt(victim)
 
     def shortage(self, req: Request) -> Preempt | None:
