@@ -160,6 +160,10 @@ class Engine:
         # Fixed label tokens (an image's, an audio window's) cannot be recomputed from the prompt.
         rebuildable = not any(shape.extra_tokens.values())
         cls = effective_class(service_class, self.config.classes.default_class, rebuildable)
+        # Best-effort only under a policy that honours classes, and never a group of sequences
+        # (preempted whole or not at all): else it runs as strict, every sequence of it.
+        if siblings or not self.policy.honours_classes:
+            cls = ServiceClass.STRICT if cls is ServiceClass.BEST_EFFORT else cls
         req = build_request(model, rid, prompt, shape, count, sampling, self._arrivals, cls)
         if siblings:
             others = [
@@ -169,9 +173,6 @@ class Engine:
             shared = shared_prompt_pages(model, shape)
             groups.group_of(req, others, shared, model.page_size)
             self._sequences.update((seq.rid, seq) for seq in others)
-        # Best-effort only under a policy that honours classes, and never a group of sequences
-        # (preempted whole or not at all, so it runs strict); else it runs as strict.
-        req.best_effort = req.best_effort and self.policy.honours_classes and not siblings
         self._arrivals += 1
         self._known.update(ids)
         self.sched.enqueue(req)

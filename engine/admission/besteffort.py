@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from kvbank.capacity import RequestShape, count_pages
+from kvbank.engine import sequences as groups
 from kvbank.engine.admission.actions import Action, Preempt, Start
 from kvbank.engine.admission.estimate import DecayingRatio, LearnedLengths
 from kvbank.engine.admission.view import AdmissionView
@@ -169,7 +170,7 @@ class BestEffort:
             return False
         growth = sum(max(0, self.expected_pages(r) - r.held) for r in self.running.values())
         running = self.view.running.values()
-        strict = sum(r.worst - r.held for r in running if r.rid not in self.running)
+        strict = sum(r.worst - groups.held(r) for r in running if r.rid not in self.running)
         left = kv.free + kv.evictable - strict - growth
         return self.expected_pages(req) - hit + idle <= left
 
@@ -199,7 +200,8 @@ class BestEffort:
         kv = self.view.kv
         hit = sum(len(c) for c in chains.values())
         while True:
-            short = req.pages_at(req.num_tokens) - hit + kv.idle_pages(chains) - kv.supply
+            # A group's start takes every sequence's pages (its shared prompt pages once).
+            short = groups.start_pages(req) - hit + kv.idle_pages(chains) - kv.supply
             if short <= 0:
                 return
             victim = self.victim(short)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from test_host_tier_property import ChainRunner
 
 from kvbank.engine.engine import Engine, EngineConfig, RequestRejected
-from kvbank.engine.runner import StepBatch, StepResult
+from kvbank.engine.runner import SamplingParams, StepBatch, StepResult
 from kvbank.service_class import ClassPolicy, Estimate, ServiceClass, Victim
 
 PAGE_SIZE = 4
@@ -39,9 +39,10 @@ request = st.tuples(
     st.integers(2, 20),  # max_tokens
     st.integers(1, 24),  # where the model would stop
     st.sampled_from([0, 1, 2]),  # prompt family: shared prefixes make hits
-    st.booleans(),  # best-effort
+    st.booleans(),  # best-effort (a group of sequences runs strict whatever it asks)
+    st.sampled_from([1, 1, 1, 2]),  # sequences from the prompt (OpenAI's n)
 )
-Spec = tuple[int, int, int, int, int, bool]
+Spec = tuple[int, int, int, int, int, bool, int]
 
 
 def _run(
@@ -54,17 +55,19 @@ def _run(
     strict_at_ingest: set[str] = set()
     for step in range(4000):
         while arrivals and arrivals[0][1][0] <= step:
-            index, (_, prompt_len, max_tokens, stop, family, flex) = arrivals.pop(0)
+            index, (_, prompt_len, max_tokens, stop, family, flex, n) = arrivals.pop(0)
             prompt = [100 * family + (i % 7) for i in range(prompt_len)]
             cls = ServiceClass.BEST_EFFORT if flex else ServiceClass.STRICT
             rid = f"r{index}"
+            siblings = [(f"{rid}.{k}", SamplingParams()) for k in range(1, n)]
             try:
-                engine.add_request(rid, prompt, max_tokens, service_class=cls)
+                engine.add_request(rid, prompt, max_tokens, service_class=cls, siblings=siblings)
             except RequestRejected:
                 continue
-            runner.stop[rid] = stop
-            outputs[rid] = []
-            if not flex:
+            for seq in [rid, *(sid for sid, _ in siblings)]:
+                runner.stop[seq] = stop
+                outputs[seq] = []
+            if not flex or siblings:
                 strict_at_ingest.add(rid)
         if not arrivals and not engine.has_work():
             return outputs, engine
@@ -72,7 +75,9 @@ def _run(
         decoding = {
             rid
             for rid, req in sched.running.items()
-            if not req.best_effort and req.num_tokens - req.num_computed == 1
+            if not req.best_effort
+            and req.group is None  # a group's sequences wait for each other to prime
+            and req.num_tokens - req.num_computed == 1
         }
         for out in engine.step():  # debug mode: deep integrity checks after every step
             outputs[out.rid].extend(out.new_token_ids)

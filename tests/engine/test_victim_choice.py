@@ -97,13 +97,13 @@ def test_a_victim_this_preemption_would_promote_is_spared_while_another_can_go()
 
 
 def test_a_group_of_sequences_runs_strict_whatever_its_class() -> None:
-    """A group is preempted whole or not at all, so kvbank's policies never make it a victim."""
+    """A group is preempted whole or not at all: it runs (and says it runs) strict."""
     engine, _, _ = _running_pair(Victim.NEWEST)
     sampling = SamplingParams()
     group = engine.add_request(
         "g", list(range(70, 78)), 4, service_class=BE, siblings=[("g-1", sampling)]
     )
-    assert not group.best_effort and group.service_class is BE
+    assert not group.best_effort and group.service_class is ServiceClass.STRICT
     s = engine.add_request("s", list(range(100, 140)), 4)
     _finish(engine)
     assert group.preemptions == s.preemptions == 0
