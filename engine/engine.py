@@ -85,7 +85,7 @@ class Engine:
         self.runner = runner
         self.backend = admission_backend
         self.kv = KVCache(config.total_pages, config.model.page_size, config.host_pages)
-        self.policy = make_policy(config.policy, admission_backend)
+        self.policy = make_policy(config.policy, admission_backend, config.classes)
         self.sched = Scheduler(
             config.model, self.kv, self.policy, config.max_batch_tokens, config.max_running
         )
@@ -160,6 +160,10 @@ class Engine:
         # Fixed label tokens (an image's, an audio window's) cannot be recomputed from the prompt.
         rebuildable = not any(shape.extra_tokens.values())
         cls = effective_class(service_class, self.config.classes.default_class, rebuildable)
+        # Best-effort only under a policy that honours classes, and never a group of sequences
+        # (preempted whole or not at all): else it runs as strict, every sequence of it.
+        if siblings or not self.policy.honours_classes:
+            cls = ServiceClass.STRICT if cls is ServiceClass.BEST_EFFORT else cls
         req = build_request(model, rid, prompt, shape, count, sampling, self._arrivals, cls)
         if siblings:
             others = [

@@ -75,6 +75,13 @@ class Request:
     # leave the others' KV for those positions unwritten.
     cacheable: bool = False
     room: int = 0  # positions the held pages cover; a decode row within it allocates nothing
+    # May be preempted to make room for strict requests; the pages only such requests hold are
+    # reclaimable supply for strict admission. Set at ingest from `service_class`; cleared
+    # (for the rest of its life) once it was preempted the pool's `max_preemptions` times, and
+    # only while it holds and pins no page (the cache counts strict holders per page).
+    best_effort: bool = False
+    # Preempted with every computed page indexed, its output's too: a hit may cover them.
+    output_cached: bool = False
     # The sequences sampled from one prompt (n > 1), engine/sequences.py; None: a lone one.
     group: SequenceGroup | None = None
 
@@ -122,9 +129,16 @@ class Request:
 
     @property
     def max_hit_pages(self) -> int:
-        """Full prompt pages a hit may cover per label, leaving at least one position to compute
-        (the last one gives the logits) and never a shared page to write into."""
+        """Full prompt pages a hit may cover per label (and output pages, once its output was
+        cached), leaving at least one position to compute (the last one gives the logits) and
+        never a shared page to write into."""
+        if self.output_cached:
+            return (self.num_tokens - 1) // self.page_size
         return min(len(self.prompt), self.num_tokens - 1) // self.page_size
+
+    def keyed_tokens(self) -> list[int]:
+        """The tokens the prefix index keys this request's pages by."""
+        return self.prompt + self.output if self.output_cached else self.prompt
 
 
 def build_request(
@@ -152,6 +166,7 @@ def build_request(
         page_size=model.page_size,
     )
     req.worst = count.total
+    req.best_effort = service_class is ServiceClass.BEST_EFFORT
     req.cacheable = all(label.keyed for label in req.layout)
     return req
 

@@ -31,6 +31,7 @@ from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains, KVCache
 from kvbank.engine.kv.pages import OutOfPages
+from kvbank.engine.kv.victims import cache_output
 from kvbank.engine.kv.view import CacheView
 from kvbank.engine.request import FinishReason, Request, Status
 from kvbank.engine.runner import RowInput, StepBatch, StepResult
@@ -93,10 +94,17 @@ class Scheduler:
 
     # ---- queue ---------------------------------------------------------------------------------
 
-    def enqueue(self, req: Request, at_head: bool = False) -> None:
+    def enqueue(self, req: Request, at_head: bool = False, by_arrival: bool = False) -> None:
+        """Queue at the tail, at the head, or (`by_arrival`) ahead of every later arrival."""
         req.status = Status.WAITING
         if at_head:
             self.waiting.appendleft(req)
+        elif by_arrival:
+            at = next((i for i, r in enumerate(self.waiting) if r.arrival > req.arrival), None)
+            if at is None:
+                self.waiting.append(req)
+            else:
+                self.waiting.insert(at, req)
         else:
             self.waiting.append(req)
         self.waiting_by_rid[req.rid] = req
@@ -134,7 +142,7 @@ class Scheduler:
             self.dequeue(action.req)
             self.finish(action.req, FinishReason.REJECTED)
         elif isinstance(action, Preempt):
-            self.preempt(action.req)
+            self.preempt(action.req, action.cache)
 
     def start(self, req: Request, chains: Chains) -> None:
         """Admit `req`: lease its cached prefix, take the pages of its whole prompt (or, resumed
@@ -185,15 +193,21 @@ class Scheduler:
 
     def _decode_row(self, req: Request) -> None:
         positions = len(req.prompt) + len(req.output) + self.model.speculative_tokens
+        # A policy that preempts best-effort requests does so before it takes the waiting
+        # head's cached pages; only when none is left are those pages evicted.
+        spare = self.policy.spares_head
         while True:
             try:
-                grown = self.kv.grow(req, positions, self._protected)
+                grown = self.kv.grow(req, positions, self._protected, spare)
             except OutOfPages:
-                victim = self.policy.on_shortage(req.holder)
+                victim = self.policy.on_shortage(req.holder, spare)
                 if victim is None:
+                    if spare:
+                        spare = False
+                        continue
                     self.stats.stalled_rows += 1
                     return
-                self.preempt(victim.req)
+                self.preempt(victim.req, victim.cache)
                 if victim.req is req.holder:
                     return
                 continue
@@ -207,9 +221,10 @@ class Scheduler:
         """Pages the waiting head will reuse: eviction takes them only after every other idle
         page (when the policy has not pinned them instead). Asked only when an eviction
         happens, so the common step pays nothing for it."""
-        if not self.policy.protects_head or not self.waiting:
+        head = self.policy.head() if self.policy.protects_head else None
+        if head is None:
             return frozenset()
-        chains = self.kv.peek(self.waiting[0])
+        chains = self.kv.peek(head)
         return frozenset(page for chain in chains.values() for page in chain)
 
     def _prefill_row(self, req: Request) -> None:
@@ -233,19 +248,24 @@ class Scheduler:
 
     # ---- leaving the running set ---------------------------------------------------------------
 
-    def preempt(self, req: Request) -> None:
+    def preempt(self, req: Request, cache: bool = False) -> None:
         """Recompute preemption: drop the request's pages (its indexed prompt pages stay cached)
-        and requeue it at the head with its output so far; readmission recomputes the rest."""
+        and requeue it at the head with its output so far; readmission recomputes the rest.
+        With `cache`, every computed page stays cached, its output's too, and it is requeued
+        under its arrival time; readmission leases or reloads what is still there."""
         if req.group is not None:
             groups.preempt(self, req)
         row = self.rows.pop(req.rid, None)
         if row is not None:
             self.budget_left += row.count
+        if cache:
+            cache_output(self.kv, req)
         self._leave(req)
         req.num_computed = 0
         req.preemptions += 1
         self.stats.preemptions += 1
-        self.enqueue(req, at_head=True)
+        self.enqueue(req, at_head=not cache, by_arrival=cache)
+        self.policy.on_requeue(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         if req.group is not None:

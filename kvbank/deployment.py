@@ -52,7 +52,7 @@ RENDERED_FLAGS = {
     "kvbank": (
         "--host", "--port", "--sidecar", "--sidecar-token-file", "--sidecar-ca-file", "--model",
         "--pages", "--page-size", "--max-seq-len", "--max-tokens", "--policy", "--api-key-file",
-        "--host-pages", "--default-class", "--max-preemptions", "--victim",
+        "--host-pages", "--default-class", "--max-preemptions", "--victim", "--estimate",
     ),
     "vllm": (
         "--port", "--scheduler-cls", "--block-size", "--num-gpu-blocks-override",
@@ -61,7 +61,11 @@ RENDERED_FLAGS = {
 }  # fmt: skip
 
 # spec.admission.bestEffort as the CRD defaults it: what a vllm pool may carry unrefused.
-VLLM_BEST_EFFORT_DEFAULTS = {"maxPreemptions": DEFAULT_MAX_PREEMPTIONS, "victim": "newest"}
+VLLM_BEST_EFFORT_DEFAULTS = {
+    "maxPreemptions": DEFAULT_MAX_PREEMPTIONS,
+    "victim": "newest",
+    "estimate": "learned",
+}
 
 SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 HF_REPO = re.compile(r"^[A-Za-z0-9][-\w.]*(/[-\w.]+)?$")

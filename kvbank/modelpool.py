@@ -12,7 +12,8 @@ from typing import Any
 
 from kvbank.fields import FieldError, FieldReader, SpecError, check_size, key_path, quote
 from kvbank.mode import DEFAULT_MODE, AdmissionMode
-from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS, ClassPolicy, ServiceClass, Victim
+from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS as MAX_PREEMPTIONS_DEFAULT
+from kvbank.service_class import ClassPolicy, Estimate, ServiceClass, Victim
 
 __all__ = ["FieldError", "FieldReader", "SpecError"]  # re-exported: readers of specs use them
 
@@ -37,9 +38,9 @@ MAX_SPECULATIVE = 64
 ADMISSION_POLICIES = ("conservative", "peak")
 SERVICE_CLASSES = tuple(c.value for c in ServiceClass)
 VICTIMS = tuple(v.value for v in Victim)
-# How best-effort admission estimates a request's output: SGLang's decaying ratio of its
-# max_tokens, or the output lengths the pool has seen for that class (learned online).
-ESTIMATES = ("ratio", "learned")
+# How best-effort admission estimates a request's output: the output lengths the pool has seen
+# for that class (learned online), or SGLang's decaying ratio of its budget.
+ESTIMATES = tuple(e.value for e in Estimate)
 MAX_PREEMPTIONS = 64
 MAX_POOL_NAME_LENGTH = 40  # leaves room for "-ranks", pod ordinals and revision hashes in 63
 MAX_MODEL_NAME_LENGTH = 253
@@ -118,13 +119,13 @@ class Admission:
     # and how best-effort requests are preempted. Strict by default: nothing changes for a pool
     # that never heard of classes.
     default_class: ServiceClass = ServiceClass.STRICT
-    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
+    max_preemptions: int = MAX_PREEMPTIONS_DEFAULT
     victim: Victim = Victim.NEWEST
-    estimate: str | None = None  # one of ESTIMATES; None: the engine's own choice
+    estimate: Estimate = Estimate.LEARNED
 
     @property
     def classes(self) -> ClassPolicy:
-        return ClassPolicy(self.default_class, self.max_preemptions, self.victim)
+        return ClassPolicy(self.default_class, self.max_preemptions, self.victim, self.estimate)
 
     @property
     def mode(self) -> AdmissionMode:
@@ -239,11 +240,10 @@ def _kv_slots(r: FieldReader, obj: Any) -> dict[str, KvSlot]:
 
 
 CLASS_FIELDS = ("defaultClass", "bestEffort")
+Classes = tuple[ServiceClass, int, Victim, Estimate]
 
 
-def _classes(
-    r: FieldReader, adm: Mapping[str, Any]
-) -> tuple[ServiceClass, int, Victim, str | None]:
+def _classes(r: FieldReader, adm: Mapping[str, Any]) -> Classes:
     """spec.admission's class fields: defaultClass and bestEffort {maxPreemptions, victim,
     estimate}, with the defaults of `Admission` for what is left out."""
     path = "spec.admission"
@@ -263,10 +263,16 @@ def _classes(
                      default=Admission.max_preemptions)  # fmt: skip
     victim = r.string(best, "victim", sub, required=False, choices=VICTIMS,
                       default=Admission.victim.value)  # fmt: skip
-    estimate = r.string(best, "estimate", sub, required=False, choices=ESTIMATES)
-    if cls is None or most is None or victim is None:
-        return Admission.default_class, Admission.max_preemptions, Admission.victim, None
-    return ServiceClass(cls), most, Victim(victim), estimate
+    estimate = r.string(best, "estimate", sub, required=False, choices=ESTIMATES,
+                        default=Admission.estimate.value)  # fmt: skip
+    if cls is None or most is None or victim is None or estimate is None:
+        return (
+            Admission.default_class,
+            Admission.max_preemptions,
+            Admission.victim,
+            Estimate.LEARNED,
+        )
+    return ServiceClass(cls), most, Victim(victim), Estimate(estimate)
 
 
 def parse_modelpool(doc: Any) -> ModelPool:

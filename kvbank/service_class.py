@@ -26,6 +26,13 @@ class Victim(enum.StrEnum):
     CHEAPEST = "cheapest"  # the one whose rebuild costs least after host reload
 
 
+class Estimate(enum.StrEnum):
+    """How a best-effort admission estimates the request's output (engine/admission/estimate.py)."""
+
+    LEARNED = "learned"  # the output lengths the pool has seen for the class
+    RATIO = "ratio"  # a decaying fraction of the remaining budget (SGLang's new_token_ratio)
+
+
 DEFAULT_MAX_PREEMPTIONS = 2
 
 
@@ -39,6 +46,7 @@ class ClassPolicy:
     default_class: ServiceClass = ServiceClass.STRICT
     max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
     victim: Victim = Victim.NEWEST
+    estimate: Estimate = Estimate.LEARNED
 
 
 def effective_class(

@@ -87,16 +87,6 @@ def dev_warnings(deployment: Deployment) -> tuple[str, ...]:
     return ()
 
 
-def class_warnings(pool: ModelPool) -> tuple[str, ...]:
-    if pool.admission.estimate is None:
-        return ()
-    return (
-        f"spec.admission.bestEffort.estimate ({pool.admission.estimate}) is kept in the spec, "
-        "but the engine takes no estimator setting yet: best-effort admission estimates "
-        "output its own way. Drop the field to silence this warning.",
-    )
-
-
 def decide(doc: Mapping[str, Any], around: Neighbourhood) -> Decision:
     pool, deployment, errors = _parse(doc)
     if pool is None or deployment is None:
@@ -110,8 +100,9 @@ def decide(doc: Mapping[str, Any], around: Neighbourhood) -> Decision:
         gpus_per_rank(deployment, around.defaults),
     )
     reason = "Unholdable" if not held.ok else "OverPolicy" if over else "Holdable"
-    warned = (*dev_warnings(deployment), *class_warnings(pool))
-    return Decision(pool, held, (*held.violations, *over), reason, deployment, warned)
+    return Decision(
+        pool, held, (*held.violations, *over), reason, deployment, dev_warnings(deployment)
+    )
 
 
 def message(namespace: str, name: str, decision: Decision) -> str:

@@ -8,9 +8,12 @@ calls the scheduler or changes the cache itself.
 - `Pin`: hold more of a waiting request's cached hit so that eviction cannot take it before a
   decision that counted it is applied, within `max_idle` pages of headroom.
 - `Reject`: finish a waiting request the ledger refused.
-- `Preempt`: recompute-preempt a running request (requeued at the head). The baselines return it
-  on a shortage; a request class that may be preempted yields it from `admit` to make room for
-  a request that may not.
+- `Preempt`: preempt a running request. The baselines return it on a shortage (recompute,
+  requeued at the head). With `cache`, kvbank's policies preempt a best-effort request: its
+  computed pages become cache, its output's too (eviction takes them tail first, only as many
+  as the shortage needs), and it is requeued under its arrival time; readmission leases what is
+  still cached or on host. They yield it from `admit` to make room for a strict start, or
+  return it on a shortage.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Reject:
 @dataclass(frozen=True)
 class Preempt:
     req: Request
+    cache: bool = False  # keep its pages as cache and requeue it by arrival
 
 
 Action = Start | Pin | Reject | Preempt

@@ -25,25 +25,44 @@ from collections.abc import Generator, Iterator
 
 from kvbank.engine.admission.actions import Action, Preempt, Reject, Start
 from kvbank.engine.admission.backend import AdmissionBackend
+from kvbank.engine.admission.besteffort import BestEffort
 from kvbank.engine.admission.decisions import LedgerParts
 from kvbank.engine.admission.policy import AdmissionPolicy
+from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.request import Request
 from kvbank.ledger import Decision
+from kvbank.service_class import ClassPolicy
 
 
 class BankerPolicy(AdmissionPolicy):
     name = "banker"
     protects_head = False  # the head's hit is pinned, not merely protected
+    honours_classes = True  # best-effort requests beside strict ones (besteffort.py)
+    spares_head = True
 
-    def __init__(self, backend: AdmissionBackend) -> None:
+    def __init__(self, backend: AdmissionBackend, classes: ClassPolicy | None = None) -> None:
+        self.classes = classes or ClassPolicy()
         self._parts = LedgerParts()
         self._reader, self._pin = self._parts.reader, self._parts.pin
         self.backend = backend
         self._take = backend.take  # bound once: a busy step takes pages for many requests
 
+    def bind(self, view: AdmissionView) -> None:
+        super().bind(view)
+        self.best_effort = BestEffort(self.classes, view, view.max_running)
+
     def on_arrival(self, req: Request) -> None:
+        if self.best_effort.arrive(req):
+            return  # best-effort: never in the ledger's books
         # The page need is the engine's own count_pages result, never a client's number.
         self.backend.submit(req.rid, req.count.total)
+
+    def on_requeue(self, req: Request) -> None:
+        if self.best_effort.requeue(req):
+            self.backend.submit(req.rid, req.count.total)  # promoted: strict from now on
+
+    def head(self) -> Request | None:
+        return self.best_effort.head()
 
     def admit(self) -> Iterator[Action]:
         view, backend = self.view, self.backend
@@ -51,12 +70,13 @@ class BankerPolicy(AdmissionPolicy):
         while True:
             if backend.settled():
                 # Idle pages only up to the slack, so the ledger stays safe while the pin waits.
-                yield from self._pin.grow(view, backend, self._slack)
+                yield from self._pin.grow(view, backend, self._slack, self.head())
             room = 1 if view.can_start() else 0
             decisions = self.backend.poll(room)
             admitted = yield from self._apply(decisions)
             if not admitted or not room:
-                return
+                break
+        yield from self.best_effort.admit()
 
     def _slack(self) -> int:
         return max(0, self.view.kv.supply - self.backend.outstanding())
@@ -65,30 +85,39 @@ class BankerPolicy(AdmissionPolicy):
         """Apply decisions in sequence order; returns whether any request was admitted."""
         admitted = False
         for item in self._reader.admissions(self.view, self.backend, decisions, self._pin.forget):
+            self.best_effort.leave_queue(item.req)
             if isinstance(item, Reject):
                 yield item
                 continue
+            yield from self.best_effort.make_room(item.req, item.lease)
             yield Start(item.req, item.lease)
             admitted = True
         return admitted
 
     def on_take(self, req: Request, pages: int) -> None:
-        self._take(req.rid, pages)  # raises if past the reservation: a bug, never absorbed
+        if req.rid not in self.best_effort.running:
+            self._take(req.rid, pages)  # raises if past the reservation: a bug, never absorbed
 
     def on_release(self, req: Request) -> None:
-        self.backend.release(req.rid)
+        if not self.best_effort.released(req):
+            self.backend.release(req.rid)
 
     def on_give_back(self, req: Request, held: int, reserved: int) -> None:
         self.backend.give_back(req.rid, held, reserved)
 
     def end_step(self) -> None:
-        kv = self.view.kv
-        self.backend.set_supply(kv.free, kv.evictable)
+        self.backend.set_supply(*self.view.kv.ledger_supply())  # reclaimable pages included
+        self.best_effort.end_step()
 
     def on_cancel(self, req: Request) -> None:
-        self._parts.cancel(self.backend, req)
+        self.best_effort.leave_queue(req)
+        if not req.best_effort:
+            self._parts.cancel(self.backend, req)
 
-    def on_shortage(self, req: Request) -> Preempt | None:
+    def on_shortage(self, req: Request, spared: bool = False) -> Preempt | None:
+        victim = self.best_effort.shortage(req)
+        if victim is not None or spared:
+            return victim
         self._parts.shortage(self.name, self.view, self.backend, req)
 
     def check_integrity(self) -> None:

@@ -61,7 +61,7 @@ class OptimisticPolicy(FifoPolicy):
 class PreemptPolicy(OptimisticPolicy):
     name = "preempt"
 
-    def on_shortage(self, req: Request) -> Preempt | None:
+    def on_shortage(self, req: Request, spared: bool = False) -> Preempt | None:
         running = self.view.running
         return Preempt(running[next(reversed(running))])  # the most recently admitted
 
@@ -73,7 +73,7 @@ class NoEvictPolicy(FifoPolicy):
         claims = sum(r.worst - groups.held(r) for r in self.view.running.values())
         return claims + req.count.total <= self.view.kv.supply
 
-    def on_shortage(self, req: Request) -> Preempt | None:
+    def on_shortage(self, req: Request, spared: bool = False) -> Preempt | None:
         raise InvariantBreach(
             f"no-evict request {req.rid!r} could not grow: it holds {req.held} of its "
             f"{req.count.total} pages and supply is {self.view.kv.supply}"
@@ -104,7 +104,7 @@ class RatioPolicy(FifoPolicy):
         expected = sum(max(0, self._estimate(r) - groups.held(r)) for r in running)
         return expected + self._estimate(req) - hit <= self.view.kv.supply - idle
 
-    def on_shortage(self, req: Request) -> Preempt | None:
+    def on_shortage(self, req: Request, spared: bool = False) -> Preempt | None:
         running = self.view.running.values()
         victim = min(running, key=lambda r: (len(r.output), -r.admitted_at))
         self.ratio = self.INITIAL

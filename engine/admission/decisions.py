@@ -96,15 +96,16 @@ class HeadPin:
         view: AdmissionView,
         backend: AdmissionBackend,
         budget: Callable[[], int],
+        head: Request | None,
         sole_costs: bool = False,
     ) -> Generator[Action, None, list[int]]:
         """Pin more of the head's hit (a `Pin` the scheduler carries out) and, when the pin
         changed, report the pool's supply and the hit: pinned pages are held, so the hit has no
         idle part, and no running request counts one as its own any more, so no sole part.
         Returns the pages pinned now (empty when nothing changed)."""
-        if not view.waiting or not view.waiting[0].cacheable:
+        if head is None or not head.cacheable:
             return []
-        head, kv = view.waiting[0], view.kv
+        kv = view.kv
         allowed = budget()
         if (head.rid, kv.index_version, allowed) == self._at:
             return []
@@ -115,7 +116,7 @@ class HeadPin:
         if pinned == self._reported.get(head.rid, 0):
             return []
         self._reported[head.rid] = pinned
-        backend.set_supply(kv.free, kv.evictable)
+        backend.set_supply(*kv.ledger_supply())
         backend.report_hits({head.rid: Hit(pinned, 0, 0)})
         return [page for chain in head.pinned.values() for page in chain[depth:]]
 
@@ -148,4 +149,4 @@ class LedgerParts:
 
     @staticmethod
     def check(view: AdmissionView, backend: AdmissionBackend) -> None:
-        backend.check_integrity(view.kv.free, view.kv.evictable)
+        backend.check_integrity(*view.kv.ledger_supply())

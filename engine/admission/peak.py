@@ -36,6 +36,7 @@ from dataclasses import replace
 from kvbank.engine import sequences as groups
 from kvbank.engine.admission.actions import Action, Preempt, Reject, Start
 from kvbank.engine.admission.backend import PeakBackend, embedded
+from kvbank.engine.admission.besteffort import BestEffort
 from kvbank.engine.admission.decisions import LedgerParts
 from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.engine.admission.view import AdmissionView
@@ -43,12 +44,22 @@ from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
 from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, PeakPolicy
 from kvbank.mode import AdmissionMode
+from kvbank.service_class import ClassPolicy
 
 log = logging.getLogger(__name__)
 
 
 class PeakFitPolicy(AdmissionPolicy):
-    def __init__(self, mode: AdmissionMode, backend: PeakBackend | None = None) -> None:
+    honours_classes = True  # best-effort requests run beside strict ones (besteffort.py)
+    spares_head = True
+
+    def __init__(
+        self,
+        mode: AdmissionMode,
+        backend: PeakBackend | None = None,
+        classes: ClassPolicy | None = None,
+    ) -> None:
+        self.classes = classes or ClassPolicy()
         self._parts = LedgerParts()
         self._reader, self._pin = self._parts.reader, self._parts.pin
         self.name = mode.name
@@ -60,6 +71,7 @@ class PeakFitPolicy(AdmissionPolicy):
         # Set when pages changed hands between requests (a shared hit leased, or a co-holder
         # left); the next end_step then counts every request's exclusive pages afresh.
         self._sharing_changed = False
+        self._resumed_at: dict[str, int] = {}  # promoted request -> output when re-shaped
 
     def bind(self, view: AdmissionView) -> None:
         super().bind(view)
@@ -83,12 +95,29 @@ class PeakFitPolicy(AdmissionPolicy):
         budget = view.max_batch_tokens
         self.running_cap = max(1, min(view.max_running, budget - 1))
         self.prefill_rate = max(1, budget - self.running_cap)
+        self.best_effort = BestEffort(self.classes, view, self.running_cap)
 
     # ---- arrivals and admission ----------------------------------------------------------------
 
     def on_arrival(self, req: Request) -> None:
+        if self.best_effort.arrive(req):
+            return  # best-effort: never in the ledger's books
         # The shape is the engine's own count, made once at ingest (kvbank.engine.request).
         self.backend.submit(req.rid, req.count.total, shape=req.peak_shape)
+
+    def on_requeue(self, req: Request) -> None:
+        if self.best_effort.requeue(req):
+            # Promoted to strict for the rest of its life. The shape made at ingest would start
+            # its curve below the output it already has: it is re-made from where it is (its
+            # output counted as prompt, progress reported from there), or left out.
+            shape = self.best_effort.resumed_shape(req)
+            if shape is not None:
+                req.peak_shape = shape
+                self._resumed_at[req.rid] = len(req.output)
+            self.backend.submit(req.rid, req.count.total, shape=shape)
+
+    def head(self) -> Request | None:
+        return self.best_effort.head()
 
     def _prefill_bound(self, req: Request) -> int:
         """Steps the request's prefill may take if admitted now: every prefill token ahead of
@@ -97,6 +126,10 @@ class PeakFitPolicy(AdmissionPolicy):
         the shared prompt (that step's rest may go to later requests): one step more."""
         ahead = sum(
             groups.prefill_tokens(r) for r in self.view.running.values() if r.rid in self._chunks
+        ) + sum(  # best-effort prompts being computed are served in admission order too
+            r.num_tokens - r.num_computed
+            for r in self.best_effort.running.values()
+            if r.num_tokens - r.num_computed > 1
         )
         own = req.num_tokens if req.group is None else groups.prefill_tokens(req)
         later = 0 if req.group is None else 1
@@ -115,7 +148,9 @@ class PeakFitPolicy(AdmissionPolicy):
         chains = kv.peek(req)
         self._chains[rid] = chains
         return Hit(
-            sum(len(c) for c in chains.values()), kv.idle_pages(chains), kv.sole_pages(chains)
+            sum(len(c) for c in chains.values()),
+            kv.strict_idle_pages(chains),
+            kv.strict_sole_pages(chains),
         )
 
     def _admitted(self, decision: Admitted) -> tuple[Request, int]:
@@ -140,20 +175,27 @@ class PeakFitPolicy(AdmissionPolicy):
                 self._sync_supply()
             rows = self._rows(None) - 1
             yield from self._apply(backend.poll(max(0, self.running_cap - rows)))
+            yield from self.best_effort.admit()
             return
         for decision in backend.admissions(self._peek):
             req, chunks = self._admitted(decision)
-            yield Start(req, self._chains.pop(decision.rid))
+            chains = self._chains.pop(decision.rid)
+            yield from self.best_effort.make_room(req, chains)
+            self.best_effort.leave_queue(req)
+            yield Start(req, chains)
             self._chunks[req.rid] = chunks
             if decision.hit.pages > decision.hit.idle_pages:
                 self._sharing_changed = True
         self._chains.clear()
+        yield from self.best_effort.admit()
 
     # ---- deferred decisions (a sidecar the step does not wait on) -------------------------------
 
     def _pin_head(self) -> Generator[Action, None, None]:
         backend, view = self.backend, self.view
-        new = yield from self._pin.grow(view, backend, backend.headroom, sole_costs=True)
+        new = yield from self._pin.grow(
+            view, backend, backend.headroom, self.best_effort.head(), sole_costs=True
+        )
         if not new:
             return
         # What the new pins cost: idle pages left the supply, and a page one running request
@@ -167,6 +209,7 @@ class PeakFitPolicy(AdmissionPolicy):
     def _apply(self, decisions: list[Decision]) -> Iterator[Action]:
         view = self.view
         for item in self._reader.admissions(view, self.backend, decisions, self._pin.forget):
+            self.best_effort.leave_queue(item.req)
             if isinstance(item, Reject):
                 yield item
                 continue
@@ -176,6 +219,7 @@ class PeakFitPolicy(AdmissionPolicy):
                     f"request {req.rid!r} was admitted beyond the room the engine reported: "
                     f"{len(view.running)} run, the cap is {self.running_cap}"
                 )
+            yield from self.best_effort.make_room(req, item.lease)
             chunks = self._prefill_bound(req)
             self.backend.start(req.rid, chunks)  # before the prompt's pages are taken
             yield Start(req, item.lease)
@@ -186,11 +230,14 @@ class PeakFitPolicy(AdmissionPolicy):
     # ---- pages ---------------------------------------------------------------------------------
 
     def on_take(self, req: Request, pages: int) -> None:
-        self.backend.take(req.rid, pages)
+        if req.rid not in self.best_effort.running:
+            self.backend.take(req.rid, pages)
 
     def on_release(self, req: Request) -> None:
         self._chunks.pop(req.rid, None)
-        self.backend.release(req.rid)
+        self._resumed_at.pop(req.rid, None)
+        if not self.best_effort.released(req):
+            self.backend.release(req.rid)
         if any(r.hit_pages for r in self.view.running.values()):
             self._sharing_changed = True
 
@@ -203,7 +250,10 @@ class PeakFitPolicy(AdmissionPolicy):
         """Report every running request's progress, then close the step in the ledger."""
         view, backend = self.view, self.backend
         recount, self._sharing_changed = self._sharing_changed, False
+        best_effort = self.best_effort.running
         for req in view.running.values():
+            if req.rid in best_effort:
+                continue  # not the ledger's
             chunks = self._chunks.get(req.rid)
             if chunks is not None:  # in prefill: the bound counts down, progress or not
                 if groups.prefilled(req):
@@ -226,7 +276,8 @@ class PeakFitPolicy(AdmissionPolicy):
                 lay.name: lay.tokens_at(req.num_computed, len(req.prompt)) for lay in req.layout
             }
             exclusive = view.kv.exclusive_pages(req) if recount else None
-            backend.advance(req.rid, len(req.output), written, chunks or 0, exclusive)
+            produced = len(req.output) - self._resumed_at.get(req.rid, 0)
+            backend.advance(req.rid, produced, written, chunks or 0, exclusive)
         self._sync_supply()
         stalled = backend.end_step()
         if stalled:
@@ -238,6 +289,7 @@ class PeakFitPolicy(AdmissionPolicy):
             )
 
         self.stalled_steps = backend.stalled_steps()
+        self.best_effort.end_step()
 
     def _rows(self, req: Request | None) -> int:
         """Decode rows once `req` (None: a lone request) runs beside the running requests (a
@@ -249,13 +301,19 @@ class PeakFitPolicy(AdmissionPolicy):
         return running + (1 if req is None or req.group is None else len(req.group.live()))
 
     def _sync_supply(self) -> None:
-        kv = self.view.kv
-        self.backend.set_supply(kv.free, kv.evictable)  # a no-op when the figures are unchanged
+        # Free, and evictable with the reclaimable pages (engine/kv/view.py); a no-op when the
+        # figures are unchanged.
+        self.backend.set_supply(*self.view.kv.ledger_supply())
 
     def on_cancel(self, req: Request) -> None:
-        self._parts.cancel(self.backend, req)
+        self.best_effort.leave_queue(req)
+        if not req.best_effort:
+            self._parts.cancel(self.backend, req)
 
-    def on_shortage(self, req: Request) -> Preempt | None:
+    def on_shortage(self, req: Request, spared: bool = False) -> Preempt | None:
+        victim = self.best_effort.shortage(req)
+        if victim is not None or spared:
+            return victim
         self._parts.shortage(self.name, self.view, self.backend, req)
 
     def check_integrity(self) -> None:

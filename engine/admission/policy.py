@@ -21,6 +21,12 @@ class AdmissionPolicy:
     # Whether eviction takes the waiting head's cached hit only after every other idle page
     # (a policy that pins the head's hit has no need).
     protects_head: bool = True
+    # Whether a shortage preempts before it evicts the waiting head's cached hit (the grow is
+    # tried sparing those pages first; `on_shortage(req, spared=True)` may then return None).
+    spares_head: bool = False
+    # Whether best-effort requests run as such (engine/admission/besteffort.py); a policy that
+    # does not honour classes runs every request as strict.
+    honours_classes: bool = False
     view: AdmissionView
 
     def bind(self, view: AdmissionView) -> None:
@@ -38,10 +44,19 @@ class AdmissionPolicy:
         the scheduler carries it out before the policy resumes."""
         raise NotImplementedError
 
-    def on_shortage(self, req: Request) -> Preempt | None:
-        """`req` cannot get the pages for its next row. Return a running request to preempt
-        (possibly `req` itself) and the scheduler retries; None: `req` sits this step out."""
+    def head(self) -> Request | None:
+        """The waiting request whose cached hit eviction takes last (the FIFO head)."""
+        return self.view.waiting[0] if self.view.waiting else None
+
+    def on_shortage(self, req: Request, spared: bool = False) -> Preempt | None:
+        """`req` cannot get the pages for its next row (with `spared`, without the waiting
+        head's cached pages). Return a running request to preempt (possibly `req` itself) and
+        the scheduler retries; None: `req` sits this step out (with `spared`: the scheduler
+        tries again, taking the head's pages)."""
         return None
+
+    def on_requeue(self, req: Request) -> None:
+        """A preempted request waits again (after its `on_release`)."""
 
     def on_take(self, req: Request, pages: int) -> None:
         """A running request allocated `pages` new pages."""

@@ -13,23 +13,24 @@ from kvbank.engine.admission.baselines import BASELINES
 from kvbank.engine.admission.peak import PeakFitPolicy
 from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.mode import BANKER, LEDGER_MODES, AdmissionMode
+from kvbank.service_class import ClassPolicy
 
-PolicyFactory = Callable[[AdmissionBackend | None], AdmissionPolicy]
+PolicyFactory = Callable[[AdmissionBackend | None, ClassPolicy], AdmissionPolicy]
 
 
 def _ledger(mode: AdmissionMode) -> PolicyFactory:
-    def make(backend: AdmissionBackend | None) -> AdmissionPolicy:
+    def make(backend: AdmissionBackend | None, classes: ClassPolicy) -> AdmissionPolicy:
         if mode == BANKER:
             if backend is None:
                 raise ValueError("the banker policy needs an admission backend")
-            return BankerPolicy(backend)
-        return PeakFitPolicy(mode, cast("PeakBackend | None", backend))
+            return BankerPolicy(backend, classes)
+        return PeakFitPolicy(mode, cast("PeakBackend | None", backend), classes)
 
     return make
 
 
 def _baseline(cls: type[AdmissionPolicy]) -> PolicyFactory:
-    return lambda backend: cls()
+    return lambda backend, classes: cls()
 
 
 # The banker first (the design), then the baselines, then the ledger's other modes.
@@ -40,14 +41,18 @@ POLICIES: dict[str, PolicyFactory] = {
 }
 
 
-def make_policy(name: str, backend: AdmissionBackend | None = None) -> AdmissionPolicy:
+def make_policy(
+    name: str, backend: AdmissionBackend | None = None, classes: ClassPolicy | None = None
+) -> AdmissionPolicy:
+    """The policy `name`; `classes` are the pool's class settings, for the policies that honour
+    classes (engine/admission/besteffort.py)."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(
             f"unknown admission policy {name!r}; choose one of {', '.join(POLICIES)}"
         ) from None
-    return factory(backend)
+    return factory(backend, classes or ClassPolicy())
 
 
 def policy_names() -> list[str]:

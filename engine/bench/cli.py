@@ -21,6 +21,7 @@ from kvbank.engine.bench.plot import check_target, plot
 from kvbank.engine.bench.scenario import Scenario, ScenarioError, load_scenario
 from kvbank.engine.bench.simulate import RunResult, run_policy
 from kvbank.mode import LEDGER_MODE_NAMES
+from kvbank.service_class import ClassPolicy, Estimate, Victim
 
 __all__ = ["add_arguments", "plot", "render_table", "run"]
 
@@ -93,6 +94,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "banker+backfill, peak -> peak+backfill)",
     )
     parser.add_argument(
+        "--victim",
+        choices=[v.value for v in Victim],
+        default=Victim.NEWEST.value,
+        help="which best-effort request a shortage preempts (kvbank's policies)",
+    )
+    parser.add_argument(
+        "--estimate",
+        choices=[e.value for e in Estimate],
+        default=Estimate.LEARNED.value,
+        help="how a best-effort admission estimates its output (kvbank's policies)",
+    )
+    parser.add_argument(
         "--sidecar",
         metavar="ADDR",
         help="keep the ledger in the sidecar at ADDR instead of in-process (banker, peak, "
@@ -137,8 +150,19 @@ def run(args: argparse.Namespace) -> int:
         if target and (problem := check_target(Path(target))) is not None:
             print(f"kvbank bench: {problem}", file=sys.stderr)
             return 2
+    classes = ClassPolicy(
+        victim=Victim(getattr(args, "victim", Victim.NEWEST)),
+        estimate=Estimate(getattr(args, "estimate", Estimate.LEARNED)),
+    )
     results = [
-        run_policy(scenario, name, args.debug, True, _backend(args.sidecar, name, scenario))
+        run_policy(
+            scenario,
+            name,
+            args.debug,
+            True,
+            _backend(args.sidecar, name, scenario),
+            classes=classes,
+        )
         for name in policies
     ]
     if args.json:

@@ -94,16 +94,20 @@ class RowObserver:
         self.runner.release(rid)
 
 
-def admission_by_class(classes: Iterable[RequestClass], baseline: bool) -> dict[str, str]:
-    """How the policy admitted each class, said plainly: kvbank's own policies have no
-    best-effort admission yet and admit such a class by the strict test; the baselines admit
-    every class alike, as the engines they stand for would."""
+def admission_by_class(
+    classes: Iterable[RequestClass], baseline: bool, honours: bool = True
+) -> dict[str, str]:
+    """How the policy admitted each class, said plainly: the baselines admit every class alike,
+    as the engines they stand for would; kvbank's policies that honour classes admit best-effort
+    requests as such (engine/admission/besteffort.py), the banker policy as strict."""
     if baseline:
         return {c.name: f"{c.service_class.value}, ignored by this baseline" for c in classes}
     return {
         c.name: "strict"
         if c.service_class is ServiceClass.STRICT
-        else "best-effort, admitted as strict (kvbank has no best-effort admission yet)"
+        else "best-effort"
+        if honours
+        else "best-effort, admitted as strict (this policy has no best-effort admission)"
         for c in classes
     }
 

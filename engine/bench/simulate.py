@@ -22,6 +22,7 @@ from kvbank.engine.bench.workload import Arrivals, RequestSpec
 from kvbank.engine.engine import Engine, EngineConfig, RequestRejected
 from kvbank.engine.request import FinishReason
 from kvbank.ledger import InvariantBreach, LedgerError
+from kvbank.service_class import ClassPolicy
 
 DEADLOCK_S = 30.0
 
@@ -53,12 +54,19 @@ def run_policy(
     backend: AdmissionBackend | None = None,
     prepare: Callable[[Engine], None] | None = None,
     after_step: Callable[[], None] | None = None,
+    classes: ClassPolicy | None = None,
 ) -> RunResult:
     """`backend` replaces the embedded ledger (kvbank.sidecar.backend for a sidecar);
     `prepare` sees the engine before the first request, `after_step` runs after every step
-    (a benchmark that times the policy, or paces steps in wall time)."""
+    (a benchmark that times the policy, or paces steps in wall time); `classes` are the pool's
+    class settings (victim rule, output estimate, preemption bound)."""
     config = EngineConfig(
-        scenario.model, scenario.pages, policy=policy, host_pages=scenario.host_pages, debug=debug
+        scenario.model,
+        scenario.pages,
+        policy=policy,
+        host_pages=scenario.host_pages,
+        classes=classes or ClassPolicy(),
+        debug=debug,
     )
     runner = VirtualRunner(scenario.cost, seed=scenario.workload.seed)
     tracks: dict[str, Outcome] = {}  # requests in flight
@@ -89,6 +97,7 @@ def run_policy(
                 cls.max_tokens,
                 extra_tokens=dict(cls.fixed_label_tokens or {}),
                 labels=cls.only_labels,
+                service_class=cls.service_class,
             )
         except RequestRejected:
             counts["rejected"] += 1
@@ -178,9 +187,13 @@ def run_policy(
         "max_running": max((r for _, _, r in timeline), default=0),
         "steps": engine.steps,
         "stopped": stop or "finished",
-        # How each class was admitted: said plainly, since kvbank's own policies have no
-        # best-effort admission yet.
-        "admitted_as": admission_by_class(workload.classes, isinstance(engine.policy, FifoPolicy)),
+        # How each class was admitted, said plainly: the baselines and the banker policy run
+        # every request as strict.
+        "admitted_as": admission_by_class(
+            workload.classes,
+            isinstance(engine.policy, FifoPolicy),
+            engine.policy.honours_classes,
+        ),
         **class_metrics(outcomes, workload.classes, clock, _percentile),
         "host_pages": scenario.host_pages,
         "host_pages_saved": engine.kv.host.saved if engine.kv.host else 0,

@@ -22,6 +22,10 @@ Chains = dict[str, list[int]]  # label -> cached pages from the root, all labels
 class KVCache:
     def __init__(self, total_pages: int, page_size: int, host_pages: int = 0) -> None:
         self.pool = PagePool(total_pages)
+        # References by strict requests per page, and the pages with at least one: every other
+        # held page is held by best-effort requests only.
+        self.strict_refs = [0] * total_pages
+        self.strict_held = 0
         self.host = HostTier(host_pages) if host_pages else None
         self.index = PrefixIndex(self.pool, page_size, digests=self.host is not None)
         if self.host is not None:
@@ -48,8 +52,9 @@ class KVCache:
         if not req.cacheable:
             return {}
         limit = req.max_hit_pages
+        tokens = req.keyed_tokens()
         chains = {
-            lay.name: self.index.match(lay.name, req.prompt, limit, (after or {}).get(lay.name, ()))
+            lay.name: self.index.match(lay.name, tokens, limit, (after or {}).get(lay.name, ()))
             for lay in req.layout
         }
         depth = min((len(c) for c in chains.values()), default=0)
@@ -71,7 +76,7 @@ class KVCache:
             return self.pinned_pages(req)
         old_depth = len(next(iter(req.pinned.values()), ()))
         new_depth = len(next(iter(chains.values())))
-        refcount = self.pool.refcount
+        refcount = self.strict_refs  # holders that strict admission counts on
         most = 1 if sole_costs else 0
         depth = old_depth
         while depth < new_depth:
@@ -80,7 +85,7 @@ class KVCache:
                 break
             max_idle -= cost
             for name, chain in chains.items():
-                self.pool.hold(chain[depth])
+                self._hold(chain[depth], req)
                 req.pinned.setdefault(name, []).append(chain[depth])
             depth += 1
         return self.pinned_pages(req)
@@ -93,7 +98,7 @@ class KVCache:
         """Drop pins past the first `keep` pages per label. Not a use: no re-stamp."""
         for chain in req.pinned.values():
             for page in chain[keep:]:
-                self._drop(page)
+                self._drop(page, req)
             del chain[keep:]
         if not keep:
             req.pinned.clear()
@@ -110,7 +115,7 @@ class KVCache:
             have = len(pinned.get(name, ()))
             for position, page in enumerate(chain):
                 if position >= have:
-                    self.pool.hold(page)
+                    self._hold(page, req)
                 table.append(page)
             leased += len(chain)
             self.index.touch(chain)
@@ -141,10 +146,12 @@ class KVCache:
         req: Request,
         positions: int,
         protected: Callable[[], Collection[int]] = frozenset,
+        spare: bool = False,
     ) -> int:
         """Allocate room for `positions` positions, evicting idle cached pages if the free list
-        runs out, the `protected` ones last (asked only when an eviction happens). All or
-        nothing: raises OutOfPages, changing nothing, when supply is short."""
+        runs out, the `protected` ones last (asked only when an eviction happens); with `spare`,
+        never the protected ones (short instead, so a best-effort request can be preempted
+        first). All or nothing: raises OutOfPages, changing nothing, when supply is short."""
         if positions <= req.room:
             return 0
         missing = self.need(req, positions)
@@ -153,8 +160,16 @@ class KVCache:
             return 0
         if missing > self.supply:
             raise OutOfPages(f"request {req.rid!r} needs {missing} pages, supply is {self.supply}")
-        prompt_len = len(req.prompt)
         spared: Collection[int] | None = None
+        if spare and missing > self.pool.free:
+            spared = protected()
+            kept = sum(1 for page in spared if not self.pool.refcount[page])
+            if missing > self.supply - kept:
+                raise OutOfPages(
+                    f"request {req.rid!r} needs {missing} pages; supply is {self.supply}, "
+                    f"{kept} of them cached for the waiting head"
+                )
+        prompt_len = len(req.prompt)
         for lay in req.layout:
             want = pages_for(lay.tokens_at(positions, prompt_len), self.page_size)
             table = req.pages.setdefault(lay.name, [])
@@ -163,7 +178,11 @@ class KVCache:
                     if spared is None:
                         spared = protected()
                     self.index.evict(spared)
-                table.append(self.pool.allocate())
+                page = self.pool.allocate()
+                if not req.best_effort:
+                    self.strict_refs[page] += 1
+                    self.strict_held += 1
+                table.append(page)
         req.held += missing
         req.room = self._room(req)
         return missing
@@ -213,15 +232,16 @@ class KVCache:
             return []
         depth = req.indexed
         limit = req.max_hit_pages
+        tokens = req.keyed_tokens()
         parents = {}
         for lay in req.layout:
             table = req.pages.get(lay.name, [])[:depth]
-            if len(self.index.match(lay.name, req.prompt, depth + 1, table)) > depth:
+            if len(self.index.match(lay.name, tokens, depth + 1, table)) > depth:
                 return []
             parents[lay.name] = self.index.node(table[-1]).digest if table else None
         found: list[dict[str, HostEntry]] = []
         while depth + len(found) < limit:
-            key = self.index.page_key(req.prompt, depth + len(found))
+            key = self.index.page_key(tokens, depth + len(found))
             entries = {name: host.lookup(parent, name, key) for name, parent in parents.items()}
             hits = {name: entry for name, entry in entries.items() if entry is not None}
             if len(hits) < len(entries):
@@ -276,7 +296,7 @@ class KVCache:
         for table in req.pages.values():
             self.index.touch(table)
             for page in table:
-                self._drop(page)
+                self._drop(page, req)
         req.pages = {}
         req.held = 0
         req.room = 0
@@ -304,7 +324,7 @@ class KVCache:
             tail = table[keep:]
             self.index.touch(tail)
             for page in tail:
-                self._drop(page)
+                self._drop(page, req)
             del table[keep:]
             dropped += len(tail)
         req.held -= dropped
@@ -313,10 +333,27 @@ class KVCache:
         req.index_open = False
         return dropped
 
-    def _drop(self, page: int) -> None:
+    def _hold(self, page: int, req: Request) -> None:
+        self.pool.hold(page)
+        if not req.best_effort:
+            refs = self.strict_refs[page]
+            self.strict_refs[page] = refs + 1
+            self.strict_held += not refs
+
+    def _drop(self, page: int, req: Request) -> None:
+        if not req.best_effort:
+            refs = self.strict_refs[page] - 1
+            self.strict_refs[page] = refs
+            self.strict_held -= not refs
         indexed = page in self.index
         if self.pool.drop(page, indexed) and indexed:
             self.index.on_idle(page)
+
+    @property
+    def reclaimable(self) -> int:
+        """Pages held by best-effort requests only: preempting them hands these back at once
+        (as cache, or free), so strict admission counts them as supply."""
+        return self.pool.held - self.strict_held
 
     # ---- integrity -----------------------------------------------------------------------------
 
@@ -326,6 +363,13 @@ class KVCache:
             self.index.check_integrity()
             if self.host is not None:
                 self.host.check_integrity()
+            refs, counts = self.strict_refs, self.pool.refcount
+            strict = sum(1 for r in refs if r)
+            if strict != self.strict_held or any(r > c for r, c in zip(refs, counts, strict=True)):
+                raise InvariantBreach(
+                    f"{strict} pages have a strict holder but the cache counts {self.strict_held}, "
+                    f"or a page has more strict holders than holders"
+                )
 
     def check_request(self, req: Request, deep: bool = False) -> None:
         """No request holds more pages than its worst case; (deep) its count matches its

@@ -4,14 +4,20 @@ pages, what a pin cost, and the supply. Read-only: admission changes the cache o
 decisions the scheduler carries out (engine/admission/actions.py), and never reads a page's
 reference count itself.
 
-The supply is free plus evictable pages. Pages a request class that may be preempted holds
-would join it here as reclaimable supply (what preempting them gives back)."""
+The supply is free plus evictable pages. Strict admission counts one more part, the pages only
+best-effort requests hold (`reclaimable`): preempting those requests hands them back at once, as
+cache or free pages. So the supply the ledger is told (`ledger_supply`) is free plus evictable
+plus reclaimable, and a strict request's hit is idle, or sole, by its strict holders only
+(`strict_idle_pages`, `strict_sole_pages`): leasing a page only best-effort requests hold takes
+it off the reclaimable part, as leasing an idle page takes it off the evictable part. With no
+best-effort request these are exactly the plain figures."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from kvbank.engine.kv.cache import Chains, KVCache
+from kvbank.engine.kv.victims import caches_output
 from kvbank.engine.request import Request
 
 
@@ -19,6 +25,7 @@ class CacheView:
     def __init__(self, kv: KVCache) -> None:
         self._kv = kv
         self._refcount = kv.pool.refcount  # the list itself: it is mutated, never replaced
+        self._strict = kv.strict_refs  # strict holders per page, likewise
         self.page_size = kv.page_size
         self.total_pages = kv.pool.total_pages
 
@@ -33,6 +40,38 @@ class CacheView:
     @property
     def supply(self) -> int:
         return self._kv.supply
+
+    @property
+    def host_pages(self) -> int:
+        """The host tier's capacity in pages (0: none)."""
+        host = self._kv.host
+        return host.capacity if host is not None else 0
+
+    def caches_output(self, req: Request) -> bool:
+        """Whether a preempted request's computed pages stay cached (engine/kv/victims.py)."""
+        return caches_output(req)
+
+    @property
+    def reclaimable(self) -> int:
+        """Pages only best-effort requests hold: preempting them gives these back at once."""
+        return self._kv.reclaimable
+
+    def ledger_supply(self) -> tuple[int, int]:
+        """(free, evictable) as strict admission counts them: the reclaimable pages join the
+        evictable part (both come back on demand, one by eviction, one by preemption)."""
+        kv = self._kv
+        return kv.free, kv.evictable + kv.reclaimable
+
+    def strict_idle_pages(self, chains: Chains) -> int:
+        """Pages of a hit no strict request holds: leasing them takes them off the strict
+        supply (idle ones off the evictable part, best-effort ones off the reclaimable)."""
+        strict = self._strict
+        return sum(1 for chain in chains.values() for page in chain if strict[page] == 0)
+
+    def strict_sole_pages(self, chains: Chains) -> int:
+        """Pages of a hit exactly one strict request holds (see `sole_pages`)."""
+        strict = self._strict
+        return sum(1 for chain in chains.values() for page in chain if strict[page] == 1)
 
     @property
     def index_version(self) -> int:
@@ -61,7 +100,7 @@ class CacheView:
         """Of pages just pinned: how many were idle or held by exactly one request before the
         pin (each costs a page of headroom), and whether any was held by one request (whose
         exclusive count then changed)."""
-        refcount = self._refcount
+        refcount = self._strict  # pins are strict holders; what a best-effort one holds costs
         counts = [refcount[page] for page in pinned]
         return sum(1 for count in counts if count <= 2), any(count == 2 for count in counts)
 

@@ -1,15 +1,17 @@
 """`kvbank serve`'s service-class flags: the pool's default class and how best-effort requests
-are preempted. They build `EngineConfig.classes` (kvbank/service_class.py) on every rank."""
+are admitted and preempted. They build `EngineConfig.classes` (kvbank/service_class.py) on
+every rank."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS, ServiceClass, Victim
+from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS, Estimate, ServiceClass, Victim
 
 CLASSES = tuple(c.value for c in ServiceClass)
 VICTIMS = tuple(v.value for v in Victim)
+ESTIMATES = tuple(e.value for e in Estimate)
 
 
 def add_class_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +38,14 @@ def add_class_arguments(parser: argparse.ArgumentParser) -> None:
         help="which best-effort request a shortage preempts: newest (the most recently "
         "arrived) or cheapest (the least to rebuild after host reload); default: %(default)s",
     )
+    parser.add_argument(
+        "--estimate",
+        default=Estimate.LEARNED.value,
+        metavar="HOW",
+        help="how best-effort admission estimates a request's output: learned (the output "
+        "lengths the pool has seen for its class) or ratio (a decaying share of its budget); "
+        "default: %(default)s",
+    )
 
 
 def class_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -56,7 +66,13 @@ def class_options(args: argparse.Namespace) -> dict[str, Any]:
             f"--victim {str(args.victim)[:40]!r} is not a victim rule; choose "
             f"{' or '.join(VICTIMS)}"
         )
+    if args.estimate not in ESTIMATES:
+        raise ValueError(
+            f"--estimate {str(args.estimate)[:40]!r} is not an output estimate; choose "
+            f"{' or '.join(ESTIMATES)}"
+        )
     return {
+        "estimate": args.estimate,
         "default_class": args.default_class,
         "max_preemptions": args.max_preemptions,
         "victim": args.victim,

@@ -24,7 +24,13 @@ from kvbank.engine.model.loader import DTYPES, load_model
 from kvbank.engine.model.runner import TorchRunner
 from kvbank.engine.model.tokenizer import Tokenizer
 from kvbank.modelpool import DEFAULT_POLICY, KvSlot
-from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS, ClassPolicy, ServiceClass, Victim
+from kvbank.service_class import (
+    DEFAULT_MAX_PREEMPTIONS,
+    ClassPolicy,
+    Estimate,
+    ServiceClass,
+    Victim,
+)
 
 BUILTIN_NAME = "kvbank-builtin"
 KV_LABEL = "kv"  # a decoder writes one KV position per prompt and per output token
@@ -63,12 +69,16 @@ class ServeOptions:
     default_class: str = ServiceClass.STRICT.value
     max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
     victim: str = Victim.NEWEST.value
+    estimate: str = Estimate.LEARNED.value
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def classes(self) -> ClassPolicy:
         return ClassPolicy(
-            ServiceClass(self.default_class), self.max_preemptions, Victim(self.victim)
+            ServiceClass(self.default_class),
+            self.max_preemptions,
+            Victim(self.victim),
+            Estimate(self.estimate),
         )
 
 

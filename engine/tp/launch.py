@@ -234,8 +234,10 @@ def _journal_requests(engine: Any, journal: list[Any]) -> None:
     def add_request(rid: str, prompt: list[int], max_tokens: int | None = None, **kw: Any) -> Any:
         req = add(rid, prompt, max_tokens, **kw)
         siblings = tuple(kw.get("siblings", ()))
-        journal.append(Added(rid, list(prompt), max_tokens, kw.get("sampling"), siblings,
-                             kw.get("service_class")))  # fmt: skip
+        journal.append(
+            Added(rid, list(prompt), max_tokens, kw.get("sampling"), siblings,
+                  kw.get("service_class"))
+        )  # fmt: skip
         return req
 
     def abort_request(rid: str) -> bool:

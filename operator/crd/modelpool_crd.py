@@ -105,11 +105,15 @@ def _best_effort() -> Schema:
                 ),
                 "default": Admission.victim.value,
             },
-            "estimate": enum(
-                ESTIMATES,
-                "how a best-effort request's output is estimated at admission: a decaying "
-                "ratio of its max_tokens, or the lengths the pool has seen (learned)",
-            ),
+            "estimate": {
+                **enum(
+                    ESTIMATES,
+                    "how a best-effort request's output is estimated at admission: from the "
+                    "lengths the pool has seen for its class (learned), or a decaying ratio of "
+                    "its budget",
+                ),
+                "default": Admission.estimate.value,
+            },
         },
         description="how best-effort requests (service_tier flex) are preempted",
     )

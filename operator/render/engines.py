@@ -88,6 +88,8 @@ def class_args(admission: Admission) -> list[str]:
         args += ["--max-preemptions", str(admission.max_preemptions)]
     if admission.victim is not Admission.victim:
         args += ["--victim", admission.victim.value]
+    if admission.estimate is not Admission.estimate:
+        args += ["--estimate", admission.estimate.value]
     return args
 
 

@@ -1,8 +1,8 @@
 """ModelPool `spec.admission`'s service classes and `spec.kv.hostPages` against a real
 kube-apiserver: `kubectl apply` with the chart's CRD and the operator's webhook. The CRD fills
 the defaults and refuses what its schema can say, the webhook refuses what only it can (a vllm
-pool asking for what vLLM would not carry out) and warns about what the engine does not read
-yet, and the operator renders what was admitted into the engine's command."""
+pool asking for what vLLM would not carry out), and the operator renders what was admitted into
+the engine's command."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def test_a_best_effort_pool_is_admitted_with_defaults_and_rendered(cluster: Clus
     assert out.returncode == 0, out.stderr
     stored = cluster.pool(ns, POOL)
     assert stored is not None
-    assert stored["spec"]["admission"]["bestEffort"] == {"maxPreemptions": 2, "victim": "cheapest"}
+    best = stored["spec"]["admission"]["bestEffort"]
+    assert best == {"maxPreemptions": 2, "victim": "cheapest", "estimate": "learned"}
     cluster.accepted(ns, POOL)
     args = engine_args(cluster, ns)
     assert args[args.index("--host-pages") :][:6] == [
@@ -103,12 +104,11 @@ def test_the_webhook_refuses_a_host_tier_and_best_effort_under_vllm(cluster: Clu
     assert out.returncode == 0, out.stderr
 
 
-def test_an_estimate_is_admitted_with_a_warning_kubectl_prints(cluster: Cluster) -> None:
+def test_the_estimate_reaches_the_engine(cluster: Cluster) -> None:
     ns = cluster.namespace("classes-estimate")
-    out = cluster.admin.apply(pool_with(ns, admission={"bestEffort": {"estimate": "learned"}}))
+    out = cluster.admin.apply(pool_with(ns, admission={"bestEffort": {"estimate": "ratio"}}))
     assert out.returncode == 0, out.stderr
-    assert "Warning: spec.admission.bestEffort.estimate (learned) is kept in the spec" in (
-        out.stderr
-    )
-    stored = cluster.pool(ns, POOL)
-    assert stored is not None and stored["spec"]["admission"]["bestEffort"]["estimate"] == "learned"
+    assert "Warning" not in out.stderr
+    cluster.accepted(ns, POOL)
+    args = engine_args(cluster, ns)
+    assert args[args.index("--estimate") + 1] == "ratio"

@@ -152,8 +152,10 @@ def test_bench_json_reports_every_class_for_every_policy(
         assert metrics["max_stall_s"] >= metrics["tpot_p99_s"] > 0
         assert sum(metrics["preemptions_by_class"].values()) == metrics["preemptions"]
     assert preempt["preemptions"] > 0 and preempt["recomputed_tokens"] > 0
-    assert banker["preemptions"] == banker["recomputed_tokens"] == 0
-    assert banker["admitted_as"]["batch"].startswith("best-effort, admitted as strict")
+    # The banker runs batch as best-effort: only it may be preempted, never a strict class.
+    assert banker["preemptions_by_class"]["voice"] == banker["preemptions_by_class"]["plain"] == 0
+    assert banker["recomputed_by_class"]["voice"] == banker["recomputed_by_class"]["plain"] == 0
+    assert banker["admitted_as"] == {"voice": "strict", "batch": "best-effort", "plain": "strict"}
     assert preempt["admitted_as"]["batch"] == "best-effort, ignored by this baseline"
 
 
@@ -165,7 +167,7 @@ def test_the_table_says_how_classes_were_admitted(
     assert main(["bench", "--scenario", str(path), "--policy", "peak+backfill"]) == 0
     out = capsys.readouterr().out
     assert "| goodput/s |" in out and "preempt batch" in out
-    assert "batch best-effort, admitted as strict (kvbank has no best-effort admission yet)" in out
+    assert "admitted as, under peak+backfill: batch best-effort; plain strict; voice strict" in out
 
 
 def test_the_class_plot_shows_pages_held_by_each_class(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from kvbank.engine.serve.command import options_from_args
 from kvbank.engine.serve.stack import ServeOptions
 from kvbank.engine.tp.launch import _journal_requests, rank_command
 from kvbank.modelpool import KvSlot
-from kvbank.service_class import ClassPolicy, ServiceClass, Victim
+from kvbank.service_class import ClassPolicy, Estimate, ServiceClass, Victim
 from tests.http.process import REPO
 
 
@@ -31,14 +31,17 @@ def parse(*argv: str):  # type: ignore[no-untyped-def]
 
 def test_the_defaults_keep_every_request_strict() -> None:
     options = options_from_args(parse())
-    assert options.classes == ClassPolicy(ServiceClass.STRICT, 2, Victim.NEWEST)
+    assert options.classes == ClassPolicy(ServiceClass.STRICT, 2, Victim.NEWEST, Estimate.LEARNED)
 
 
 def test_the_flags_build_the_engines_class_policy() -> None:
     options = options_from_args(
-        parse("--default-class", "best-effort", "--max-preemptions", "0", "--victim", "cheapest")
+        parse("--default-class", "best-effort", "--max-preemptions", "0", "--victim", "cheapest",
+              "--estimate", "ratio")
+    )  # fmt: skip
+    assert options.classes == ClassPolicy(
+        ServiceClass.BEST_EFFORT, 0, Victim.CHEAPEST, Estimate.RATIO
     )
-    assert options.classes == ClassPolicy(ServiceClass.BEST_EFFORT, 0, Victim.CHEAPEST)
 
 
 @pytest.mark.parametrize(
@@ -49,6 +52,8 @@ def test_the_flags_build_the_engines_class_policy() -> None:
         (("--max-preemptions", "-1"), "--max-preemptions must be at least 0"),
         (("--victim", "oldest"), "--victim 'oldest' is not a victim rule; choose newest or "
          "cheapest"),
+        (("--estimate", "oracle"), "--estimate 'oracle' is not an output estimate; choose "
+         "learned or ratio"),
     ],
 )  # fmt: skip
 def test_a_bad_class_flag_is_refused_by_name(argv: tuple[str, ...], message: str) -> None:
@@ -73,13 +78,16 @@ def test_help_shows_each_default() -> None:
     assert "best-effort (may be preempted on a shortage); default: strict" in text
     assert "runs to completion (default: 2)" in text
     assert "after host reload); default: newest" in text
+    assert "a decaying share of its budget); default: learned" in text
 
 
 def test_every_rank_gets_the_class_settings() -> None:
-    options = ServeOptions(default_class="best-effort", max_preemptions=5, victim="cheapest")
+    options = ServeOptions(
+        default_class="best-effort", max_preemptions=5, victim="cheapest", estimate="ratio"
+    )
     command = rank_command(1, 2, "127.0.0.1:1", options, "127.0.0.1", 8000, 5.0)
     sent = ServeOptions(**json.loads(command[command.index("--options") + 1]))
-    assert sent.classes == ClassPolicy(ServiceClass.BEST_EFFORT, 5, Victim.CHEAPEST)
+    assert sent.classes == ClassPolicy(ServiceClass.BEST_EFFORT, 5, Victim.CHEAPEST, Estimate.RATIO)
 
 
 def _engine(default: ServiceClass) -> Engine:

@@ -158,13 +158,20 @@ def test_a_best_effort_pool_serves_untiered_requests_best_effort(
     assert queued(best_effort_pool)[granted] == before[granted] + 1
 
 
-def test_n_sequences_are_one_request_of_the_class_asked(strict_pool: ServeProcess) -> None:
+def test_n_sequences_run_strict_and_the_tier_says_so(strict_pool: ServeProcess) -> None:
+    # A group of sequences is preempted whole or not at all, so the engine runs it strict
+    # whatever it asks: the response says priority, not the flex it asked for.
     before = queued(strict_pool)
     with client_of(strict_pool) as client:
         answer = client.chat.completions.create(
             model=MODEL, messages=HI, max_tokens=2, n=3, service_tier="flex"
         )
-    assert len(answer.choices) == 3 and answer.service_tier == "flex"
+        stream = client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=2, n=2, service_tier="flex", stream=True
+        )
+        tiers = {chunk.service_tier for chunk in stream}
+    assert len(answer.choices) == 3 and answer.service_tier == "priority"
+    assert tiers == {"priority"}
     after = queued(strict_pool)
-    assert after["best-effort"] == before["best-effort"] + 1  # one prompt, its three sequences
-    assert after["strict"] == before["strict"]
+    assert after["strict"] == before["strict"] + 2  # one engine request per prompt
+    assert after["best-effort"] == before["best-effort"]

@@ -19,7 +19,7 @@ from kvbank.modelpool import Admission, parse_modelpool
 from kvbank.operator.admission import Neighbourhood, decide
 from kvbank.operator.render.engines import engine_command
 from kvbank.operator.render.names import RenderSettings
-from kvbank.service_class import ClassPolicy, ServiceClass, Victim
+from kvbank.service_class import ClassPolicy, Estimate, ServiceClass, Victim
 
 SETTINGS = RenderSettings(image="registry.example/kvbank:1.2.3", sidecar_token="t0ken")
 KV = {"pageSize": 16, "pages": 20000, "speculativeTokens": 1}
@@ -41,16 +41,17 @@ class TestParse:
     def test_a_pool_that_names_no_class_is_strict_with_the_engines_defaults(self) -> None:
         admission = parse_modelpool(pool_doc()).admission
         assert admission.classes == ClassPolicy()
-        assert admission.estimate is None
+        assert admission.estimate is Estimate.LEARNED
         assert parse_modelpool(pool_doc()).kv.host_pages == 0
 
     def test_every_field_is_read(self) -> None:
-        best = {"maxPreemptions": 0, "victim": "cheapest", "estimate": "learned"}
+        best = {"maxPreemptions": 0, "victim": "cheapest", "estimate": "ratio"}
         doc = pool_doc(admission={"defaultClass": "best-effort", "bestEffort": best},
                        kv={**KV, "hostPages": 4096})  # fmt: skip
         pool = parse_modelpool(doc)
-        assert pool.admission.classes == ClassPolicy(ServiceClass.BEST_EFFORT, 0, Victim.CHEAPEST)
-        assert pool.admission.estimate == "learned"
+        assert pool.admission.classes == ClassPolicy(
+            ServiceClass.BEST_EFFORT, 0, Victim.CHEAPEST, Estimate.RATIO
+        )
         assert pool.kv.host_pages == 4096
 
     @pytest.mark.parametrize(
@@ -67,7 +68,7 @@ class TestParse:
             ({"bestEffort": {"victim": "oldest"}}, "spec.admission.bestEffort.victim: must be "
              "one of newest, cheapest, got 'oldest'"),
             ({"bestEffort": {"estimate": "oracle"}}, "spec.admission.bestEffort.estimate: must "
-             "be one of ratio, learned, got 'oracle'"),
+             "be one of learned, ratio, got 'oracle'"),
             ({"bestEffort": {"budget": 3}}, "spec.admission.bestEffort.budget: is not a known "
              "field; known: estimate, maxPreemptions, victim"),
             ({"bestEffort": []}, "spec.admission.bestEffort: must be a mapping, got list"),
@@ -87,31 +88,39 @@ class TestParse:
 class TestRender:
     def test_a_pool_that_sets_nothing_keeps_its_command(self) -> None:
         args = args_of(admission={"defaultClass": "strict", "bestEffort": {
-            "maxPreemptions": Admission.max_preemptions, "victim": "newest"}})  # fmt: skip
+            "maxPreemptions": Admission.max_preemptions, "victim": "newest",
+            "estimate": "learned"}})  # fmt: skip
         assert args == args_of()
-        for flag in ("--default-class", "--max-preemptions", "--victim", "--host-pages"):
+        for flag in ("--default-class", "--max-preemptions", "--victim", "--estimate",
+                     "--host-pages"):  # fmt: skip
             assert flag not in args
 
     def test_the_class_settings_and_the_host_tier_reach_kvbank_serve(self) -> None:
-        best = {"maxPreemptions": 5, "victim": "cheapest"}
+        best = {"maxPreemptions": 5, "victim": "cheapest", "estimate": "ratio"}
         args = args_of(admission={"defaultClass": "best-effort", "bestEffort": best},
                        kv={**KV, "hostPages": 512})  # fmt: skip
         rendered = args[args.index("--host-pages") :]
         assert rendered == ["--host-pages", "512", "--default-class", "best-effort",
-                            "--max-preemptions", "5", "--victim", "cheapest"]  # fmt: skip
+                            "--max-preemptions", "5", "--victim", "cheapest",
+                            "--estimate", "ratio"]  # fmt: skip
 
     def test_the_rendered_command_parses_as_kvbank_serve_does(self) -> None:
         from kvbank import cli
         from kvbank.engine.serve.command import options_from_args
 
         args = args_of(admission={"defaultClass": "best-effort",
-                                  "bestEffort": {"maxPreemptions": 0, "victim": "cheapest"}},
+                                  "bestEffort": {"maxPreemptions": 0, "victim": "cheapest",
+                                                 "estimate": "ratio"}},
                        kv={**KV, "hostPages": 64})[1:]  # fmt: skip
         options = options_from_args(cli.build_parser(args).parse_args(args))
-        assert options.classes == ClassPolicy(ServiceClass.BEST_EFFORT, 0, Victim.CHEAPEST)
+        assert options.classes == ClassPolicy(
+            ServiceClass.BEST_EFFORT, 0, Victim.CHEAPEST, Estimate.RATIO
+        )
         assert options.host_pages == 64
 
-    @pytest.mark.parametrize("flag", ["--victim=cheapest", "--host-pages", "--default-class"])
+    @pytest.mark.parametrize(
+        "flag", ["--victim=cheapest", "--host-pages", "--default-class", "--estimate"]
+    )
     def test_engine_args_may_not_set_a_rendered_flag(self, flag: str) -> None:
         with pytest.raises(SpecError, match=f"sets {flag.split('=')[0]}, which the operator"):
             parse_deployment(pool_doc(engine={"args": [flag]}))
@@ -143,7 +152,7 @@ class TestVllm:
         assert message in str(error)
 
     def test_the_defaults_as_the_crd_fills_them_pass(self) -> None:
-        best = {"maxPreemptions": 2, "victim": "newest"}
+        best = {"maxPreemptions": 2, "victim": "newest", "estimate": "learned"}
         doc = pool_doc(engine=VLLM, admission={"defaultClass": "strict", "bestEffort": best},
                        kv={**KV, "hostPages": 0})  # fmt: skip
         parse_deployment(doc)
@@ -160,12 +169,10 @@ class TestWebhookLogic:
         assert decision.reason == "InvalidSpec"
         assert any("spec.kv.hostPages: is 8" in v for v in decision.violations)
 
-    def test_an_estimate_is_admitted_with_a_warning(self) -> None:
-        doc = pool_doc(admission={"bestEffort": {"estimate": "learned"}})
+    def test_the_class_fields_add_no_warning(self) -> None:
+        doc = pool_doc(admission={"bestEffort": {"estimate": "ratio"}})
         decision = decide(doc, self.AROUND)
-        assert decision.ok
-        assert any("estimate (learned)" in w for w in decision.warnings)
-        assert decide(pool_doc(), self.AROUND).warnings == ()
+        assert decision.ok and decision.warnings == ()
 
 
 def test_kvbank_check_says_the_default_class(tmp_path: Path) -> None:

@@ -2,13 +2,15 @@
 
 A request asks: `flex` for best-effort, `priority` for strict, `auto`, `default` or nothing for
 the pool's default class (`kvbank serve --default-class`). The response says what it got, which
-is not always what it asked: a request whose KV cannot be rebuilt runs strict whatever it asks.
+is not always what it asked: the engine runs a request strict whatever it asks when its KV
+cannot be rebuilt, when it is a group of n > 1 sequences (preempted whole or not at all), or
+when the pool's policy is a baseline that honours no class.
 
 - `flex`: it ran best-effort (it may have been preempted and resumed).
 - `default`: it ran strict because strict is the pool's default and it asked for no tier, so a
   client of a pool that never heard of classes reads what OpenAI's standard tier answers.
 - `priority`: it ran strict for any other reason: it asked for `priority`, or it asked for
-  `flex` (or the pool's default is best-effort) but its KV cannot be rebuilt.
+  `flex` (or the pool's default is best-effort) and the engine ran it strict all the same.
 
 `default` and `priority` make the same promise (admitted by the ledger, never preempted); the
 two names only tell the client whether it was its own choice.
