@@ -78,8 +78,9 @@ class ServeMetrics:
         )
         self.class_requests = Counter(
             "kvbank_class_requests",
-            "requests the engine queued, by the service class it granted (strict whenever a "
-            "request's KV cannot be rebuilt, whatever its service_tier)",
+            "requests the engine queued, by the service class it granted (strict, whatever its "
+            "service_tier, when its KV cannot be rebuilt, it is a group of n > 1 sequences, or "
+            "the policy honours no class)",
             ["service_class"],
             registry=registry,
         )
