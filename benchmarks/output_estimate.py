@@ -10,8 +10,8 @@ estimate (each one must grow past its reservation, and on a full pool be preempt
 much they outgrow it on average. SGLang's decaying ratio depends on the steps since the last
 preemption, so it is shown at both ends: 0.7 (just after one) and its floor 0.1 (long after).
 
-    .venv/bin/python benchmarks/output_estimate.py ../shared/scenarios/voice-and-batch.yaml \\
-        ../shared/scenarios/chat-best-effort.yaml [--lag 32]
+    .venv/bin/python benchmarks/output_estimate.py scenarios/voice-and-batch.yaml \\
+        scenarios/chat-best-effort.yaml [--lag 32]
 """
 
 from __future__ import annotations
