@@ -7,11 +7,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
 import httpx
+import openai
 import pytest
 from starlette.types import ASGIApp
 
@@ -88,6 +89,21 @@ SMALL_POOL = ServeOptions(
 def server(builtin_model_dir: Path) -> Iterator[LiveServer]:
     with live_server(builtin_model_dir) as live:
         yield live
+
+
+@pytest.fixture(scope="module")
+def queued_server(builtin_model_dir: Path) -> Iterator[LiveServer]:
+    """The small pool with room to queue a batch of prompts at once."""
+    with live_server(builtin_model_dir, options=replace(SMALL_POOL, max_waiting=16)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def openai_client(queued_server: LiveServer) -> Iterator[openai.OpenAI]:
+    """The official client against `queued_server`."""
+    url = queued_server.url + "/v1"
+    with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as c:
+        yield c
 
 
 @contextlib.contextmanager

@@ -4,8 +4,6 @@ every field it refuses, refused through it with the field named."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,22 +12,19 @@ import openai
 import pytest
 
 from kvbank.engine.model.tokenizer import Tokenizer
-from tests.http.conftest import SMALL_POOL, LiveServer, live_server
+from tests.http.conftest import LiveServer
 
 MODEL = "kvbank-builtin"
 
 
 @pytest.fixture(scope="module")
-def live(builtin_model_dir: Path) -> Iterator[LiveServer]:
-    # Room to queue a batch of prompts at once.
-    with live_server(builtin_model_dir, options=replace(SMALL_POOL, max_waiting=16)) as server:
-        yield server
+def live(queued_server: LiveServer) -> LiveServer:
+    return queued_server
 
 
 @pytest.fixture(scope="module")
-def client(live: LiveServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
+def client(openai_client: openai.OpenAI) -> openai.OpenAI:
+    return openai_client
 
 
 @pytest.fixture(scope="module")

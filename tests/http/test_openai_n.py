@@ -6,31 +6,26 @@ all n."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.http.conftest import SMALL_POOL, LiveServer, live_server
+from tests.http.conftest import LiveServer
 
 MODEL = "kvbank-builtin"
 CHAT = [{"role": "user", "content": "Name a page"}]
 
 
 @pytest.fixture(scope="module")
-def live(builtin_model_dir: Path) -> Iterator[LiveServer]:
-    with live_server(builtin_model_dir, options=replace(SMALL_POOL, max_waiting=16)) as server:
-        yield server
+def live(queued_server: LiveServer) -> LiveServer:
+    return queued_server
 
 
 @pytest.fixture(scope="module")
-def client(live: LiveServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
+def client(openai_client: openai.OpenAI) -> openai.OpenAI:
+    return openai_client
 
 
 def test_n_seeded_choices_are_distinct_reproducible_and_the_prompt_counts_once(

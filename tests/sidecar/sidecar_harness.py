@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbank.sidecar import server
+from kvbank.sidecar.client import SidecarClient
 
 READY = re.compile(r"serving on [\d.]+:(\d+), metrics (?:[\d.]+:(\d+)|off)")
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,6 +96,29 @@ def spawn_sidecar(
         raise AssertionError(f"the sidecar did not start: {line!r} {err}")
     metrics = int(match.group(2)) if match.group(2) else None
     return proc, int(match.group(1)), metrics
+
+
+def bench_both_ways(
+    bench_args: list[str], sidecar_args: list[str]
+) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str], Any]:
+    """`kvbank bench *bench_args` with the embedded ledger, then again over a real sidecar
+    started with `sidecar_args`; returns both runs and the sidecar's status reply after them."""
+    bench = [sys.executable, "-m", "kvbank.cli", "bench", *bench_args]
+    proc, port, _ = spawn_sidecar(*sidecar_args)
+    try:
+        local = subprocess.run(bench, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        remote = subprocess.run(
+            [*bench, "--sidecar", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=100,
+            cwd=ROOT,
+        )
+        with SidecarClient(f"127.0.0.1:{port}") as client:
+            served = client.status_reply()
+    finally:
+        stop_process(proc)
+    return local, remote, served
 
 
 def stop_process(proc: subprocess.Popen[str], timeout: float = 10.0) -> int:

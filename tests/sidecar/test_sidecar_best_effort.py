@@ -5,14 +5,10 @@ request is submitted to it, and `kvbank bench --sidecar` prints exactly the embe
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from sidecar_harness import ROOT, spawn_sidecar, stop_process
-
-from kvbank.sidecar.client import SidecarClient
+from sidecar_harness import bench_both_ways
 
 # Strict voice beside best-effort batch in a tight pool with a host tier: preemptions and
 # promotions happen (the test checks they did).
@@ -47,22 +43,10 @@ def test_bench_over_a_sidecar_gives_the_embedded_json_with_best_effort_requests(
 ) -> None:
     path = tmp_path / "mixed.yaml"
     path.write_text(MIXED)
-    bench = [sys.executable, "-m", "kvbank.cli", "bench", "--scenario", str(path)]
-    bench += ["--policy", policy, "--json", "--victim", victim]
-    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--debug", "--policy", policy)
-    try:
-        local = subprocess.run(bench, capture_output=True, text=True, timeout=60, cwd=ROOT)
-        remote = subprocess.run(
-            [*bench, "--sidecar", f"127.0.0.1:{port}"],
-            capture_output=True,
-            text=True,
-            timeout=100,
-            cwd=ROOT,
-        )
-        with SidecarClient(f"127.0.0.1:{port}") as client:
-            served = client.status_reply()
-    finally:
-        stop_process(proc)
+    local, remote, served = bench_both_ways(
+        ["--scenario", str(path), "--policy", policy, "--json", "--victim", victim],
+        ["--metrics-port", "-1", "--debug", "--policy", policy],
+    )
     assert local.returncode == 0 and remote.returncode == 0, remote.stderr
     embedded, sidecar = json.loads(local.stdout)[0], json.loads(remote.stdout)[0]
     assert sidecar == embedded

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from engine_run import SCENARIOS, run, scenario
-from sidecar_harness import ROOT, spawn_sidecar, stop_process
+from sidecar_harness import bench_both_ways, spawn_sidecar, stop_process
 
 from kvbank.engine.admission.backend import embedded
 from kvbank.sidecar.backend import SidecarBackend
@@ -118,22 +116,10 @@ def test_an_engine_asking_for_another_policy_than_the_sidecar_runs_is_refused() 
 @pytest.mark.parametrize("policy", ["banker", "peak"])
 def test_kvbank_bench_with_a_sidecar_prints_the_embedded_figures(policy: str) -> None:
     scenario_file = str(SCENARIOS / "shared-prefix.yaml")
-    bench = [sys.executable, "-m", "kvbank.cli", "bench", "--scenario", scenario_file]
-    bench += ["--policy", policy, "--json"]
-    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--policy", policy)
-    try:
-        local = subprocess.run(bench, capture_output=True, text=True, timeout=60, cwd=ROOT)
-        remote = subprocess.run(
-            [*bench, "--sidecar", f"127.0.0.1:{port}"],
-            capture_output=True,
-            text=True,
-            timeout=100,
-            cwd=ROOT,
-        )
-        with SidecarClient(f"127.0.0.1:{port}") as client:
-            served = client.status_reply()
-    finally:
-        stop_process(proc)
+    local, remote, served = bench_both_ways(
+        ["--scenario", scenario_file, "--policy", policy, "--json"],
+        ["--metrics-port", "-1", "--policy", policy],
+    )
     assert local.returncode == 0 and remote.returncode == 0, remote.stderr
     assert json.loads(remote.stdout) == json.loads(local.stdout)
     assert json.loads(local.stdout)[0]["completed"] == 32
