@@ -110,15 +110,12 @@ class BankerPolicy(AdmissionPolicy):
         self.best_effort.end_step()
 
     def on_cancel(self, req: Request) -> None:
-        self.best_effort.leave_queue(req)
-        if not req.best_effort:
-            self._parts.cancel(self.backend, req)
+        self._parts.cancel(self.backend, self.best_effort, req)
 
     def on_shortage(self, req: Request, spared: bool = False) -> Preempt | None:
-        victim = self.best_effort.shortage(req)
-        if victim is not None or spared:
-            return victim
-        self._parts.shortage(self.name, self.view, self.backend, req)
+        return self._parts.shortage(
+            self.name, self.view, self.backend, self.best_effort, req, spared
+        )
 
     def check_integrity(self) -> None:
         self._parts.check(self.view, self.backend)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import NoReturn
 
-from kvbank.engine.admission.actions import Action, Pin, Reject
+from kvbank.engine.admission.actions import Action, Pin, Preempt, Reject
 from kvbank.engine.admission.backend import AdmissionBackend
+from kvbank.engine.admission.besteffort import BestEffort
 from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
@@ -130,7 +130,11 @@ class LedgerParts:
         self.reader = DecisionReader()
         self.pin = HeadPin()
 
-    def cancel(self, backend: AdmissionBackend, req: Request) -> None:
+    def cancel(self, backend: AdmissionBackend, best_effort: BestEffort, req: Request) -> None:
+        """A waiting request left: a best-effort one only the engine's queue knew of."""
+        best_effort.leave_queue(req)
+        if req.best_effort:
+            return
         self.pin.forget(req.rid)
         # A remote ledger may have admitted it already: the reader releases that admission.
         with contextlib.suppress(UnknownRequest):
@@ -138,9 +142,20 @@ class LedgerParts:
 
     @staticmethod
     def shortage(
-        name: str, view: AdmissionView, backend: AdmissionBackend, req: Request
-    ) -> NoReturn:
-        """A ledger policy never preempts: a request that cannot grow is a broken promise."""
+        name: str,
+        view: AdmissionView,
+        backend: AdmissionBackend,
+        best_effort: BestEffort,
+        req: Request,
+        spared: bool,
+    ) -> Preempt | None:
+        """A request cannot grow: a best-effort victim makes room (None once the head's cached
+        pages were `spared`: the scheduler then retries without sparing them). With no victim
+        left, a request that cannot grow is a broken promise: a ledger policy preempts no
+        strict request."""
+        victim = best_effort.shortage(req)
+        if victim is not None or spared:
+            return victim
         raise InvariantBreach(
             f"request {req.rid!r} could not grow under {name}: it holds {req.held} of its "
             f"{req.count.total} reserved pages, supply is {view.kv.supply}, ledger "
