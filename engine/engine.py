@@ -157,13 +157,13 @@ class Engine:
             self.sched.stats.rejected += 1
             raise RequestRejected(f"request {rid!r}: {refused.message}", refused.param, refused)
         prompt = list(prompt_token_ids)
-        # Fixed label tokens (an image's, an audio window's) cannot be recomputed from the prompt.
-        rebuildable = not any(shape.extra_tokens.values())
-        cls = effective_class(service_class, self.config.classes.default_class, rebuildable)
-        # Best-effort only under a policy that honours classes, and never a group of sequences
-        # (preempted whole or not at all): else it runs as strict, every sequence of it.
-        if siblings or not self.policy.honours_classes:
-            cls = ServiceClass.STRICT if cls is ServiceClass.BEST_EFFORT else cls
+        # Fixed label tokens (an image's, an audio window's) cannot be recomputed from the
+        # prompt; a group of sequences is preempted whole or not at all, so it runs strict, every
+        # sequence of it; and best-effort needs a policy that honours classes.
+        preemptible = (
+            not any(shape.extra_tokens.values()) and not siblings and self.policy.honours_classes
+        )
+        cls = effective_class(service_class, self.config.classes.default_class, preemptible)
         req = build_request(model, rid, prompt, shape, count, sampling, self._arrivals, cls)
         if siblings:
             others = [

@@ -50,10 +50,11 @@ class ClassPolicy:
 
 
 def effective_class(
-    requested: ServiceClass | None, default: ServiceClass, rebuildable: bool
+    requested: ServiceClass | None, default: ServiceClass, preemptible: bool
 ) -> ServiceClass:
     """The class a request runs under: what it asked for (or the pool's default), and strict
-    whenever its KV cannot be rebuilt."""
-    if not rebuildable:
+    whenever it cannot be preempted (its KV cannot be rebuilt, it is a group of sequences, or
+    the policy does not run classes)."""
+    if not preemptible:
         return ServiceClass.STRICT
     return requested if requested is not None else default
