@@ -79,15 +79,16 @@ class Admission:
         """Count a new request and queue it; False (and a refusal noted) when the pool can
         never hold it."""
         shape = RequestShape(request.num_prompt_tokens, request.max_tokens)
-        why = refusal(self.model, shape, self.total_pages)
+        count = count_pages(self.model, shape)
+        why = refusal(self.model, shape, self.total_pages, count)
         if why is not None:
             self.refused.append((request.request_id, why.message))
             return False
-        pages = count_pages(self.model, shape).total
+        pages = count.total
         rid = request.request_id
         self.waiting[rid] = request
         if self.peak:
-            self.backend.submit(rid, pages, shape=peak_shape(self.model, shape))
+            self.backend.submit(rid, pages, shape=peak_shape(self.model, shape, count=count))
         else:
             self.backend.submit(rid, pages)
         return True
