@@ -17,12 +17,14 @@ its books. What the ledger is told keeps strict requests safe whatever best-effo
 A best-effort request is admitted, in arrival order after the strict pass, when its prompt's
 uncached pages fit the pool now (never taking idle pages the waiting strict head will reuse) and
 its prompt plus an estimate of its output (engine/admission/estimate.py) fits what the strict
-reservations leave: free and evictable pages, less what running strict requests may still take
-(reserved minus held) and what running best-effort requests are expected to grow by. Those
-figures are the engine's own, so an embedded ledger, a sidecar's and every tensor-parallel rank
-give the same answer; the test is for throughput only (safety rests on the supply the ledger is
-told). A victim's pages become cache, its output's too (tail first: eviction takes only what the
-shortage needs), and it is requeued under its arrival time. One preempted
+reservations leave while it runs: free and evictable pages, less what running strict requests
+may take in the steps it is expected to run (`strict_growth`: a token a step each, never past
+its reservation; not the whole of what they reserved, which they reach only later) and what
+running best-effort requests are expected to grow by. Those figures are the engine's own, so
+an embedded ledger, a sidecar's and every tensor-parallel rank give the same answer; the test is
+for throughput only (safety rests on the supply the ledger is told). A victim's pages become
+cache, its output's too (tail first: eviction takes only what the shortage needs), and it is
+requeued under its arrival time. One preempted
 `ClassPolicy.max_preemptions` times is promoted: submitted to the ledger (with a shape re-made
 from where it is, `resumed_shape`: the one made at ingest would start its curve below the output
 it already has) and admitted by the strict test for the rest of its life, so every request
@@ -169,27 +171,51 @@ class BestEffort:
         if now > kv.supply - self._head_idle():
             return False
         growth = sum(max(0, self.expected_pages(r) - r.held) for r in self.running.values())
-        running = self.view.running.values()
-        strict = sum(r.worst - groups.held(r) for r in running if r.rid not in self.running)
+        strict = self.strict_growth(self.expected_steps(req))
         left = kv.free + kv.evictable - strict - growth
         return self.expected_pages(req) - hit + idle <= left
+
+    def expected_steps(self, req: Request) -> int:
+        """Steps `req` is expected to run for: one a token of the output it is expected to
+        write, the first sampled in its prefill's last chunk, and its prefill's other chunks
+        (no hit counted)."""
+        chunks = -(-groups.prefill_tokens(req) // self.view.max_batch_tokens)
+        return max(0, chunks - 1) + max(1, self.expected_output(req) - len(req.output))
+
+    def strict_growth(self, steps: int) -> int:
+        """Pages the running strict requests may take while a best-effort request runs for
+        `steps` steps: a token a step each (speculative positions ahead), never past its
+        reservation. Steps count tokens: a row that accepts drafted tokens writes more in a
+        step, and so does the best-effort one. A best-effort request that finishes as expected
+        gives its pages back before strict requests reach the rest of what they reserved; one
+        that runs longer is preempted when they do, so safety never rests on this."""
+        ahead = steps + self.view.model.speculative_tokens
+        taken = 0
+        for r in self.view.running.values():
+            if r.rid in self.running:
+                continue
+            reach = groups.pages_at(r, lambda seq: seq.num_tokens + ahead)
+            taken += max(0, min(r.worst, reach) - groups.held(r))
+        return taken
 
     def _head_idle(self) -> int:
         head = self.head()
         return self.view.kv.idle_pages(self.view.kv.peek(head)) if head is not None else 0
 
-    def expected_pages(self, req: Request) -> int:
-        """Pages the request is expected to reach: its prompt and the estimate of its output,
-        with one step's lookahead."""
-        produced = len(req.output)
+    def expected_output(self, req: Request) -> int:
+        """Output tokens the request is expected to write in all (at least what it has)."""
         estimator: DecayingRatio | LearnedLengths = self.estimator
         if (
             isinstance(estimator, LearnedLengths)
             and estimator.samples(CLASS) < estimator.min_samples
         ):
             estimator = self.warmup
-        out = estimator.expected_output(CLASS, produced, req.max_output)
-        positions = len(req.prompt) + out + self.view.model.speculative_tokens
+        return estimator.expected_output(CLASS, len(req.output), req.max_output)
+
+    def expected_pages(self, req: Request) -> int:
+        """Pages the request is expected to reach: its prompt and the estimate of its output,
+        with one step's lookahead."""
+        positions = len(req.prompt) + self.expected_output(req) + self.view.model.speculative_tokens
         return min(req.worst, req.pages_at(positions))
 
     # ---- shortage ------------------------------------------------------------------------------
