@@ -59,3 +59,14 @@ def drain(engine: Engine, max_steps: int = 5000) -> tuple[dict[str, RequestOutpu
                 finished[out.rid] = out
         most_running = max(most_running, engine.num_running)
     return finished, most_running
+
+
+def finish(engine: Engine, max_steps: int = 500) -> None:
+    """Step until idle, checking the pool's integrity deeply after every step; fails when work
+    is left after `max_steps`."""
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return
+        engine.step()
+        engine.check_integrity(deep=True)
+    raise AssertionError(f"work left after {max_steps} steps")

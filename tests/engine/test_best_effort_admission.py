@@ -6,7 +6,7 @@ budget (the decaying ratio's start, engine/admission/estimate.py)."""
 
 from __future__ import annotations
 
-from engine_builders import tiny_model
+from engine_builders import finish, tiny_model
 
 from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig
@@ -25,15 +25,6 @@ def _strict_running() -> tuple[Engine, Request]:
     return engine, s
 
 
-def _finish(engine: Engine) -> None:
-    for _ in range(500):
-        if not engine.has_work():
-            return
-        engine.step()
-        engine.check_integrity(deep=True)
-    raise AssertionError("did not finish")
-
-
 def test_a_best_effort_request_uses_what_strict_ones_reserved_but_reach_only_later() -> None:
     engine, s = _strict_running()
     best_effort = engine.policy.best_effort  # type: ignore[attr-defined]
@@ -44,7 +35,7 @@ def test_a_best_effort_request_uses_what_strict_ones_reserved_but_reach_only_lat
     assert best_effort.strict_growth(12) == 4
     engine.step()
     assert b.status is Status.RUNNING  # 5 <= 14 - 4; counting s's whole reservation, 5 > 4
-    _finish(engine)
+    finish(engine)
     assert (s.preemptions, b.preemptions, s.finish_reason, b.finish_reason) == (
         0,
         0,
@@ -61,6 +52,6 @@ def test_a_best_effort_request_expected_to_outlast_the_strict_growth_waits() -> 
     assert best_effort.strict_growth(28) == 8
     engine.step()
     assert b.status is Status.WAITING
-    _finish(engine)
+    finish(engine)
     assert (s.preemptions, b.preemptions) == (0, 0)
     assert b.admitted_at > s.admitted_at

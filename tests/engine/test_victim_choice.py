@@ -6,7 +6,7 @@ handed out first). Two best-effort requests run: `a` (8-token prompt, 3 pages af
 
 from __future__ import annotations
 
-from engine_builders import tiny_model
+from engine_builders import finish, tiny_model
 
 from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig
@@ -30,15 +30,6 @@ def _running_pair(victim: Victim) -> tuple[Engine, Request, Request]:
     return engine, a, b
 
 
-def _finish(engine: Engine) -> None:
-    for _ in range(500):
-        if not engine.has_work():
-            return
-        engine.step()
-        engine.check_integrity(deep=True)
-    raise AssertionError("did not finish")
-
-
 def test_newest_preempts_the_latest_arrival_and_keeps_its_full_pages_cached() -> None:
     engine, a, b = _running_pair(Victim.NEWEST)
     c = engine.add_request("c", list(range(60, 64)), 4, service_class=BE)
@@ -51,7 +42,7 @@ def test_newest_preempts_the_latest_arrival_and_keeps_its_full_pages_cached() ->
     assert b.output_cached and engine.kv.peek(b) == {"main": [3, 4, 5, 6, 7]}
     # Requeued under its arrival: ahead of c, which arrived after it but before the preemption.
     assert [r.rid for r in engine.sched.waiting] == ["b", "c"]
-    _finish(engine)
+    finish(engine)
     assert (a.preemptions, b.preemptions, c.preemptions, s.preemptions) == (0, 1, 0, 0)
 
 
@@ -66,7 +57,7 @@ def test_cheapest_preempts_the_request_whose_rebuild_costs_least() -> None:
     assert a.status is Status.WAITING and b.status is Status.RUNNING
     assert s.pages == {"main": [9, *range(10, 21)]}
     assert (engine.kv.free, engine.kv.evictable) == (0, 2)  # a's pages 1 and 2 stay cached
-    _finish(engine)
+    finish(engine)
     assert (a.preemptions, b.preemptions, s.preemptions) == (1, 0, 0)
 
 
@@ -82,7 +73,7 @@ def test_a_request_preempted_max_preemptions_times_runs_as_strict() -> None:
     assert b.preemptions == 1 and b.status is Status.WAITING
     assert not b.best_effort and b.service_class is BE  # promoted; its asked class is kept
     assert b.rid in {r.rid for r in engine.policy.best_effort.strict}  # type: ignore[attr-defined]
-    _finish(engine)
+    finish(engine)
     assert b.preemptions == 1
 
 
@@ -105,5 +96,5 @@ def test_a_group_of_sequences_runs_strict_whatever_its_class() -> None:
     )
     assert not group.best_effort and group.service_class is ServiceClass.STRICT
     s = engine.add_request("s", list(range(100, 140)), 4)
-    _finish(engine)
+    finish(engine)
     assert group.preemptions == s.preemptions == 0
