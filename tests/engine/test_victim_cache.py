@@ -17,7 +17,7 @@ PROMPT = [10, 11, 12, 13, 14, 15, 16, 17]  # two full pages
 OUTPUT = [20, 21, 22, 23, 24, 25, 26, 27, 28]  # nine tokens: the ninth is not yet written
 
 
-def preempted(kv: KVCache):  # type: ignore[no-untyped-def]
+def preempted(kv: KVCache, cache: bool = True):  # type: ignore[no-untyped-def]
     victim = make_request("v", PROMPT, max_tokens=20)
     kv.grow(victim, len(PROMPT))
     victim.num_computed = len(PROMPT)
@@ -26,7 +26,8 @@ def preempted(kv: KVCache):  # type: ignore[no-untyped-def]
     kv.grow(victim, victim.num_tokens)
     victim.num_computed = victim.num_tokens - 1  # the last sampled token is written next step
     assert victim.pages == {"main": [1, 2, 3, 4, 5]}
-    cache_output(kv, victim)
+    if cache:
+        cache_output(kv, victim)
     kv.release(victim)
     return victim
 
@@ -60,13 +61,7 @@ def test_a_shortage_evicts_the_victims_tail_only_and_readmission_reloads_it() ->
 
 def test_without_caching_its_output_only_the_prompt_stays() -> None:
     kv = KVCache(10, 4)
-    victim = make_request("v", PROMPT, max_tokens=20)
-    kv.grow(victim, len(PROMPT))
-    victim.num_computed = len(PROMPT)
-    kv.index_prompt(victim)
-    victim.output = list(OUTPUT)
-    kv.grow(victim, victim.num_tokens)
-    kv.release(victim)
+    victim = preempted(kv, cache=False)
     assert (kv.free, kv.evictable) == (7, 2)
     assert not victim.output_cached and victim.max_hit_pages == 2
 

@@ -92,16 +92,16 @@ def server(builtin_model_dir: Path) -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="module")
-def queued_server(builtin_model_dir: Path) -> Iterator[LiveServer]:
+def live(builtin_model_dir: Path) -> Iterator[LiveServer]:
     """The small pool with room to queue a batch of prompts at once."""
     with live_server(builtin_model_dir, options=replace(SMALL_POOL, max_waiting=16)) as live:
         yield live
 
 
 @pytest.fixture(scope="module")
-def openai_client(queued_server: LiveServer) -> Iterator[openai.OpenAI]:
-    """The official client against `queued_server`."""
-    url = queued_server.url + "/v1"
+def client(live: LiveServer) -> Iterator[openai.OpenAI]:
+    """The official client against `live`."""
+    url = live.url + "/v1"
     with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as c:
         yield c
 

@@ -18,16 +18,6 @@ MODEL = "kvbank-builtin"
 
 
 @pytest.fixture(scope="module")
-def live(queued_server: LiveServer) -> LiveServer:
-    return queued_server
-
-
-@pytest.fixture(scope="module")
-def client(openai_client: openai.OpenAI) -> openai.OpenAI:
-    return openai_client
-
-
-@pytest.fixture(scope="module")
 def tokenizer(builtin_model_dir: Path) -> Tokenizer:
     return Tokenizer(builtin_model_dir)
 

@@ -18,16 +18,6 @@ MODEL = "kvbank-builtin"
 CHAT = [{"role": "user", "content": "Name a page"}]
 
 
-@pytest.fixture(scope="module")
-def live(queued_server: LiveServer) -> LiveServer:
-    return queued_server
-
-
-@pytest.fixture(scope="module")
-def client(openai_client: openai.OpenAI) -> openai.OpenAI:
-    return openai_client
-
-
 def test_n_seeded_choices_are_distinct_reproducible_and_the_prompt_counts_once(
     client: openai.OpenAI,
 ) -> None:
