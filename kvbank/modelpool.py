@@ -270,7 +270,7 @@ def _classes(r: FieldReader, adm: Mapping[str, Any]) -> Classes:
             Admission.default_class,
             Admission.max_preemptions,
             Admission.victim,
-            Estimate.LEARNED,
+            Admission.estimate,
         )
     return ServiceClass(cls), most, Victim(victim), Estimate(estimate)
 

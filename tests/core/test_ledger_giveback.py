@@ -49,6 +49,7 @@ def test_bad_numbers_are_refused_and_change_nothing() -> None:
         ((0, 16, None), "give back 16 reserved pages of which 0 held"),
         ((1, 3, live), "counts 18 worst-case pages but 19 stay reserved"),
         ((1, 4, replace(live, per_output=(5,))), "per_output (5,) rose from (4,)"),
+        ((1, 4, replace(live, labels=("cfg_img",))), "gives back labels ('cfg_img',)"),
         ((-1, 4, None), "held must be a non-negative integer, got -1"),
     ]
     for (held, reserved, shape), words in cases:
