@@ -30,7 +30,9 @@ from kvbank.engine.admission.registry import make_policy
 from kvbank.engine.kv.cache import KVCache
 from kvbank.engine.request import FinishReason, Request, Status, build_request
 from kvbank.engine.runner import ModelRunner, SamplingParams, StepResult, TokenLogprob
+from kvbank.engine.safety import SafetyCheck
 from kvbank.engine.scheduler import Scheduler
+from kvbank.mode import LEDGER_MODE_NAMES, AdmissionMode
 from kvbank.service_class import ClassPolicy, ServiceClass, effective_class
 
 
@@ -89,6 +91,13 @@ class Engine:
         self.sched = Scheduler(
             config.model, self.kv, self.policy, config.max_batch_tokens, config.max_running
         )
+        # The second, independent check of the promise, for the policies that make it.
+        self.safety: SafetyCheck | None = None
+        if config.policy in LEDGER_MODE_NAMES:
+            mode = AdmissionMode.parse(config.policy)
+            self.safety = SafetyCheck(
+                self.kv, config.model, mode.peak, config.max_batch_tokens, config.max_running
+            )
         self.steps = 0
         self.last_result: StepResult | None = None
         self.last_rows = 0
@@ -258,8 +267,18 @@ class Engine:
 
     def check_integrity(self, deep: bool = False) -> None:
         """free + held + cached == usable pages; every running request within its worst case;
-        the ledger safe and agreeing with the pool's supply. Raises InvariantBreach."""
+        the ledger safe and agreeing with the pool's supply; and (`deep`) the second check,
+        recomputed from the pool's raw state (engine/safety.py). Raises InvariantBreach."""
         self.sched.check_integrity(deep)
+        if deep:
+            self.check_safety()
+
+    def check_safety(self) -> None:
+        """The second check alone (engine/safety.py): every running strict request can still
+        get every page it may need, by the pool's raw state. A no-op for the baselines, which
+        promise nothing."""
+        if self.safety is not None:
+            self.safety.check(self.sched.running, self.sched.waiting)
 
 
 def _logprobs(result: StepResult, rid: str) -> list[TokenLogprob]:

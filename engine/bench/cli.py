@@ -88,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--debug", action="store_true", help="deep integrity checks after every step (slower)"
     )
     parser.add_argument(
+        "--check",
+        action="store_true",
+        help="after every step, the second safety check: every running strict request can "
+        "still get every page it may need, recomputed from the pool's raw state "
+        "(kvbank's ledger policies; --debug runs it too)",
+    )
+    parser.add_argument(
         "--backfill",
         action="store_true",
         help="EASY backfill on top of the banker and peak policies named (banker -> "
@@ -162,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             True,
             _backend(args.sidecar, name, scenario),
             classes=classes,
+            check=getattr(args, "check", False),
         )
         for name in policies
     ]

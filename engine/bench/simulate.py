@@ -55,11 +55,13 @@ def run_policy(
     prepare: Callable[[Engine], None] | None = None,
     after_step: Callable[[], None] | None = None,
     classes: ClassPolicy | None = None,
+    check: bool = False,
 ) -> RunResult:
     """`backend` replaces the embedded ledger (kvbank.sidecar.backend for a sidecar);
     `prepare` sees the engine before the first request, `after_step` runs after every step
     (a benchmark that times the policy, or paces steps in wall time); `classes` are the pool's
-    class settings (victim rule, output estimate, preemption bound)."""
+    class settings (victim rule, output estimate, preemption bound); `check` runs the second,
+    independent safety check (engine/safety.py) after every step (`debug` runs it too)."""
     config = EngineConfig(
         scenario.model,
         scenario.pages,
@@ -120,6 +122,8 @@ def run_policy(
             outputs = engine.step()  # in debug mode the engine checks deeply itself
             if not debug:
                 engine.check_integrity()
+                if check:
+                    engine.check_safety()
         except (InvariantBreach, LedgerError) as exc:
             breaches += 1
             stop = f"invariant breach: {exc}"
