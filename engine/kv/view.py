@@ -105,11 +105,16 @@ class CacheView:
         return sum(1 for count in counts if count <= 2), any(count == 2 for count in counts)
 
     def exclusive_pages(self, req: Request) -> int:
-        """Pages only this running request holds. Only pages in the prefix index can be shared
-        (a leased hit, or a prompt page another request leased since), so only those are looked
-        at: O(indexed pages). A group of sequences is one holder: its other sequences' own
-        pages (never indexed, engine/sequences.py) are its too."""
-        refcount = self._refcount
+        """Pages of this running strict request that no other strict request holds: what the
+        ledger's supply gains when it finishes (each becomes free, evictable, or reclaimable if
+        a best-effort request still holds it). Counting every holder instead made a best-effort
+        lease of a strict request's prefix lower its count at the next recount, with the supply
+        unchanged, and broke the peak-fit ledger's invariant (docs/admission.md). Only pages in
+        the prefix index can be shared (a leased hit, or a prompt page another request leased
+        since), so only those are looked at: O(indexed pages). A group of sequences is one
+        holder: its other sequences' own pages (never indexed, engine/sequences.py) are its
+        too."""
+        refcount = self._strict  # strict holders per page: a pin is one, best-effort leases not
         shared = sum(
             1 for table in req.pages.values() for page in table[: req.indexed] if refcount[page] > 1
         )
