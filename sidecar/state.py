@@ -116,11 +116,15 @@ class AdmissionState:
                 f"spec.admission), or run the engine with --policy {self.policy}"
             )
         peak = peak_policy(asked, req.pace if req.HasField("pace") else None)
-        ledger = Ledger(req.total_pages, debug=self.debug, next_seq=req.next_seq, policy=peak)
+        # Restored without the debug check after each: their sum is the engine's claim, checked
+        # once below as input; only then does a breach mean the ledger's own.
+        ledger = Ledger(req.total_pages, next_seq=req.next_seq, policy=peak)
         if req.HasField("supply"):
             ledger.set_supply(req.supply.free, req.supply.evictable)
         restored = [ledger.restore(r.rid, r.reserved, r.held) for r in req.running]
-        ledger.check_integrity()  # the restored promises must fit what the pool reports
+        check_restored(ledger, len(restored))
+        ledger.check_integrity()
+        ledger.debug = self.debug
         # Every check passed: only now does the old session (and its reservations) go.
         if self.session is not None:
             self.metrics.sessions_dropped.inc()
@@ -303,3 +307,18 @@ class AdmissionState:
         for res in snap.running:
             reply.running.add(rid=res.rid, reserved=res.reserved, held=res.held, seq=res.seq)
         return reply
+
+
+def check_restored(ledger: Ledger, count: int) -> None:
+    """Refuse restored promises the pool's reported supply cannot keep. Restored requests count
+    at their worst case (nothing of them returns), so every reading of the ledger comes down to
+    `outstanding <= supply`; past it the engine sent figures no sidecar admitted, which is bad
+    input (INVALID_ARGUMENT), not a breach of the ledger's own promises."""
+    if ledger.outstanding > ledger.supply:
+        raise InvalidPages(
+            f"the {count} restored requests may still take {ledger.outstanding} pages but the "
+            f"pool reports {ledger.supply} (free {ledger.free} + evictable {ledger.evictable}); "
+            f"re-register only what the engine runs, each with the reserved and held pages it "
+            f"was admitted with, and the pool's own supply",
+            "running",
+        )
