@@ -41,6 +41,7 @@ from kvbank.ledger import Admitted, InvalidPages, Ledger, Refused
 from kvbank.mode import AdmissionMode
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.decision_log import DecisionLog
+from kvbank.sidecar.limits import check_open, check_report
 from kvbank.sidecar.metrics import SidecarMetrics
 from kvbank.sidecar.peakpass import (
     OpenPass,
@@ -99,6 +100,7 @@ class AdmissionState:
     # ---- the engine session --------------------------------------------------------------------
 
     def open_session(self, req: pb.OpenSessionRequest) -> pb.OpenSessionReply:
+        check_open(req)
         if self.pool_pages is not None and req.total_pages != self.pool_pages:
             raise PoolMismatch(
                 f"the engine runs a pool of {req.total_pages} pages but this sidecar was "
@@ -165,6 +167,7 @@ class AdmissionState:
                 f"session {req.session} is not open here (current: "
                 f"{s.id if s else 'none'}); open a new session and re-register what runs"
             )
+        check_report(req)
         if req.report_seq == s.report_seq and s.last_reply is not None:
             if req.SerializeToString(deterministic=True) != s.last_request:
                 raise OutOfOrder(
