@@ -5,8 +5,10 @@ them a copy, so a report that fails part way leaves the real ledger as it was.""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
+from kvbank.fields import quote
 from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger, Refused, give_back
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.peakpass import shape_from_wire
@@ -35,60 +37,93 @@ def apply_events(
     decisions: list[Admitted | Refused] = []
     arrived: list[str] = []
     stalled: list[str] = []
-    for event in req.events:
-        kind = event.WhichOneof("kind")
-        if kind == "submit":
-            ev = event.submit
-            if ledger.waiting_count() >= max_waiting:
-                raise QueueFull(
-                    f"submit of {ev.rid[:64]!r}: the queue holds {ledger.waiting_count()} "
-                    f"requests, this sidecar's --max-waiting; the engine must hold requests "
-                    f"back (its --max-waiting below the sidecar's) or the sidecar queue more"
-                )
-            shape = shape_from_wire(ev.rid, ev.shape, ev.pages) if ev.HasField("shape") else None
-            refused = ledger.submit(ev.rid, ev.pages, ev.refusal or None, shape=shape)
-            if refused is not None:
-                decisions.append(refused)
-            else:
-                arrived.append(ev.rid)
-        elif kind == "cancel":
-            ledger.cancel(event.cancel.rid)
-        elif kind == "take":
-            ledger.take(event.take.rid, event.take.pages)
-        elif kind == "release":
-            res = ledger.release(event.release.rid)
-            unapplied.pop(res.seq, None)  # released before applied: its lease never comes
-        elif kind == "supply":
-            pending_idle = sum(unapplied.values())
-            evictable = max(0, event.supply.evictable - pending_idle)
-            check_supply(ledger, event.supply.free, evictable)
-            # Unchanged figures are not a report, as with the embedded ledger: a peak
-            # ledger counts released pages as returning until the next real report.
-            if (event.supply.free, evictable) != (ledger.free, ledger.evictable):
-                ledger.set_supply(event.supply.free, evictable)
-        elif kind == "advance":
-            advance(ledger, event.advance)
-        elif kind == "end_step":
-            stalled += ledger.end_step()
-        elif kind == "start":
-            ledger.start(event.start.rid, event.start.prefill_chunks)
-        elif kind == "exclusive":
-            ledger.set_exclusive(event.exclusive.rid, event.exclusive.pages)
-        elif kind == "give_back":
-            back = event.give_back
-            shape = None
-            if back.HasField("shape"):
-                stays = ledger.reservation(back.rid).reserved - back.reserved
-                shape = shape_from_wire(back.rid, back.shape, stays)
-            give_back(ledger, back.rid, back.held, back.reserved, shape)
-        else:
-            raise InvalidPages(
-                "an event must carry one of submit, cancel, take, release, supply, "
-                "advance, end_step, start, exclusive, give_back"
-            )
-    for step in req.progress:
-        advance(ledger, step)
+    for i, event in enumerate(req.events):
+        with _at(f"events[{i}].{event.WhichOneof('kind')}"):
+            _apply(ledger, event, unapplied, max_waiting, decisions, arrived, stalled)
+    for i, step in enumerate(req.progress):
+        with _at(f"progress[{i}]"):
+            advance(ledger, step)
     return decisions, arrived, stalled
+
+
+@contextmanager
+def _at(where: str) -> Iterator[None]:
+    """Name the event an error came from in the field it carries (`pages` becomes
+    `events[3].take.pages`)."""
+    try:
+        yield
+    except InvalidPages as exc:
+        if exc.field:
+            exc.field = f"{where}.{exc.field}"
+        raise
+
+
+def _apply(
+    ledger: Ledger,
+    event: pb.Event,
+    unapplied: dict[int, int],
+    max_waiting: int,
+    decisions: list[Admitted | Refused],
+    arrived: list[str],
+    stalled: list[str],
+) -> None:
+    """One event: its decision (a refusal at submit), arrival or stalled requests are added to
+    the lists."""
+    kind = event.WhichOneof("kind")
+    if kind == "submit":
+        ev = event.submit
+        if ledger.waiting_count() >= max_waiting:
+            raise QueueFull(
+                f"submit of {quote(ev.rid)}: the queue holds {ledger.waiting_count()} "
+                f"requests, this sidecar's --max-waiting; the engine must hold requests "
+                f"back (its --max-waiting below the sidecar's) or the sidecar queue more"
+            )
+        shape = shape_from_wire(ev.rid, ev.shape, ev.pages) if ev.HasField("shape") else None
+        refused = ledger.submit(ev.rid, ev.pages, ev.refusal or None, shape=shape)
+        if refused is not None:
+            decisions.append(refused)
+        else:
+            arrived.append(ev.rid)
+    elif kind == "cancel":
+        ledger.cancel(event.cancel.rid)
+    elif kind == "take":
+        ledger.take(event.take.rid, event.take.pages)
+    elif kind == "release":
+        res = ledger.release(event.release.rid)
+        unapplied.pop(res.seq, None)  # released before applied: its lease never comes
+    elif kind == "supply":
+        books = ledger.books
+        books.check_pages(event.supply.free, "free", bounded=False)
+        books.check_pages(event.supply.evictable, "evictable", bounded=False)
+        # Idle pages of admissions the engine has not applied yet are still evictable in its
+        # count (see kvbank.sidecar.state); they are leased already.
+        evictable = max(0, event.supply.evictable - sum(unapplied.values()))
+        check_supply(ledger, event.supply.free, evictable)
+        # Unchanged figures are not a report, as with the embedded ledger: a peak
+        # ledger counts released pages as returning until the next real report.
+        if (event.supply.free, evictable) != (ledger.free, ledger.evictable):
+            ledger.set_supply(event.supply.free, evictable)
+    elif kind == "advance":
+        advance(ledger, event.advance)
+    elif kind == "end_step":
+        stalled.extend(ledger.end_step())
+    elif kind == "start":
+        ledger.start(event.start.rid, event.start.prefill_chunks)
+    elif kind == "exclusive":
+        ledger.set_exclusive(event.exclusive.rid, event.exclusive.pages)
+    elif kind == "give_back":
+        back = event.give_back
+        shape = None
+        if back.HasField("shape"):
+            stays = ledger.reservation(back.rid).reserved - back.reserved
+            shape = shape_from_wire(back.rid, back.shape, stays)
+            shape.check(back.rid, stays, ledger.policy)
+        give_back(ledger, back.rid, back.held, back.reserved, shape)
+    else:
+        raise InvalidPages(
+            "an event must carry one of submit, cancel, take, release, supply, "
+            "advance, end_step, start, exclusive, give_back"
+        )
 
 
 def check_supply(ledger: Ledger, free: int, evictable: int) -> None:
@@ -104,20 +139,38 @@ def check_supply(ledger: Ledger, free: int, evictable: int) -> None:
         room = ledger.usable_pages - free - evictable
         raise InvalidPages(
             f"supply free {free} + evictable {evictable} leaves {room} of the pool's "
-            f"{ledger.usable_pages} usable pages held, but request {holder.rid[:64]!r} alone "
+            f"{ledger.usable_pages} usable pages held, but request {quote(holder.rid)} alone "
             f"holds {holder.held}; report the pool's figures after the takes and releases "
             f"before them"
         )
 
 
 def advance(ledger: Ledger, step: pb.Progress) -> None:
-    """One request's progress from the wire, checked for negative counts first."""
-    if min(step.produced, step.chunks_left, *step.tokens_per_label.values()) < 0:
-        raise InvalidPages(
-            f"progress of {step.rid!r}: produced {step.produced}, chunks_left "
-            f"{step.chunks_left} and tokens {dict(step.tokens_per_label)} must be >= 0"
-        )
+    """One request's progress from the wire, checked for negative counts first, and its
+    exclusive pages within what it holds (the timeline checks the rest only for requests it
+    follows, but keeps the count of every request it holds: a restored one's too)."""
     exclusive = step.exclusive if step.HasField("exclusive") else None
+    counts = {
+        "produced": step.produced,
+        "chunks_left": step.chunks_left,
+        "exclusive": exclusive or 0,
+        "tokens_per_label": min(step.tokens_per_label.values(), default=0),
+    }
+    negative = next((name for name, count in counts.items() if count < 0), None)
+    if negative is not None:
+        raise InvalidPages(
+            f"progress of {quote(step.rid)}: produced {step.produced}, chunks_left "
+            f"{step.chunks_left}, exclusive {exclusive} and tokens "
+            f"{quote(dict(step.tokens_per_label))} must be >= 0",
+            negative,
+        )
+    held = ledger.reservation(step.rid).held
+    if exclusive is not None and exclusive > held:
+        raise InvalidPages(
+            f"progress of {quote(step.rid)} reports {exclusive} exclusive pages of the {held} "
+            f"it holds; count only pages it holds and no other holder shares",
+            "exclusive",
+        )
     ledger.advance(
         step.rid, step.produced, dict(step.tokens_per_label) or None, step.chunks_left, exclusive
     )

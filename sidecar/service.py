@@ -11,7 +11,9 @@ status codes the contract promises.
 
 UNAUTHENTICATED (a wrong token) comes from `auth.py`; RESOURCE_EXHAUSTED also comes from gRPC's
 own message-size limit (an oversized message). A failed call changes nothing: the state commits
-a report only when every event in it succeeded.
+a report only when every event in it succeeded. An InvalidPages that names its field sends it as
+the `kvbank-field` trailing metadata; a message is cut at MAX_DETAIL characters, far inside the
+16 KiB a client takes in a status (past it the client sees RESOURCE_EXHAUSTED instead).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvbank.ledger import DuplicateRequest, InvalidPages, InvariantBreach, Unkno
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.decision_log import LogGap
+from kvbank.sidecar.limits import check_id
 from kvbank.sidecar.reports import QueueFull
 from kvbank.sidecar.state import (
     AdmissionState,
@@ -51,11 +54,16 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 )
 _EXPECTED = tuple(kind for kind, _ in _CODES)
 _R = TypeVar("_R")
+MAX_DETAIL = 2000  # characters of an error message sent; each quotes its values bounded already
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     code = next(c for kind, c in _CODES if isinstance(exc, kind))
-    await context.abort(code, str(exc))
+    details = str(exc)
+    if len(details) > MAX_DETAIL:
+        details = details[: MAX_DETAIL - 3] + "..."
+    field = exc.field if isinstance(exc, InvalidPages) else ""
+    await context.abort(code, details, (("kvbank-field", field),) if field else ())
     raise AssertionError("unreachable: abort raises")  # for type checkers
 
 
@@ -130,14 +138,15 @@ class AdmissionService(pb_grpc.AdmissionServicer):
 
 def _follower_id(fid: str) -> str:
     if not fid:
-        raise InvalidPages("follower_id must be a non-empty string")
+        raise InvalidPages("follower_id must be a non-empty string", "follower_id")
+    check_id(fid, "follower_id")
     return fid
 
 
 def _check_from(request: pb.FollowRequest, first: int, next_seq: int) -> None:
     _follower_id(request.follower_id)
     if request.from_seq < 0:
-        raise InvalidPages(f"from_seq must not be negative, got {request.from_seq}")
+        raise InvalidPages(f"from_seq must not be negative, got {request.from_seq}", "from_seq")
     if not first <= request.from_seq <= next_seq:
         raise LogGap(
             f"the log holds decisions {first}..{next_seq - 1}; a follower cannot start at "

@@ -41,6 +41,7 @@ from kvbank.ledger import Admitted, InvalidPages, Ledger, Refused
 from kvbank.mode import AdmissionMode
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.decision_log import DecisionLog
+from kvbank.sidecar.limits import check_open, check_report
 from kvbank.sidecar.metrics import SidecarMetrics
 from kvbank.sidecar.peakpass import (
     OpenPass,
@@ -99,6 +100,7 @@ class AdmissionState:
     # ---- the engine session --------------------------------------------------------------------
 
     def open_session(self, req: pb.OpenSessionRequest) -> pb.OpenSessionReply:
+        check_open(req)
         if self.pool_pages is not None and req.total_pages != self.pool_pages:
             raise PoolMismatch(
                 f"the engine runs a pool of {req.total_pages} pages but this sidecar was "
@@ -116,11 +118,15 @@ class AdmissionState:
                 f"spec.admission), or run the engine with --policy {self.policy}"
             )
         peak = peak_policy(asked, req.pace if req.HasField("pace") else None)
-        ledger = Ledger(req.total_pages, debug=self.debug, next_seq=req.next_seq, policy=peak)
+        # Restored without the debug check after each: their sum is the engine's claim, checked
+        # once below as input; only then does a breach mean the ledger's own.
+        ledger = Ledger(req.total_pages, next_seq=req.next_seq, policy=peak)
         if req.HasField("supply"):
             ledger.set_supply(req.supply.free, req.supply.evictable)
         restored = [ledger.restore(r.rid, r.reserved, r.held) for r in req.running]
-        ledger.check_integrity()  # the restored promises must fit what the pool reports
+        check_restored(ledger, len(restored))
+        ledger.check_integrity()
+        ledger.debug = self.debug
         # Every check passed: only now does the old session (and its reservations) go.
         if self.session is not None:
             self.metrics.sessions_dropped.inc()
@@ -161,6 +167,7 @@ class AdmissionState:
                 f"session {req.session} is not open here (current: "
                 f"{s.id if s else 'none'}); open a new session and re-register what runs"
             )
+        check_report(req)
         if req.report_seq == s.report_seq and s.last_reply is not None:
             if req.SerializeToString(deterministic=True) != s.last_request:
                 raise OutOfOrder(
@@ -303,3 +310,18 @@ class AdmissionState:
         for res in snap.running:
             reply.running.add(rid=res.rid, reserved=res.reserved, held=res.held, seq=res.seq)
         return reply
+
+
+def check_restored(ledger: Ledger, count: int) -> None:
+    """Refuse restored promises the pool's reported supply cannot keep. Restored requests count
+    at their worst case (nothing of them returns), so every reading of the ledger comes down to
+    `outstanding <= supply`; past it the engine sent figures no sidecar admitted, which is bad
+    input (INVALID_ARGUMENT), not a breach of the ledger's own promises."""
+    if ledger.outstanding > ledger.supply:
+        raise InvalidPages(
+            f"the {count} restored requests may still take {ledger.outstanding} pages but the "
+            f"pool reports {ledger.supply} (free {ledger.free} + evictable {ledger.evictable}); "
+            f"re-register only what the engine runs, each with the reserved and held pages it "
+            f"was admitted with, and the pool's own supply",
+            "running",
+        )

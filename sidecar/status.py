@@ -69,19 +69,25 @@ def render(status: pb.StatusReply, limit: int) -> str:
         f"{status.log_first_seq}",
         f"queue     {len(status.waiting)} waiting",
     ]
-    lines += [f"  {w.rid:<24} {w.pages:>8} pages" for w in status.waiting[:limit]]
+    lines += [f"  {_shown(w.rid):<24} {w.pages:>8} pages" for w in status.waiting[:limit]]
     if len(status.waiting) > limit:
         lines.append(f"  ... {len(status.waiting) - limit} more")
     lines.append(f"running   {len(status.running)} admitted")
     lines += [
-        f"  {r.rid:<24} seq {r.seq:>6}  reserved {r.reserved:>6}  held {r.held:>6}"
+        f"  {_shown(r.rid):<24} seq {r.seq:>6}  reserved {r.reserved:>6}  held {r.held:>6}"
         for r in status.running[:limit]
     ]
     if len(status.running) > limit:
         lines.append(f"  ... {len(status.running) - limit} more")
     lines.append(f"followers {len(status.followers)}")
-    lines += [f"  {f.follower_id:<24} acked {f.acked_seq}" for f in status.followers]
+    lines += [f"  {_shown(f.follower_id):<24} acked {f.acked_seq}" for f in status.followers]
     return "\n".join(lines)
+
+
+def _shown(name: str) -> str:
+    """An id as the terminal should show it: the engine sent it, so control characters (an
+    escape sequence, a newline faking a row) are written escaped."""
+    return name if name.isprintable() else ascii(name)
 
 
 def run(args: argparse.Namespace) -> int:

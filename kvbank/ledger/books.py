@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvbank.capacity import SINK_PAGES, usable_pages
+from kvbank.fields import quote
 from kvbank.ledger.shape import PeakShape
 from kvbank.ledger.types import (
     DuplicateRequest,
@@ -70,12 +71,12 @@ class Books:
         try:
             return self.running[rid]
         except KeyError:
-            raise UnknownRequest(f"request {rid!r} is not running") from None
+            raise UnknownRequest(f"request {quote(rid)} is not running") from None
 
     def waiting_entry(self, rid: str) -> Waiting:
         waiting = self.waiting.get(rid)
         if waiting is None:
-            raise UnknownRequest(f"request {rid!r} is not waiting")
+            raise UnknownRequest(f"request {quote(rid)} is not waiting")
         return waiting
 
     def take_supply(self, pages: int) -> None:
@@ -120,7 +121,7 @@ class Books:
         for res in self.running.values():
             if res.held > res.reserved:
                 raise InvariantBreach(
-                    f"request {res.rid!r} holds {res.held} pages but reserved {res.reserved}"
+                    f"request {quote(res.rid)} holds {res.held} pages but reserved {res.reserved}"
                 )
             total += res.reserved - res.held
         if total != self.outstanding:
@@ -136,21 +137,21 @@ class Books:
             raise InvariantBreach(
                 f"outstanding {self.outstanding} pages exceed supply {self.supply} (free "
                 f"{self.free} + evictable {self.evictable}); largest claim: "
-                f"{worst.rid if worst else '-'!r} with "
+                f"{quote(worst.rid if worst else '-')} with "
                 f"{(worst.reserved - worst.held) if worst else 0} pages still to take"
             )
 
     def check_new(self, rid: str) -> None:
         if not isinstance(rid, str) or not rid:
-            raise InvalidPages(f"a request id must be a non-empty string, got {rid!r}")
+            raise InvalidPages(f"a request id must be a non-empty string, got {quote(rid)}", "rid")
         if rid in self.waiting or rid in self.running:
-            raise DuplicateRequest(f"request {rid!r} is already known")
+            raise DuplicateRequest(f"request {quote(rid)} is already known")
 
     def check_pages(self, pages: int, name: str, bounded: bool = True) -> None:
         if isinstance(pages, bool) or not isinstance(pages, int) or pages < 0:
-            raise InvalidPages(f"{name} must be a non-negative integer, got {pages!r}")
+            raise InvalidPages(f"{name} must be a non-negative integer, got {quote(pages)}", name)
         if bounded and pages > self.total_pages:
-            raise InvalidPages(f"{name}={pages} exceeds the pool's {self.total_pages} pages")
+            raise InvalidPages(f"{name}={pages} exceeds the pool's {self.total_pages} pages", name)
 
     def check_hit(self, hit: Hit, pages: int) -> None:
         if not 0 <= hit.idle_pages <= hit.pages <= pages:

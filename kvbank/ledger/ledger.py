@@ -165,11 +165,8 @@ class Ledger:
         books = self.books
         books.check_new(rid)
         books.check_pages(pages, "pages", bounded=False)
-        if shape is not None and shape.pages != pages:
-            raise InvalidPages(
-                f"request {rid!r}: its shape counts {shape.pages} worst-case pages but "
-                f"{pages} were given; build both from the same count_pages"
-            )
+        if shape is not None:
+            shape.check(rid, pages, self.policy)
         if pages > books.usable_pages:
             advice = f"lower max_tokens or raise the pool to at least {pages + SINK_PAGES} pages"
             message = refusal or refusal_message(pages, books.usable_pages, advice)

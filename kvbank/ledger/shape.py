@@ -27,14 +27,30 @@ Why this keeps the promise, and where each assumption is kept: docs/admission.md
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from kvbank.capacity import CapacityModel, PageCount, RequestShape, label_growth, pages_for
+from kvbank.fields import quote
+from kvbank.ledger.types import InvalidPages
+from kvbank.modelpool import MAX_LABELS
+
+if TYPE_CHECKING:
+    from kvbank.ledger.policy import PeakPolicy
 
 Steps = npt.NDArray[np.int64]
 NEVER = 1 << 40  # the finish step of a request whose progress the ledger is not told
+# What keeps the timeline's int64 arithmetic exact. A curve is evaluated at steps below
+# 4 x NEVER (a start at a finish, then up to NEVER prefill steps and NEVER output steps), so a
+# label that grows by at most MAX_STEP_TOKENS a step stays below 2^62 tokens there, with room
+# for its own tokens (below MAX_TOKENS). An honest shape is far inside both: a ModelPool label
+# writes at most 64 tokens per output token, for at most 16 sequences and 65 positions a step
+# (about 2^16), and a pool of at most 2^24 pages of 1024 tokens holds 2^34 tokens.
+MAX_STEP_TOKENS = (1 << 62) // (4 * NEVER)
+MAX_TOKENS = 1 << 40
+MAX_LABEL_CHARS = 63  # a ModelPool's kvSlots label (kvbank/modelpool.py)
 
 
 @dataclass(frozen=True)
@@ -52,16 +68,98 @@ class PeakShape:
     labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        """What holds for any shape, whoever made it: one entry per label, and counts whose
+        finish step fits the timeline (`check` adds what a request's pages and the ledger's
+        policy say)."""
         n = len(self.base)
         if not n or len(self.per_output) != n or len(self.worst) != n:
-            raise ValueError(
-                f"a shape needs the same number (>= 1) of labels in base {self.base}, "
-                f"per_output {self.per_output} and worst {self.worst}"
+            raise InvalidPages(
+                f"a shape needs the same number (>= 1) of labels in base {quote(self.base)}, "
+                f"per_output {quote(self.per_output)} and worst {quote(self.worst)}",
+                "shape.base",
             )
-        if self.output_budget < 0 or self.prefill_chunks < 0 or self.pages < 0:
-            raise ValueError(
-                f"output_budget {self.output_budget}, prefill_chunks {self.prefill_chunks} and "
-                f"pages {self.pages} must be non-negative"
+        if self.pages < 0:
+            raise InvalidPages(f"a shape's pages must be non-negative, got {self.pages}", "pages")
+        for name in ("output_budget", "prefill_chunks"):
+            value = getattr(self, name)
+            if not 0 <= value <= NEVER:
+                raise InvalidPages(
+                    f"a shape's {name} {value} must be from 0 to {NEVER} (the step past which "
+                    f"the ledger counts a request as never finishing)",
+                    f"shape.{name}",
+                )
+
+    def check(self, rid: str, pages: int, policy: PeakPolicy | None) -> None:
+        """Raise InvalidPages, naming the field, unless this can be the engine's own shape of a
+        request of `pages` worst-case pages under `policy`: labels within a ModelPool's, base
+        within worst, and, for a ledger that follows progress, each label's worst tokens filling
+        exactly `pages` pages between them (`ceil(worst / page_size)` summed, as count_pages
+        counts) and every figure within the bounds above. A shape past them would wrap the
+        timeline's int64 arithmetic and let the ledger promise pages the pool does not have."""
+        who = f"request {quote(rid)}"
+        if self.pages != pages:
+            raise InvalidPages(
+                f"{who}: its shape counts {self.pages} worst-case pages but {pages} were "
+                f"given; build both from the same count_pages",
+                "pages",
+            )
+        labels = self.labels
+        if len(self.base) > MAX_LABELS or (labels and len(labels) != len(self.base)):
+            raise InvalidPages(
+                f"{who}: a shape has one entry per label, at most {MAX_LABELS} labels, in "
+                f"labels ({len(labels)}), base, per_output and worst ({len(self.base)})",
+                "shape.labels",
+            )
+        if len(set(labels)) != len(labels) or not all(
+            0 < len(label) <= MAX_LABEL_CHARS for label in labels
+        ):
+            raise InvalidPages(
+                f"{who}: shape labels must be distinct names of 1 to {MAX_LABEL_CHARS} "
+                f"characters, got {quote(list(labels))}",
+                "shape.labels",
+            )
+        for name in ("base", "per_output", "worst"):
+            if min(getattr(self, name)) < 0:
+                raise InvalidPages(
+                    f"{who}: shape {name} {quote(list(getattr(self, name)))} must be non-negative",
+                    f"shape.{name}",
+                )
+        if any(b > w for b, w in zip(self.base, self.worst, strict=True)):
+            raise InvalidPages(
+                f"{who}: shape base tokens {quote(list(self.base))} exceed worst tokens "
+                f"{quote(list(self.worst))}",
+                "shape.base",
+            )
+        if policy is None:
+            return  # a ledger that follows no progress reads only the pages
+        page_size = policy.page_size
+        counted = sum(pages_for(worst, page_size) for worst in self.worst)
+        if counted != pages:
+            raise InvalidPages(
+                f"{who}: its shape's worst tokens {quote(list(self.worst))} fill {counted} "
+                f"pages of {page_size} tokens, but it reserves {pages}; send the worst tokens "
+                f"and the pages of the same count_pages",
+                "shape.worst",
+            )
+        positions = 1 + policy.speculative_tokens  # written or allocated per step, at most
+        fastest = max(self.per_output)
+        if fastest * positions > MAX_STEP_TOKENS:
+            raise InvalidPages(
+                f"{who}: a label at per_output {fastest} grows by {fastest * positions} tokens "
+                f"a step ({positions} positions); at most {MAX_STEP_TOKENS} are counted",
+                "shape.per_output",
+            )
+        if self.output_budget >= NEVER:
+            raise InvalidPages(
+                f"{who}: output_budget {self.output_budget} must be below {NEVER}; send the "
+                f"request's own output budget",
+                "shape.output_budget",
+            )
+        if max(self.worst) > MAX_TOKENS:  # past any pool's tokens: see MAX_TOKENS
+            raise InvalidPages(
+                f"{who}: shape worst {quote(list(self.worst))} must be at most {MAX_TOKENS} "
+                f"tokens per label",
+                "shape.worst",
             )
 
 

@@ -69,7 +69,13 @@ class DuplicateRequest(LedgerError):
 
 
 class InvalidPages(LedgerError, ValueError):
-    pass
+    """A figure, id or shape the ledger cannot take: negative, past its bound, or not what the
+    engine's own count would give. `field` names it where the caller knows (the sidecar sends
+    it with the status); empty when the message alone says it."""
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class NotAdmissible(LedgerError):
