@@ -45,7 +45,14 @@ from kvbank.engine.serve.http.schema import (
     parse_messages,
     parse_prompts,
 )
-from kvbank.engine.serve.http.stream import Run, RunStream, Shape, events, whole
+from kvbank.engine.serve.http.stream import (
+    RequestFailed,
+    Run,
+    RunStream,
+    Shape,
+    events,
+    whole,
+)
 from kvbank.engine.serve.http.tiers import echoed_tier
 from kvbank.service_class import ServiceClass
 
@@ -106,6 +113,10 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
     @app.exception_handler(EngineStopped)
     async def engine_stopped(_: Request, exc: EngineStopped) -> JSONResponse:
         return error(503, f"the engine stopped: {exc}", "server_error")
+
+    @app.exception_handler(RequestFailed)
+    async def request_failed(_: Request, exc: RequestFailed) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.get("/health")
     async def health() -> Response:
