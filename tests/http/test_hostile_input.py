@@ -185,3 +185,73 @@ def test_a_thousand_half_sent_requests_are_closed(served: ServeProcess) -> None:
         for _, sock in socks:
             sock.close()
     assert httpx.get(served.url + "/health", timeout=5).status_code == 200
+
+
+LONG_KEY = "1" * 5000  # past Python's 4,300-digit limit on int(str)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        ("/v1/completions", {"prompt": "x", "logit_bias": {LONG_KEY: 1}}, "logit_bias",
+         "is not a token id"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100, "05": 100, "005": 100}},
+         "logit_bias", "names token 5 twice"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"0" * 5000 + "7": 1}}, "logit_bias",
+         None),  # leading zeros are not digits of the id: accepted as token 7
+        ("/v1/completions", {"prompt": "x", "stream_options": False}, "stream_options",
+         "must be an object"),
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+         "stream_options", "only to a streamed response"),
+        ("/v1/completions", {"prompt": "x", "best_of": True}, "best_of", "an integer equal to n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": {}},
+         "tools", "must be a list"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+         "response_format": {"type": "text", "json_schema": {"schema": {"type": "object"}}}},
+         "response_format", "a text format takes only 'type'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+         "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
+         "response_format", "has field 'x'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]}]},
+         "messages[0].content[0].cache_control", "prompt caching is automatic"),
+    ],
+)  # fmt: skip
+def test_a_value_that_would_be_ignored_or_crash_is_a_400_naming_its_field(
+    served: ServeProcess, path: str, body: dict[str, object], param: str, says: str | None
+) -> None:
+    response = httpx.post(served.url + path, json={"max_tokens": 1, **body}, timeout=30)
+    if says is None:
+        assert response.status_code == 200, response.text
+        return
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["param"] == param
+    assert says in str(error["message"])
+    assert len(str(error["message"])) < 600  # a bad value is quoted short
+    assert httpx.get(served.url + "/health", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", b'{"prompt": "x", "\\ud800": 1}', "\\ud800"),
+        ("/v1/chat/completions",
+         b'{"messages": [{"role": "user", "content": "x", "\\udfff": 1}]}', "messages[0].\\udfff"),
+    ],
+)  # fmt: skip
+def test_a_lone_surrogate_in_a_field_name_is_a_400_naming_it(
+    served: ServeProcess, path: str, body: bytes, param: str
+) -> None:
+    response = raw_post(served, body, path)
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == param
+    assert httpx.get(served.url + "/health", timeout=5).status_code == 200
+
+
+def test_a_chat_too_long_for_the_model_names_messages(served: ServeProcess) -> None:
+    long = {"role": "user", "content": "the page cache holds " * 1200}
+    response = httpx.post(served.url + "/v1/chat/completions",
+                          json={"messages": [long], "max_tokens": 1}, timeout=60)  # fmt: skip
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == "messages"
