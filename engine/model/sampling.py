@@ -75,14 +75,23 @@ class Sampler:
         its reason), and the log-probabilities of the rows whose params ask for them."""
         failed: dict[str, RowFailure] = {}
         adjusted = self._adjust(logits, rows, failed)
-        greedy = adjusted.argmax(dim=-1).tolist()
+        # One transfer for the batch: each row's likeliest token, and whether its best logit is
+        # finite (-inf: every token forbidden; NaN or +inf: nothing to draw from).
+        best, greedy = adjusted.max(dim=-1)
+        drawable = torch.isfinite(best).tolist()
+        greedy_ids = greedy.tolist()
         tokens: list[int | None] = []
         logprobs: dict[str, TokenLogprob] = {}
         for i, (rid, params) in enumerate(rows):
             token = None
+            if rid not in failed and not drawable[i]:
+                failed[rid] = RowFailure(
+                    f"request {rid}: no token is left to sample (after logit_bias, the penalties "
+                    "and the grammar every logit is -inf, or one is NaN or inf)"
+                )
             if rid not in failed:
                 try:
-                    token = self._draw(rid, params, adjusted[i], int(greedy[i]))
+                    token = self._draw(rid, params, adjusted[i], int(greedy_ids[i]))
                     if params.logprobs is not None:
                         logprobs[rid] = token_logprob(adjusted[i], token, params.logprobs)
                 except Exception as exc:  # this row's fault; the others are still sampled
@@ -99,11 +108,6 @@ class Sampler:
             probs = probabilities(row, params)
             drawn = torch.multinomial(probs, 1, generator=self._generator(rid, params))
             token = int(drawn.item())
-        if not math.isfinite(float(row[token].item())):
-            raise SamplingError(
-                f"request {rid}: every token's logit is -inf or NaN after logit_bias, the "
-                "penalties and the grammar, so no token can be sampled"
-            )
         if params.penalised:
             self._counts.setdefault(rid, Counter())[token] += 1
         if params.grammar is not None:

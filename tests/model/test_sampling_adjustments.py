@@ -93,5 +93,5 @@ def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
     )  # fmt: skip
     assert sampled.tokens[0] is not None and sampled.tokens[1:] == [None, None]
     assert set(sampled.failed) == {"inf", "nan"}
-    assert "no token can be sampled" in sampled.failed["inf"].message
+    assert "no token is left to sample" in sampled.failed["inf"].message
     assert sampled.failed["inf"].param is None
