@@ -56,7 +56,8 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: FinishReason | None = None
-    message: str = ""  # why a request was rejected
+    message: str = ""  # why a request was rejected, or failed (FinishReason.ERROR)
+    param: str | None = None  # the request field behind a failure, when one is
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token, when asked
 
 
@@ -241,10 +242,13 @@ class Engine:
             outputs.append(RequestOutput(rid, [token], logprobs=_logprobs(result, rid)))
         for fin in sched.finished:
             rid = fin.req.rid
-            sampled = rid in sched.rows and sched.rows[rid].sample
+            sampled = rid in sched.rows and sched.rows[rid].sample and rid in result.tokens
             new = [result.tokens[rid]] if sampled else []
             logprobs = _logprobs(result, rid) if sampled else []
-            outputs.append(RequestOutput(rid, new, True, fin.reason, logprobs=logprobs))
+            failure = result.failed.get(rid)
+            outputs.append(RequestOutput(rid, new, True, fin.reason, logprobs=logprobs,
+                                         message=failure.message if failure else "",
+                                         param=failure.param if failure else None))  # fmt: skip
             self._forget(fin.req)
         sched.finished.clear()
         sched.rows = {}

@@ -41,6 +41,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens, or the max_seq_len cap on it
     ABORT = "abort"  # the client went away
     REJECTED = "rejected"  # the pool can never hold it
+    ERROR = "error"  # its row could not be sampled (the step's RowFailure says why)
 
 
 @dataclass(eq=False)

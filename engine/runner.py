@@ -44,6 +44,15 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class RowFailure:
+    """Why a row could not be sampled: its request ends with this, and only its request.
+    `param` names the request field behind it (response_format for a grammar that gave up)."""
+
+    message: str
+    param: str | None = None
+
+
+@dataclass(frozen=True)
 class RowInput:
     """One request's share of a step: a prefill chunk, or the one token a decode row feeds."""
 
@@ -75,6 +84,8 @@ class StepResult:
     # runner is real and wall-clock time is what counts.
     duration_s: float | None = None
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # rows that asked for them
+    # Rows that sampled nothing, with why: their requests end with an error, the others run on.
+    failed: dict[str, RowFailure] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):

@@ -293,6 +293,9 @@ class Scheduler:
                 self.kv.index_prompt(req)
             if not row.sample:
                 continue
+            if rid in result.failed:  # this request alone ends; the step's others run on
+                self.finish(req, FinishReason.ERROR)
+                continue
             token = result.tokens[rid]
             req.output.append(token)
             groups.sampled(req)

@@ -5,6 +5,7 @@ user fixes a manifest in one pass. The ModelPool and CapacityPolicy readers shar
 from __future__ import annotations
 
 import math
+import re
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +44,20 @@ def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
     the value's size. Every error message that repeats a bad value quotes it with this."""
     text = _SHORT.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _number(value: float) -> str:
+    """A number in a message: %g for a float, and an int (which may be past float's range, or
+    past int -> str's 4,300 digits) quoted at a bounded length."""
+    return f"{value:g}" if isinstance(value, float) else quote(value)
+
+
+# Kubernetes object names (k8s.io/apimachinery validation): a DNS-1123 label for a namespace;
+# a ModelPool's name also becomes its Services' names, which must be DNS-1035 labels (a letter
+# first).
+DNS_1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+MAX_LABEL_LENGTH = 63
 
 
 def key_path(path: str, key: object) -> str:
@@ -148,7 +163,7 @@ class FieldReader:
                 )
                 return None
         if not lo <= value <= hi:
-            self.fail(f"{path}.{key}", f"must be from {lo} to {hi}, got {value}")
+            self.fail(f"{path}.{key}", f"must be from {lo} to {hi}, got {quote(value)}")
             return None
         return int(value)
 
@@ -168,16 +183,40 @@ class FieldReader:
             if default is None:
                 self.fail(f"{path}.{key}", f"is missing; set a number from {lo:g} to {hi:g}")
             return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        # math.isnan(int) converts to float first, which a 400-digit integer overflows.
+        nan = isinstance(value, float) and math.isnan(value)
+        if isinstance(value, bool) or not isinstance(value, int | float) or nan:
             self.fail(
                 f"{path}.{key}", f"must be a number from {lo:g} to {hi:g}, got {quote(value)}"
             )
             return None
-        if value < lo or value > hi or (lo_open and value == lo):
+        if value < lo or value > hi or (lo_open and value == lo):  # exact for any int
             bound = f"above {lo:g} and up" if lo_open else f"from {lo:g}"
-            self.fail(f"{path}.{key}", f"must be {bound} to {hi:g}, got {value:g}")
+            self.fail(f"{path}.{key}", f"must be {bound} to {hi:g}, got {_number(value)}")
             return None
         return float(value)
+
+    def kube_name(self, obj: Mapping[str, Any], key: str, path: str, *, service: bool,
+                  default: str | None = None) -> str | None:  # fmt: skip
+        """A Kubernetes name: a DNS-1123 label, or with `service` a DNS-1035 label (a Service
+        may be named after it)."""
+        if default is not None and obj.get(key) in (None, ""):  # kubectl reads "" as unset
+            return default
+        value = self.string(obj, key, path)
+        if value is None:
+            return None
+        rule, first = (
+            (DNS_1035_LABEL, "a letter") if service else (DNS_1123_LABEL, "a letter or digit")
+        )
+        if len(value) > MAX_LABEL_LENGTH or not rule.fullmatch(value):
+            self.fail(
+                f"{path}.{key}",
+                f"must be a Kubernetes name: at most {MAX_LABEL_LENGTH} lowercase letters, "
+                f"digits and '-', starting with {first} and ending with a letter or digit, got "
+                f"{quote(value)}",
+            )
+            return None
+        return value
 
     def string(
         self,

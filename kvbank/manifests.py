@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import yaml
 
-from kvbank.fields import MAX_DEPTH, MAX_VALUES
+from kvbank.fields import MAX_DEPTH, MAX_VALUES, quote
 
 MAX_FILE_BYTES = 2 * 1024 * 1024
 MAX_DOCUMENTS = 256
@@ -44,6 +44,12 @@ class ManifestError(Exception):
 
 class InputLimit(yaml.YAMLError):
     """A document past one of this module's limits."""
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A mapping that names a key twice: YAML leaves it undefined, PyYAML keeps the last value,
+    and kubectl refuses the file. Read as PyYAML does, a manifest would check as one thing and
+    apply as another (or not at all)."""
 
 
 class BoundedLoader(yaml.SafeLoader):
@@ -85,6 +91,21 @@ class BoundedLoader(yaml.SafeLoader):
             self._sizes[id(node)] = self._nodes - before
         return node
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == MERGE_TAG:
+                continue  # a merge (<<) may be overridden by the mapping's own keys
+            key = self.construct_object(key_node)
+            if key in seen:
+                first = seen[key].start_mark.line + 1
+                raise DuplicateKey(
+                    f"key {quote(key)} appears twice in one mapping, on line {first} and line "
+                    f"{key_node.start_mark.line + 1}; kubectl refuses a duplicate key: keep one"
+                )
+            seen[key] = key_node
+        return super().construct_mapping(node, deep)
+
     def _count(self, nodes: int, event: Any) -> None:
         self._nodes += nodes
         if self._nodes > MAX_NODES:
@@ -93,6 +114,8 @@ class BoundedLoader(yaml.SafeLoader):
                 f"they repeat) by {_where(event)}; write the values out instead of aliasing them"
             )
 
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
 
 BoundedLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
@@ -155,7 +178,7 @@ def parse_documents(text: str, path: str) -> list[Any]:
                     f"{path}: more than {MAX_DOCUMENTS} YAML documents; split the file"
                 )
             docs.append(doc)
-    except InputLimit as exc:
+    except (InputLimit, DuplicateKey) as exc:
         raise ManifestError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ManifestError(f"{path}: not valid YAML: {exc}") from None

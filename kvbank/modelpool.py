@@ -290,14 +290,14 @@ def parse_modelpool(doc: Any) -> ModelPool:
     if top.get("kind") != KIND:
         r.fail("kind", f"must be {KIND}, got {quote(top.get('kind'))}")
     meta = r.mapping(top.get("metadata"), "metadata") or {}
-    name = r.string(meta, "name", "metadata") or ""
+    name = r.kube_name(meta, "name", "metadata", service=True) or ""
     if len(name) > MAX_POOL_NAME_LENGTH:
         r.fail(
             "metadata.name",
             f"has {len(name)} characters; at most {MAX_POOL_NAME_LENGTH} leave room for the "
             f"names of its pods and services",
         )
-    namespace = meta.get("namespace") or "default"
+    namespace = r.kube_name(meta, "namespace", "metadata", service=False, default="default")
     spec = r.mapping(top.get("spec"), "spec")
     if spec is None:
         raise SpecError(r.errors)
@@ -376,7 +376,7 @@ def parse_modelpool(doc: Any) -> ModelPool:
     assert min_conc is not None and policy and host_pages is not None
     return ModelPool(
         name=name,
-        namespace=str(namespace),
+        namespace=namespace or "default",
         model_name=model_name,
         architecture=arch,
         replicas=replicas,

@@ -95,10 +95,9 @@ class TorchRunner:
         params = {row.rid: row.sampling for row in batch.rows if row.sample}
         rids = list(logits)
         stacked = torch.stack([logits[r] for r in rids])
-        tokens, logprobs = self.sampler.sample_with_logprobs(
-            stacked, [(r, params[r]) for r in rids]
-        )
-        return StepResult(dict(zip(rids, tokens, strict=True)), logprobs=logprobs)
+        sampled = self.sampler.sample_with_logprobs(stacked, [(r, params[r]) for r in rids])
+        tokens = {r: t for r, t in zip(rids, sampled.tokens, strict=True) if t is not None}
+        return StepResult(tokens, logprobs=sampled.logprobs, failed=sampled.failed)
 
     def release(self, rid: str) -> None:
         self.sampler.forget(rid)

@@ -148,6 +148,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a client has to send a request's body after its headers (default: 30)",
     )
     parser.add_argument(
+        "--write-timeout-s",
+        type=float,
+        default=30.0,
+        help="seconds a response may wait on a client that stopped reading it before the "
+        "connection is dropped and its request aborted (default: 30)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        help="connections held at once; more get 503 and are closed (default: the open-files "
+        "limit, raised to its hard limit at start, less 256 kept for the model and the sidecar)",
+    )
+    parser.add_argument(
         "--api-key-file",
         metavar="PATH",
         help="file of API keys, one a line (# comments): /v1/* then needs "
@@ -167,7 +180,9 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         value = getattr(args, name)
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    for name in ("max_body_bytes", "header_timeout_s", "body_timeout_s"):
+    if args.max_connections is not None and args.max_connections < 1:
+        raise ValueError(f"--max-connections must be at least 1, got {args.max_connections}")
+    for name in ("max_body_bytes", "header_timeout_s", "body_timeout_s", "write_timeout_s"):
         value = getattr(args, name)
         if not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be above 0, got {value}")
@@ -217,6 +232,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         max_body_bytes=args.max_body_bytes,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        write_timeout_s=args.write_timeout_s,
+        max_connections=args.max_connections,
         api_key_file=args.api_key_file,
         served_model_name=args.served_model_name,
         **class_options(args),
@@ -235,7 +252,8 @@ def build_server(
 
     from kvbank.engine.serve.http.app import Served, create_app
     from kvbank.engine.serve.http.auth import read_api_keys
-    from kvbank.engine.serve.http.deadline import DeadlineProtocol, ReadDeadlines
+    from kvbank.engine.serve.http.deadline import ConnectionLimits, DeadlineProtocol
+    from kvbank.engine.serve.http.limits import Server, connection_cap, raise_open_files_limit
     from kvbank.engine.serve.http.loop import EngineLoop
     from kvbank.engine.serve.http.metrics import ServeMetrics
 
@@ -258,16 +276,29 @@ def build_server(
         grammars=grammar_compiler(stack),
     )
     app = create_app(served, loop, metrics)
-    deadlines = ReadDeadlines(options.header_timeout_s, options.body_timeout_s)
+    open_files = raise_open_files_limit()
+    limits = ConnectionLimits(
+        options.header_timeout_s,
+        options.body_timeout_s,
+        options.write_timeout_s,
+        options.max_body_bytes,
+        options.max_connections or connection_cap(open_files),
+    )
+    if limits.max_connections is not None and limits.max_connections > open_files:
+        log.warning(
+            "--max-connections %d is over the open-files limit of %d: a flood of connections "
+            "can take the descriptors the model and the sidecar need",
+            limits.max_connections, open_files,
+        )  # fmt: skip
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level="info",
         access_log=False,
-        http=DeadlineProtocol.factory(deadlines),
+        http=DeadlineProtocol.factory(limits),
     )
-    return uvicorn.Server(config), loop
+    return Server(config), loop
 
 
 def grammar_compiler(stack: Stack) -> GrammarCompiler | None:

@@ -62,6 +62,8 @@ class ServeOptions:
     max_body_bytes: int = 2 << 20
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0  # a response its client stops reading is dropped after this
+    max_connections: int | None = None  # None: the open-files limit less a reserve
     api_key_file: str | None = None
     served_model_name: str | None = None  # None: kvbank-builtin, or the model folder's name
     # The class settings (EngineConfig.classes), kept as plain values so the tensor-parallel

@@ -345,7 +345,7 @@ class LeaderRunner:
         self.synced = True
         self.channel.agree(batch_digest(batch), plan.seq)
         result: StepResult = self.inner.run(batch)
-        self.channel.broadcast(result.tokens)
+        self.channel.broadcast((result.tokens, result.failed))  # a failed row ends on every rank
         return result
 
     def release(self, rid: str) -> None:
@@ -367,8 +367,8 @@ class FollowerRunner:
         self.synced = True
         self.channel.agree(batch_digest(batch), self.seq)
         self.inner.forward(batch)
-        tokens: dict[str, int] = self.channel.broadcast(None)
-        return StepResult(tokens)
+        tokens, failed = self.channel.broadcast(None)
+        return StepResult(tokens, failed=failed)
 
     def release(self, rid: str) -> None:
         self.inner.release(rid)

@@ -183,3 +183,87 @@ class TestUnreadableFiles:
         out = check(path)
         assert out.returncode == 2, out.stderr[-500:]
         assert "a value cannot be read" in out.stderr and len(out.stderr) < 500
+
+
+HUGE = "1" + "0" * 400  # past float's range: float() and math.isnan() overflow on it
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field"),
+    [
+        ("memoryGiB: 80,", f"memoryGiB: {HUGE},", "spec.gpu.memoryGiB"),
+        ("memoryUtilization: 0.9,", f"memoryUtilization: -{HUGE},", "spec.gpu.memoryUtilization"),
+        ("parameters: 8.03e9,", f"parameters: {HUGE},", "spec.model.architecture.parameters"),
+        ("maxTokens: 2048", "maxTokens: " + "9" * 4000, "spec.limits.maxTokens"),
+    ],
+)  # fmt: skip
+def test_a_number_of_hundreds_of_digits_is_one_bounded_line_naming_its_field(
+    tmp_path: Path, old: str, new: str, field: str
+) -> None:
+    assert old in POOL
+    path = tmp_path / "pool.yaml"
+    path.write_text(POOL.replace(old, new))
+    out = check(path)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    [line] = [line for line in out.stderr.splitlines() if line.startswith("  - ")]
+    assert line.startswith(f"  - {field}: must be ")
+    assert len(line) < 200  # the value quoted at a bounded length, not its digits
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (POOL.replace("  replicas: 2\n", "  replicas: 2\n  replicas: 0\n"),
+         "key 'replicas' appears twice in one mapping, on line 15 and line 16"),
+        (POOL.replace("kv: {pageSize: 16,", "kv: {pageSize: 16, pageSize: 32,"),
+         "key 'pageSize' appears twice"),
+    ],
+)  # fmt: skip
+def test_a_duplicate_key_is_refused_naming_it_and_its_lines(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    path = tmp_path / "pool.yaml"
+    path.write_text(text)
+    out = check(path)
+    assert out.returncode == 2
+    assert says in out.stderr and "kubectl refuses a duplicate key" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_merge_key_overridden_is_not_a_duplicate() -> None:
+    doc = yaml.load("base: &b {x: 1, y: 2}\nover: {<<: *b, x: 3}\n", Loader=BoundedLoader)
+    assert doc["over"] == {"x": 3, "y": 2}
+
+
+@pytest.mark.parametrize(
+    ("meta", "field"),
+    [
+        ({"name": "Llama_8B", "namespace": "team-a"}, "metadata.name"),
+        ({"name": "8b-pool", "namespace": "team-a"}, "metadata.name"),  # its Services need a letter
+        ({"name": "llama.8b", "namespace": "team-a"}, "metadata.name"),
+        ({"name": "llama-", "namespace": "team-a"}, "metadata.name"),
+        ({"name": "llama", "namespace": "Team A"}, "metadata.namespace"),
+        ({"name": "llama", "namespace": "a" * 64}, "metadata.namespace"),
+        ({"name": "llama", "namespace": 7}, "metadata.namespace"),
+    ],
+)  # fmt: skip
+def test_metadata_names_must_be_kubernetes_names(meta: dict[str, object], field: str) -> None:
+    doc = yaml.load(POOL, Loader=BoundedLoader)
+    doc["metadata"] = meta
+    with pytest.raises(SpecError) as caught:
+        parse_modelpool(doc)
+    [error] = caught.value.errors
+    assert error.path == field
+    assert "Kubernetes name" in error.message or "non-empty string" in error.message
+    assert len(str(error)) < 300
+
+
+def test_valid_metadata_names_pass() -> None:
+    doc = yaml.load(POOL, Loader=BoundedLoader)
+    for meta, namespace in [({"name": "l", "namespace": "9-team"}, "9-team"),
+                            ({"name": "llama-8b"}, "default"),
+                            ({"name": "a" + "-b" * 19, "namespace": ""}, "default")]:  # fmt: skip
+        doc["metadata"] = meta
+        pool = parse_modelpool(doc)
+        assert (pool.name, pool.namespace) == (meta["name"], namespace)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 
 import pytest
 from engine_builders import drain, make_engine, tiny_model
 
 from kvbank.capacity import RequestShape, count_pages, refusal
 from kvbank.engine.admission.backend import EmbeddedBackend, embedded
-from kvbank.engine.engine import RequestRejected
+from kvbank.engine.bench.virtual import VirtualRunner
+from kvbank.engine.engine import Engine, EngineConfig, RequestRejected
 from kvbank.engine.kv.pages import SINK_PAGE
 from kvbank.engine.request import FinishReason
+from kvbank.engine.runner import RowFailure, StepBatch, StepResult
 from kvbank.ledger import Decision, InvalidPages
 from kvbank.modelpool import KvSlot
 
@@ -214,3 +217,42 @@ def test_a_request_is_counted_once_from_ingest_to_its_last_page(
         engine.add_request(f"r{i}", [1, 2, 3, 4, 5][: i + 1], max_tokens=6)
     finished, _ = drain(engine)
     assert len(finished) == 5 and len(calls) == 5
+
+
+class FailingRunner(VirtualRunner):
+    """The virtual runner, with one request's row failing at its `at`-th sample, as a sampler
+    reports a row it could not sample."""
+
+    def __init__(self, rid: str, at: int) -> None:
+        super().__init__()
+        self.failing, self.at, self.samples = rid, at, 0
+
+    def run(self, batch: StepBatch) -> StepResult:
+        result = super().run(batch)
+        if self.failing not in result.tokens:
+            return result
+        self.samples += 1
+        if self.samples < self.at:
+            return result
+        tokens = {r: t for r, t in result.tokens.items() if r != self.failing}
+        failure = RowFailure("the grammar gave up", "response_format")
+        return replace(result, tokens=tokens, failed={self.failing: failure})
+
+
+def test_a_row_that_fails_ends_only_its_request_and_frees_its_pages() -> None:
+    runner = FailingRunner("bad", at=2)
+    engine = Engine(EngineConfig(tiny_model(), 20, debug=True), runner)
+    engine.add_request("bad", list(range(6)), max_tokens=6)
+    engine.add_request("good", list(range(10, 16)), max_tokens=6)
+    tokens: dict[str, int] = {"bad": 0, "good": 0}
+    ends = {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.rid] += len(out.new_token_ids)
+            if out.finished:
+                ends[out.rid] = out
+    assert ends["bad"].finish_reason is FinishReason.ERROR
+    assert (ends["bad"].message, ends["bad"].param) == ("the grammar gave up", "response_format")
+    assert tokens == {"bad": 1, "good": 6}  # the failed row's step adds nothing to it
+    assert ends["good"].finish_reason is FinishReason.LENGTH
+    assert engine.kv.pool.held == 0 and engine.kv.supply == 19

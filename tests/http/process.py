@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,14 +36,18 @@ class ServeProcess:
 
 
 @contextlib.contextmanager
-def serve_process(model_dir: Path, log_dir: Path, *flags: str) -> Iterator[ServeProcess]:
+def serve_process(
+    model_dir: Path, log_dir: Path, *flags: str, soft_open_files: int | None = None
+) -> Iterator[ServeProcess]:
+    """`kvbank serve` with `flags`; `soft_open_files` starts it under that soft limit."""
     port = free_port()
     log = log_dir / f"serve-{port}.log"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     argv = [sys.executable, "-m", "kvbank.cli", "serve", "--model", str(model_dir),
             "--port", str(port), *SMALL_FLAGS, *flags]  # fmt: skip
     with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                   preexec_fn=_soft_limit(soft_open_files))  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -63,3 +68,14 @@ def serve_process(model_dir: Path, log_dir: Path, *flags: str) -> Iterator[Serve
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(10)
+
+
+def _soft_limit(open_files: int | None) -> Callable[[], None] | None:
+    if open_files is None:
+        return None
+
+    def lower() -> None:
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, hard))
+
+    return lower

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kvbank.engine.model.sampling import Sampler
+from kvbank.engine.model.sampling import Sampler, probabilities
 from kvbank.engine.runner import SamplingParams
 
 
@@ -57,7 +57,7 @@ def test_logprobs_are_the_adjusted_distribution_before_temperature() -> None:
     sampler = Sampler(torch.device("cpu"))
     row = logits(1.0, 2.0, 3.0, 0.0)
     params = SamplingParams(temperature=0.0, logprobs=2, logit_bias=((3, 4.0),))
-    tokens, found = sampler.sample_with_logprobs(row, [("r", params)])
+    tokens, found, _ = sampler.sample_with_logprobs(row, [("r", params)])
     assert tokens == [3]
     adjusted = [1.0, 2.0, 3.0, 4.0]
     norm = math.log(sum(math.exp(v) for v in adjusted))
@@ -66,5 +66,32 @@ def test_logprobs_are_the_adjusted_distribution_before_temperature() -> None:
     assert [t for t, _ in entry.top] == [3, 2]
     assert math.isclose(entry.top[1][1], 3.0 - norm, rel_tol=1e-5)
     # Rows that ask for none get none, and unadjusted logits are not copied.
-    _, none = sampler.sample_with_logprobs(row, [("s", SamplingParams())])
+    _, none, _ = sampler.sample_with_logprobs(row, [("s", SamplingParams())])
     assert none == {}
+
+
+def test_a_temperature_or_top_p_below_epsilon_is_greedy() -> None:
+    # logits / 1e-39 overflow to inf, and top_p 1e-46 is 0 in float32: both used to leave softmax
+    # only NaN, and torch.multinomial raised on the engine thread.
+    sampler = Sampler(torch.device("cpu"))
+    row = logits(1.0, 3.0, 2.0, 0.0)
+    for params in (SamplingParams(temperature=1e-39), SamplingParams(temperature=1.0, top_p=1e-46),
+                   SamplingParams(temperature=1e-6, top_k=2, seed=3)):  # fmt: skip
+        assert sampler.sample(row, [("r", params)]) == [1]
+    assert probabilities(row[0], SamplingParams(temperature=1.0, top_p=1e-46)).tolist() == [
+        0.0, 1.0, 0.0, 0.0
+    ]  # fmt: skip
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
+    sampler = Sampler(torch.device("cpu"))
+    rows = torch.tensor([[1.0, 3.0, 2.0], [float("-inf")] * 3, [float("nan")] * 3])
+    sampled = sampler.sample_with_logprobs(
+        rows,
+        [("ok", SamplingParams(temperature=1.0, seed=1)), ("inf", SamplingParams()),
+         ("nan", SamplingParams(temperature=1.0))],
+    )  # fmt: skip
+    assert sampled.tokens[0] is not None and sampled.tokens[1:] == [None, None]
+    assert set(sampled.failed) == {"inf", "nan"}
+    assert "no token is left to sample" in sampled.failed["inf"].message
+    assert sampled.failed["inf"].param is None

@@ -215,3 +215,22 @@ class TestReviewPolicy:
             "  - spec.limits.maxTokens: must be from 1 to 4194304, got 0"
         )
         assert review_policy(policy_doc("p", {"maxTokens": 10})) is None
+
+
+class TestHostileSpecs:
+    """What `kvbank check` refuses with exit 2 the webhook refuses with the same lines, never a
+    traceback: a number past float's range, a name Kubernetes cannot carry."""
+
+    def test_a_number_of_400_digits_is_a_refusal(self) -> None:
+        doc = pool_doc(gpu={"memoryGiB": 10**400, "memoryUtilization": 0.9, "reservedGiB": 2})
+        refusal = _review(FakeCluster(), doc)
+        assert refusal is not None
+        [line] = refusal.split("\n  - ")[1:]
+        assert line.startswith("spec.gpu.memoryGiB: must be above 0 and up to 4096, got ")
+        assert len(line) < 200
+
+    def test_a_name_kubernetes_cannot_carry_is_a_refusal(self) -> None:
+        refusal = _review(FakeCluster(), pool_doc(name="Llama_8B", namespace="Team A"))
+        assert refusal is not None
+        lines = refusal.split("\n  - ")[1:]
+        assert [line.split(":")[0] for line in lines] == ["metadata.name", "metadata.namespace"]

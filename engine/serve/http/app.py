@@ -45,7 +45,14 @@ from kvbank.engine.serve.http.schema import (
     parse_messages,
     parse_prompts,
 )
-from kvbank.engine.serve.http.stream import Run, RunStream, Shape, events, whole
+from kvbank.engine.serve.http.stream import (
+    RequestFailed,
+    Run,
+    RunStream,
+    Shape,
+    events,
+    whole,
+)
 from kvbank.engine.serve.http.tiers import echoed_tier
 from kvbank.service_class import ServiceClass
 
@@ -106,6 +113,10 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
     @app.exception_handler(EngineStopped)
     async def engine_stopped(_: Request, exc: EngineStopped) -> JSONResponse:
         return error(503, f"the engine stopped: {exc}", "server_error")
+
+    @app.exception_handler(RequestFailed)
+    async def request_failed(_: Request, exc: RequestFailed) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.get("/health")
     async def health() -> Response:
@@ -209,7 +220,7 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
                 for j in range(n)
             ]  # fmt: skip
             head = replace(subs[0], siblings=tuple(subs[1:]), service_class=gen.service_class)
-            refused = await _submit(head, gen.max_tokens_param)
+            refused = await _submit(head, gen.max_tokens_param, "messages" if chat else "prompt")
             if refused is not None:
                 for run in runs:  # a batch is queued whole or not at all
                     run.close()
@@ -237,7 +248,7 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
             return Response(status_code=499)
         return JSONResponse(body)
 
-    async def _submit(sub: Submission, max_tokens_param: str) -> Response | None:
+    async def _submit(sub: Submission, max_tokens_param: str, prompt_param: str) -> Response | None:
         try:
             await loop.submit(sub)
         except asyncio.CancelledError:  # the command may be queued already: take it back
@@ -246,8 +257,10 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
             raise
         except RequestRejected as exc:
             metrics.requests.labels("rejected").inc()
-            # The parameter the refusal names, as the client named it.
-            param = max_tokens_param if exc.param == "max_tokens" else exc.param
+            # The parameter the refusal names, as the client named it: a chat's prompt is its
+            # messages.
+            named = {"max_tokens": max_tokens_param, "prompt": prompt_param}
+            param = named.get(exc.param or "", exc.param)
             return error(400, str(exc), "invalid_request_error", param, "request_too_large")
         except QueueFull as exc:
             metrics.requests.labels("queue_full").inc()

@@ -20,8 +20,18 @@ class BadRequest(Exception):
 
 def error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
           headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    # Whatever a message quotes must encode: a lone surrogate would fail the response itself.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    param = None if param is None else field_name(param, 256)
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def field_name(key: str, limit: int = 64) -> str:
+    """A client's field name as an error's `param`: cut to `limit` characters, and a lone
+    UTF-16 surrogate (which JSON may carry and UTF-8 cannot) written as its escape."""
+    name = key if len(key) <= limit else key[:limit] + "..."
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def shown(value: object, limit: int = 64) -> str:

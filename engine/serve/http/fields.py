@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvbank.engine.serve.http.errors import BadRequest, shown
+from kvbank.engine.serve.http.errors import BadRequest, field_name, shown
 
 if TYPE_CHECKING:
     from kvbank.engine.model.grammar import GrammarCompiler
@@ -51,7 +51,7 @@ def check_fields(body: dict[str, Any], allowed: frozenset[str], route: str) -> N
     for key in body:
         if key in allowed:
             continue
-        shown = key if len(key) <= 64 else key[:64] + "..."
+        name = field_name(key)
         reason = REFUSED.get(key)
         if reason is None:
             other = "chat" if route == "completions" else "completions"
@@ -61,16 +61,18 @@ def check_fields(body: dict[str, Any], allowed: frozenset[str], route: str) -> N
                 if key in known
                 else f"/v1/{route} has no such field"
             )
-        raise BadRequest(f"unsupported field '{shown}': {reason}", shown, "unsupported_parameter")
+        raise BadRequest(f"unsupported field '{name}': {reason}", name, "unsupported_parameter")
     _check_partial(body)
 
 
 def _check_partial(body: dict[str, Any]) -> None:
     best_of = body.get("best_of")
-    if best_of is not None and best_of != (body.get("n") or 1):
+    if best_of is not None and (
+        isinstance(best_of, bool) or not isinstance(best_of, int) or best_of != (body.get("n") or 1)
+    ):  # true == 1 in Python, and would pass for n = 1 as a number it is not
         raise BadRequest(
-            f"'best_of' is {best_of!r}; this server returns every sequence it samples, so "
-            "best_of must equal n (or be omitted)",
+            f"'best_of' is {shown(best_of)}; this server returns every sequence it samples, so "
+            "best_of must be an integer equal to n (or be omitted)",
             "best_of",
         )
     if body.get("suffix") not in (None, ""):
@@ -81,14 +83,16 @@ def _check_partial(body: dict[str, Any]) -> None:
         )
     response_format = body.get("response_format")
     if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind not in ("text", "json_object", "json_schema"):
-            raise BadRequest(
-                f"'response_format.type' must be text, json_object or json_schema, got "
-                f"{shown(kind)}",
-                "response_format",
-            )
-    if body.get("tools"):
+        _check_response_format(response_format)
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest(
+            f"'tools' must be a list of tools, got {shown(tools)}; this server calls none, so "
+            "send [] or drop it",
+            "tools",
+            "invalid_type",
+        )
+    if tools:
         raise BadRequest(NO_GRAMMAR.format(what="well-formed tool calls", field="tools"), "tools")
     if body.get("tool_choice") not in (None, "none"):
         raise BadRequest(
@@ -103,6 +107,40 @@ def _check_partial(body: dict[str, Any]) -> None:
             "does not compute; drop one of them",
             "echo",
         )
+
+
+# What each response_format type carries besides its type: anything else would be ignored.
+FORMAT_FIELDS = {"text": set(), "json_object": set(), "json_schema": {"json_schema"}}
+SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
+
+
+def _check_response_format(response_format: Any) -> None:
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if not isinstance(kind, str) or kind not in FORMAT_FIELDS:
+        raise BadRequest(
+            f"'response_format.type' must be text, json_object or json_schema, got {shown(kind)}",
+            "response_format",
+        )
+    assert isinstance(response_format, dict)
+    for key in response_format:
+        if key != "type" and key not in FORMAT_FIELDS[kind]:
+            takes = "only 'type'" if not FORMAT_FIELDS[kind] else "'type' and 'json_schema'"
+            raise BadRequest(
+                f"'response_format' of type {kind} has field {shown(key)}, which it does not "
+                f"use: a {kind} format takes {takes} (a schema needs type json_schema)",
+                "response_format",
+                "unsupported_parameter",
+            )
+    spec = response_format.get("json_schema")
+    if isinstance(spec, dict):
+        for key in spec:
+            if key not in SCHEMA_FIELDS:
+                raise BadRequest(
+                    f"'response_format.json_schema' has field {shown(key)}, which this server "
+                    f"does not read; it takes {', '.join(sorted(SCHEMA_FIELDS))}",
+                    "response_format",
+                    "unsupported_parameter",
+                )
 
 
 def response_grammar(body: dict[str, Any], compiler: GrammarCompiler | None) -> str | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbank.engine.runner import SamplingParams
-from kvbank.engine.serve.http.errors import BadRequest, shown
+from kvbank.engine.serve.http.errors import BadRequest, field_name, shown
 from kvbank.engine.serve.http.tiers import requested_class
 from kvbank.service_class import ServiceClass
 
@@ -133,9 +133,21 @@ def parse_generation(body: dict[str, Any], vocab_size: int, chat: bool) -> Gener
         ignore_eos=ignore_eos,
     )
     stream = _boolean(body, "stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
     if not isinstance(options, dict):
-        raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
+        raise BadRequest(
+            f"'stream_options' must be an object, got {shown(options)}",
+            "stream_options",
+            "invalid_type",
+        )
+    if options and not stream:
+        raise BadRequest(
+            "'stream_options' applies only to a streamed response; send 'stream': true or drop "
+            "'stream_options'",
+            "stream_options",
+        )
     for key in options:
         if key not in ("include_usage", "continuous_usage_stats"):
             raise BadRequest(
@@ -187,23 +199,43 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, float
             f"'logit_bias' holds {len(bias)} tokens; at most {MAX_LOGIT_BIAS} are allowed",
             "logit_bias",
         )
-    pairs = []
+    pairs: dict[int, float] = {}
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+        token = _token_key(key, vocab_size)
+        if token is None:
             raise BadRequest(
                 f"'logit_bias' key {shown(key)} is not a token id in the vocabulary "
                 f"0..{vocab_size - 1}",
                 "logit_bias",
             )
+        if token in pairs:  # "5", "05" and "005" would add up on one token
+            raise BadRequest(
+                f"'logit_bias' names token {token} twice (key {shown(key)}); give each token "
+                f"one key",
+                "logit_bias",
+            )
         number = isinstance(value, int | float) and not isinstance(value, bool)
         if not number or not -100 <= value <= 100:
             raise BadRequest(
-                f"'logit_bias' of token {key} must be a number between -100 and 100, "
+                f"'logit_bias' of token {token} must be a number between -100 and 100, "
                 f"got {shown(value)}",
                 "logit_bias",
             )
-        pairs.append((int(key), float(value)))
-    return tuple(pairs)
+        pairs[token] = float(value)
+    return tuple(pairs.items())
+
+
+def _token_key(key: str, vocab_size: int) -> int | None:
+    """A logit_bias key as a token id, None when it is not one. Leading zeros are dropped
+    before int() sees it: a key of 5,000 digits is past Python's int-from-str limit, and no
+    id in a vocabulary has more digits than the vocabulary's size."""
+    if not (key.isascii() and key.isdigit()):
+        return None
+    digits = key.lstrip("0") or "0"
+    if len(digits) > len(str(vocab_size)):
+        return None
+    token = int(digits)
+    return token if token < vocab_size else None
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
@@ -311,7 +343,7 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
                 raise BadRequest(
                     f"'{where}' has field {shown(key)}, which this server does not read "
                     "(tool calls are not supported); a message takes role, content and name",
-                    f"{where}.{str(key)[:64]}",
+                    f"{where}.{field_name(key)}",
                     "unsupported_parameter",
                 )
         entry = {"role": role, "content": _content(message.get("content"), where)}
@@ -332,6 +364,15 @@ def _content(content: Any, where: str) -> str:
                     f"'{where}.content[{j}]' must be a text part; this model reads text only",
                     f"{where}.content",
                 )
+            for key in part:
+                if key not in ("type", "text"):
+                    raise BadRequest(
+                        f"'{where}.content[{j}]' has field {shown(key)}, which this server does "
+                        "not read (prompt caching is automatic here: a repeated prefix is "
+                        "cached without 'cache_control'); a text part takes type and text",
+                        f"{where}.content[{j}].{field_name(key)}",
+                        "unsupported_parameter",
+                    )
             part_text = part.get("text")
             if not isinstance(part_text, str):
                 raise BadRequest(

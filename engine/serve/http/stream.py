@@ -32,6 +32,26 @@ _REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReas
 TokenText = Callable[[int], str]  # a token id's own text, for logprobs
 
 
+class RequestFailed(Exception):
+    """The engine ended this request with an error (its row could not be sampled): never a
+    finish_reason, which would claim an output the request did not reach. `param` names the
+    request field behind it, when one is."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    @property
+    def status(self) -> int:
+        return 400 if self.param is not None else 500
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.param is not None else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": "generation_failed"}}  # fmt: skip
+
+
 @dataclass
 class Piece:
     """What one step of a run adds to its choice: text, the tokens' logprobs, and the finish."""
@@ -78,6 +98,10 @@ class Run:
                 if out.finished:
                     if out.finish_reason is None:
                         raise EngineStopped(out.message or "the engine stopped")
+                    if out.finish_reason is FinishReason.ERROR:
+                        self.finished = True  # the engine ended it: nothing to abort
+                        self.metrics.requests.labels("failed").inc()
+                        raise RequestFailed(out.message, out.param)
                     reason = _REASONS.get(out.finish_reason, "stop")
                     self._end(reason, engine_done=True)
                     yield Piece(self.text.flush(), reason, logprobs)
@@ -244,7 +268,7 @@ async def events(shape: Shape, runs: Sequence[Run],
             async for piece in run.pieces():
                 merged.put_nowait((index, piece))
         except Exception as exc:  # the engine stopped, or a fault: the client is told
-            if not isinstance(exc, EngineStopped):
+            if not isinstance(exc, EngineStopped | RequestFailed):
                 log.exception("stream %s failed", run.rid)
             merged.put_nowait((index, exc))
         finally:
@@ -257,6 +281,8 @@ async def events(shape: Shape, runs: Sequence[Run],
             index, item = await merged.get()
             if item is None:
                 open_runs -= 1
+            elif isinstance(item, RequestFailed):
+                yield f"data: {json.dumps(item.body())}\n\n"
             elif isinstance(item, BaseException):
                 error = {"error": {"message": str(item), "type": "server_error"}}
                 yield f"data: {json.dumps(error)}\n\n"
