@@ -391,16 +391,23 @@ def _gemma3(f: _Fields) -> tuple[_Attention, tuple[LayerGroup, ...]]:
 
 
 def _llama4(f: _Fields) -> tuple[_Attention, tuple[LayerGroup, ...]]:
-    """Chunked local attention on RoPE layers, full attention on the NoPE ones (`no_rope_layers`:
-    1 uses RoPE, 0 does not; else every `no_rope_layer_interval`-th layer is NoPE)."""
+    """Chunked local attention on RoPE layers, full attention on the NoPE ones (`layer_types`,
+    else `no_rope_layers`: 1 uses RoPE, 0 does not; else every `no_rope_layer_interval`-th
+    layer is NoPE)."""
     att = _attention(f)
+    chunk = f.integer("attention_chunk_size", 1, MAX_WINDOW) if f.has("attention_chunk_size") else 0
+    names = {"full_attention": Kind.FULL, "chunked_attention": Kind.CHUNKED}
+    listed = _layer_types(f, att.layers, names)
+    if listed is not None:  # newer configs list the layers' kinds themselves
+        if Kind.CHUNKED in listed and not chunk:
+            raise ModelConfigError(
+                f.name("attention_chunk_size"), "is missing; layer_types lists chunked layers"
+            )
+        return att, _attention_groups(att, listed, chunk)
     rope = f.ints("no_rope_layers", att.layers, (0, 1))
     if rope is None:
         interval = f.integer("no_rope_layer_interval", 1, MAX_LAYERS, default=4)
         rope = [int((i + 1) % interval != 0) for i in range(att.layers)]
-    chunk = f.integer("attention_chunk_size", 1, MAX_WINDOW, default=0) if f.has(
-        "attention_chunk_size"
-    ) else 0
     kinds = [Kind.CHUNKED if uses and chunk else Kind.FULL for uses in rope]
     return att, _attention_groups(att, kinds, chunk)
 
