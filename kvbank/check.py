@@ -122,8 +122,8 @@ def _group_lines(pool: ModelPool, configured: ConfiguredModel | None) -> list[st
     lines = [
         f"{layout.model_type}: {len(layout.groups)} KV group(s), {layout.page_bytes} bytes a "
         f"page of {layout.page_size} tokens ({layout.layers_per_group} layers x "
-        f"{layout.layer_page_bytes} bytes), weights {configured.weights_bytes_per_rank / 2**30:.2f} "
-        f"GiB per rank"
+        f"{layout.layer_page_bytes} bytes), weights "
+        f"{configured.weights_bytes_per_rank / 2**30:.2f} GiB per rank"
     ]
     for group in layout.groups:
         lines.append(

@@ -210,9 +210,7 @@ def _config_source(r: FieldReader, arch: Mapping[str, Any], path: str) -> Config
         r.fail(path, "give exactly one of path (a local config.json) or configMap {name, key}")
     kv_dtype = r.string(src, "kvDtype", path, required=False, choices=KV_DTYPES,
                         default="bfloat16")  # fmt: skip
-    weights = (
-        r.number(src, "weightsGiB", path, lo=0, hi=1 << 20) if "weightsGiB" in src else None
-    )
+    weights = r.number(src, "weightsGiB", path, lo=0, hi=1 << 20) if "weightsGiB" in src else None
     if kv_dtype is None:
         return None
     return ConfigSource(file, name, key or "config.json", kv_dtype, weights)

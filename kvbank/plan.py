@@ -28,8 +28,18 @@ from kvbank.modelpool import (
     PRESETS,
 )
 
-UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-         "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 DEFAULT_SEQ_LEN = 131072  # when the config names no max_position_embeddings
 
@@ -49,27 +59,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--config", metavar="FILE", help="the model's Hugging Face config.json")
     model.add_argument("--preset", choices=sorted(PRESETS), help="a preset architecture")
-    parser.add_argument("--gpu-memory", required=True, type=lambda t: parse_size(t, GIB),
-                        metavar="SIZE", help="memory of one GPU, e.g. 80GiB (a bare number: GiB)")  # fmt: skip
-    parser.add_argument("--gpu-utilization", type=float, default=0.9,
-                        help="the share of GPU memory the engine may use")  # fmt: skip
-    parser.add_argument("--reserve", type=lambda t: parse_size(t, GIB), default=0.0,
-                        metavar="SIZE", help="per rank, for activations and CUDA graphs "
-                        "(default: 0, as gpu.reservedGiB)")  # fmt: skip
+    parser.add_argument(
+        "--gpu-memory",
+        required=True,
+        type=lambda t: parse_size(t, GIB),
+        metavar="SIZE",
+        help="memory of one GPU, e.g. 80GiB (a bare number: GiB)",
+    )
+    parser.add_argument(
+        "--gpu-utilization",
+        type=float,
+        default=0.9,
+        help="the share of GPU memory the engine may use",
+    )
+    parser.add_argument(
+        "--reserve",
+        type=lambda t: parse_size(t, GIB),
+        default=0.0,
+        metavar="SIZE",
+        help="per rank, for activations and CUDA graphs (default: 0, as gpu.reservedGiB)",
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--kv-dtype", choices=tuple(KV_DTYPE_BYTES), default="bfloat16")
-    parser.add_argument("--max-seq-len", type=int, metavar="N",
-                        help="prompt + output positions (default: the model's "
-                        "max_position_embeddings)")  # fmt: skip
-    parser.add_argument("--max-num-batched-tokens", type=int, metavar="N",
-                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                        help="tokens one step schedules (what a window holds on top of itself)")  # fmt: skip
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        metavar="N",
+        help="prompt + output positions (default: the model's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        metavar="N",
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="tokens one step schedules (what a window holds on top of itself)",
+    )
     parser.add_argument("--speculative-tokens", type=int, default=0)
-    parser.add_argument("--min-concurrency", type=int, default=1,
-                        help="worst-case requests the pool must hold at once")  # fmt: skip
-    parser.add_argument("--weights-bytes", type=parse_size, metavar="SIZE",
-                        help="the checkpoint's size (default: estimated from the config)")  # fmt: skip
+    parser.add_argument(
+        "--min-concurrency",
+        type=int,
+        default=1,
+        help="worst-case requests the pool must hold at once",
+    )
+    parser.add_argument(
+        "--weights-bytes",
+        type=parse_size,
+        metavar="SIZE",
+        help="the checkpoint's size (default: estimated from the config)",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--write-pool", metavar="FILE", help="write a ModelPool for these figures")
     parser.add_argument("--name", default=None, help="the written pool's name")
@@ -157,8 +195,9 @@ def preset_layout(name: str) -> ModelLayout:
     arch = PRESETS[name]
     group = LayerGroup(Kind.FULL, arch.layers, arch.kv_heads, arch.head_dim, arch.head_dim)
     bits = 8.0 * arch.dtype_bytes
-    return ModelLayout(name, (group,), arch.attention_heads, arch.dtype, arch.parameters, 0.0,
-                       bits, bits, None)  # fmt: skip
+    return ModelLayout(
+        name, (group,), arch.attention_heads, arch.dtype, arch.parameters, 0.0, bits, bits, None
+    )
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -320,4 +359,3 @@ def write_pool(path: Path, args: argparse.Namespace, plan: Plan, f: dict[str, An
         "spec": spec,
     }
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
-

@@ -25,9 +25,7 @@ def configure(
     """The pool of `model` under `settings`; weights default to the config's estimate, split
     evenly over the ranks."""
     total = model.weight_bytes() if weights_bytes is None else weights_bytes
-    return ConfiguredModel(
-        model, pool_layout(model, settings), total / settings.tensor_parallel
-    )
+    return ConfiguredModel(model, pool_layout(model, settings), total / settings.tensor_parallel)
 
 
 def settings_of(pool: ModelPool) -> EngineSettings:

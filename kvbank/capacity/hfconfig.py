@@ -35,7 +35,7 @@ class ModelConfigError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
-class Kind(str, Enum):
+class Kind(Enum):
     """What one layer keeps per request, each with its own worst-case rule (kvbank.capacity.
     layout): every position (full, MLA), the last window of positions (sliding), the current
     chunk (chunked local), or a fixed state whatever the length (Mamba, linear attention)."""
@@ -157,7 +157,9 @@ def load_config(path: str | Path) -> Mapping[str, Any]:
         with open(path, "rb") as handle:
             data = handle.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
-        raise ModelConfigError("config.json", f"cannot read {quote(where)}: {exc.strerror}")
+        raise ModelConfigError(
+            "config.json", f"cannot read {quote(where)}: {exc.strerror}"
+        ) from None
     return parse_config_text(data, where)
 
 
@@ -177,7 +179,9 @@ def parse_config_text(data: bytes | str, where: str = "config.json") -> Mapping[
         doc = json.loads(data, parse_constant=refuse_constant)
     except (ValueError, RecursionError) as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ModelConfigError("config.json", f"{quote(where)} is not valid JSON: {text[:120]}")
+        raise ModelConfigError(
+            "config.json", f"{quote(where)} is not valid JSON: {text[:120]}"
+        ) from None
     too_big = check_size(doc, "config.json")
     if too_big is not None:
         raise ModelConfigError(too_big.path, too_big.message)
@@ -383,9 +387,7 @@ def _gemma3(f: _Fields) -> tuple[_Attention, tuple[LayerGroup, ...]]:
     kinds = _layer_types(f, att.layers, ATTENTION_NAMES)
     if kinds is None:
         pattern = f.integer("sliding_window_pattern", 1, MAX_LAYERS, default=6)
-        kinds = [
-            Kind.FULL if (i + 1) % pattern == 0 else Kind.SLIDING for i in range(att.layers)
-        ]
+        kinds = [Kind.FULL if (i + 1) % pattern == 0 else Kind.SLIDING for i in range(att.layers)]
     window = _window(f) if Kind.SLIDING in kinds else 0
     return att, _attention_groups(att, kinds, window)
 

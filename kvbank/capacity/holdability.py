@@ -57,7 +57,9 @@ def pool_pages(pool: ModelPool, configured: ConfiguredModel | None = None) -> in
     (`configured`: the pool's layout from its config.json, whose page bytes and weights count)."""
     if pool.kv.pages is not None:
         return pool.kv.pages
-    weights = weight_bytes_per_rank(pool) if configured is None else configured.weights_bytes_per_rank
+    weights = (
+        weight_bytes_per_rank(pool) if configured is None else configured.weights_bytes_per_rank
+    )
     bytes_per_page = page_bytes(pool) if configured is None else configured.pool.page_bytes
     left = memory_budget_bytes(pool) - weights - pool.gpu.reserved_gib * GIB
     fraction = pool.kv.memory_fraction or 0.0

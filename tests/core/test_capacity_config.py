@@ -178,9 +178,7 @@ def base() -> dict[str, Any]:
         ({"sliding_window": -1, "model_type": "mistral"}, "sliding_window", "got -1"),
     ],
 )
-def test_a_bad_field_is_one_error_naming_it(
-    change: dict[str, Any], field: str, words: str
-) -> None:
+def test_a_bad_field_is_one_error_naming_it(change: dict[str, Any], field: str, words: str) -> None:
     doc = {**base(), **change}
     doc = {k: v for k, v in doc.items() if v is not None}
     with pytest.raises(ModelConfigError) as caught:

@@ -41,7 +41,11 @@ def preset_pool(preset: str, tp: int):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(
     ("name", "preset"),
-    [("llama-3.1-8b", "llama-3.1-8b"), ("llama-3.1-70b", "llama-3.1-70b"), ("qwen3-8b", "qwen3-8b")],
+    [
+        ("llama-3.1-8b", "llama-3.1-8b"),
+        ("llama-3.1-70b", "llama-3.1-70b"),
+        ("qwen3-8b", "qwen3-8b"),
+    ],
 )
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_a_full_attention_config_pools_as_its_preset(name: str, preset: str, tp: int) -> None:
@@ -174,14 +178,14 @@ def test_caps_leave_a_model_without_them_as_it_was() -> None:
     request = RequestShape(3000, 500, sequences=2)
     assert count_pages(plain, request) == count_pages(CapacityModel(slots, 16, 8192, 1024, 1),
                                                       request)  # fmt: skip
-    assert count_pages(capped, RequestShape(3000, 500)) == count_pages(plain, RequestShape(3000, 500))
+    assert count_pages(capped, RequestShape(3000, 500)) == count_pages(
+        plain, RequestShape(3000, 500)
+    )
 
 
 @pytest.mark.parametrize("page", [1, 7, 16])
 def test_the_worst_case_with_caps_is_the_brute_force_maximum(page: int) -> None:
     slots = {"a": KvSlot(1, 1), "b": KvSlot(2, 1), "c": KvSlot(1, 3, 5)}
     model = CapacityModel(slots, page, 300, 200, 1, label_caps={"b": 20, "c": 31})
-    best = max(
-        count_pages(model, RequestShape(p, 300 - p)).total for p in range(100, 300)
-    )
+    best = max(count_pages(model, RequestShape(p, 300 - p)).total for p in range(100, 300))
     assert worst_case(model)[1].total == best

@@ -20,9 +20,7 @@ CONFIGS = ROOT / "tests" / "data" / "configs"
 def kvbank(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("kvbank", path=str(Path(sys.executable).parent))
     cmd = [exe] if exe else [sys.executable, "-m", "kvbank.cli"]
-    return subprocess.run(
-        [*cmd, *args], capture_output=True, text=True, cwd=cwd, timeout=120
-    )
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
 def plan_json(*args: str) -> dict[str, Any]:
@@ -32,14 +30,35 @@ def plan_json(*args: str) -> dict[str, Any]:
 
 
 def test_llama_70b_on_eight_80gib_gpus() -> None:
-    out = kvbank("plan", "--config", str(CONFIGS / "llama-3.1-70b.json"), "--gpu-memory",
-                 "80GiB", "--tp", "8", "--max-seq-len", "131072", "--min-concurrency", "32")  # fmt: skip
+    out = kvbank(
+        "plan",
+        "--config",
+        str(CONFIGS / "llama-3.1-70b.json"),
+        "--gpu-memory",
+        "80GiB",
+        "--tp",
+        "8",
+        "--max-seq-len",
+        "131072",
+        "--min-concurrency",
+        "32",
+    )
     assert out.returncode == 1  # 11 at 128k is below 32: the plan says so
     assert "per rank 91051 pages of 16 tokens (655360 bytes" in out.stdout
     assert "the pool holds 11 at once" in out.stdout
     assert "minConcurrency 32: largest maxSeqLen 45520" in out.stdout
-    figures = plan_json("--config", str(CONFIGS / "llama-3.1-70b.json"), "--gpu-memory", "80GiB",
-                        "--tp", "8", "--max-seq-len", "131072", "--min-concurrency", "32")  # fmt: skip
+    figures = plan_json(
+        "--config",
+        str(CONFIGS / "llama-3.1-70b.json"),
+        "--gpu-memory",
+        "80GiB",
+        "--tp",
+        "8",
+        "--max-seq-len",
+        "131072",
+        "--min-concurrency",
+        "32",
+    )
     assert figures["worst_request_pages"] == 8192
     assert figures["largest_max_seq_len"] == 45520
     assert 32 * 45520 // 16 <= figures["usable_pages"] < 32 * (45520 // 16 + 1)
@@ -48,8 +67,14 @@ def test_llama_70b_on_eight_80gib_gpus() -> None:
 
 
 def test_gpt_oss_at_8k_counts_the_window_and_one_step() -> None:
-    args = ("--config", str(CONFIGS / "gpt-oss-20b.json"), "--gpu-memory", "80GiB",
-            "--max-seq-len", "8192")  # fmt: skip
+    args = (
+        "--config",
+        str(CONFIGS / "gpt-oss-20b.json"),
+        "--gpu-memory",
+        "80GiB",
+        "--max-seq-len",
+        "8192",
+    )
     default = plan_json(*args)
     small_steps = plan_json(*args, "--max-num-batched-tokens", "2048")
     # vLLM's default 8192-token step lets the window hold 8319 tokens: all of an 8k request
@@ -74,8 +99,16 @@ def test_the_written_pool_passes_check_with_the_same_figures(
 ) -> None:
     out_file = tmp_path / "pool.yaml"
     memory = [] if "--gpu-memory" in extra else ["--gpu-memory", "80GiB"]
-    args = ["--config", str(CONFIGS / config), *memory, "--max-seq-len", "32768",
-            "--min-concurrency", "4", *extra]  # fmt: skip
+    args = [
+        "--config",
+        str(CONFIGS / config),
+        *memory,
+        "--max-seq-len",
+        "32768",
+        "--min-concurrency",
+        "4",
+        *extra,
+    ]
     figures = plan_json(*args, "--write-pool", str(out_file))
     doc = yaml.safe_load(out_file.read_text())
     parse_modelpool(doc)  # the same reader the operator uses
@@ -89,8 +122,16 @@ def test_the_written_pool_passes_check_with_the_same_figures(
 
 def test_a_preset_plan_round_trips_too(tmp_path: Path) -> None:
     out_file = tmp_path / "pool.yaml"
-    figures = plan_json("--preset", "llama-3.1-8b", "--gpu-memory", "24GiB", "--max-seq-len",
-                        "8192", "--write-pool", str(out_file))  # fmt: skip
+    figures = plan_json(
+        "--preset",
+        "llama-3.1-8b",
+        "--gpu-memory",
+        "24GiB",
+        "--max-seq-len",
+        "8192",
+        "--write-pool",
+        str(out_file),
+    )
     out = kvbank("check", str(out_file))
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"holds {figures['worst_concurrency']} worst-case requests" in out.stdout
@@ -100,14 +141,19 @@ def test_check_reads_from_config_beside_the_manifest(tmp_path: Path) -> None:
     (tmp_path / "model").mkdir()
     shutil.copy(CONFIGS / "gpt-oss-20b.json", tmp_path / "model" / "config.json")
     manifest = {
-        "apiVersion": "kvbank.dev/v1alpha1", "kind": "ModelPool", "metadata": {"name": "oss"},
+        "apiVersion": "kvbank.dev/v1alpha1",
+        "kind": "ModelPool",
+        "metadata": {"name": "oss"},
         "spec": {
-            "model": {"name": "gpt-oss-20b",
-                      "architecture": {"fromConfig": {"path": "model/config.json"}}},
-            "gpu": {"memoryGiB": 80}, "kv": {"pageSize": 16, "memoryFraction": 1.0},
+            "model": {
+                "name": "gpt-oss-20b",
+                "architecture": {"fromConfig": {"path": "model/config.json"}},
+            },
+            "gpu": {"memoryGiB": 80},
+            "kv": {"pageSize": 16, "memoryFraction": 1.0},
             "limits": {"maxSeqLen": 8192, "maxTokens": 2048, "maxNumBatchedTokens": 2048},
         },
-    }  # fmt: skip
+    }
     path = tmp_path / "pool.yaml"
     path.write_text(yaml.safe_dump(manifest))
     out = kvbank("check", str(path), cwd=Path("/"))
@@ -118,13 +164,17 @@ def test_check_reads_from_config_beside_the_manifest(tmp_path: Path) -> None:
 
 def write_pool(tmp_path: Path, architecture: dict[str, Any], **spec: Any) -> Path:
     manifest = {
-        "apiVersion": "kvbank.dev/v1alpha1", "kind": "ModelPool", "metadata": {"name": "p"},
+        "apiVersion": "kvbank.dev/v1alpha1",
+        "kind": "ModelPool",
+        "metadata": {"name": "p"},
         "spec": {
-            "model": {"name": "m", "architecture": architecture}, "gpu": {"memoryGiB": 80},
+            "model": {"name": "m", "architecture": architecture},
+            "gpu": {"memoryGiB": 80},
             "kv": {"pageSize": 16, "pages": 1000},
-            "limits": {"maxSeqLen": 8192, "maxTokens": 2048}, **spec,
+            "limits": {"maxSeqLen": 8192, "maxTokens": 2048},
+            **spec,
         },
-    }  # fmt: skip
+    }
     path = tmp_path / "pool.yaml"
     path.write_text(yaml.safe_dump(manifest))
     return path
