@@ -81,7 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    parser.add_argument("--kv-dtype", choices=tuple(KV_DTYPE_BYTES), default="bfloat16")
+    parser.add_argument(
+        "--kv-dtype",
+        choices=tuple(KV_DTYPE_BYTES),
+        default="bfloat16",
+        help="the KV cache's dtype (fp8: per-tensor scales; fp8_per_token_head budgets a float32 "
+        "scale per token and head)",
+    )
     parser.add_argument(
         "--max-seq-len",
         type=int,
@@ -95,7 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
         help="tokens one step schedules (what a window holds on top of itself)",
     )
-    parser.add_argument("--speculative-tokens", type=int, default=0)
+    parser.add_argument(
+        "--speculative-tokens", type=int, default=0, help="draft tokens per decode step"
+    )
     parser.add_argument(
         "--min-concurrency",
         type=int,
