@@ -68,8 +68,9 @@ class LayerGroup:
     window: int = 0  # sliding window, or attention chunk
     state: tuple[tuple[str, int], ...] = ()
 
-    def state_elements(self, tp: int) -> tuple[int, ...]:
-        """Elements of each state tensor of one layer on one rank (vLLM's state shapes)."""
+    def state_elements(self, tp: int, speculative_tokens: int = 0) -> tuple[int, ...]:
+        """Elements of each state tensor of one layer on one rank (vLLM's state shapes). A
+        Mamba-2 or gated delta net conv state keeps one more row per speculative token."""
         s = dict(self.state)
         if self.kind is Kind.MAMBA:
             inner = s["intermediate"] // tp
@@ -78,7 +79,7 @@ class LayerGroup:
             groups = _groups_per_rank(s["n_groups"], tp)
             conv_dim = s["intermediate"] // tp + 2 * groups * s["d_state"]
             return (
-                conv_dim * (s["d_conv"] - 1),
+                conv_dim * (s["d_conv"] - 1 + speculative_tokens),
                 s["n_heads"] // tp * s["head_dim"] * s["d_state"],
             )
         if self.kind is Kind.LINEAR:
@@ -86,7 +87,7 @@ class LayerGroup:
             value_dim = s["value_heads"] * s["value_dim"]
             conv_dim = (2 * key_dim + value_dim) // tp
             return (
-                conv_dim * (s["conv_kernel"] - 1),
+                conv_dim * (s["conv_kernel"] - 1 + speculative_tokens),
                 s["value_heads"] // tp * s["key_dim"] * s["value_dim"],
             )
         return ()

@@ -181,7 +181,9 @@ def pool_layout(layout: ModelLayout, settings: EngineSettings) -> PoolLayout:
     state_bytes = 0
     if states:
         state_bytes = max(
-            sum(g.state_elements(tp)) * WEIGHT_DTYPES[layout.weights_dtype] for g in states
+            sum(g.state_elements(tp, settings.speculative_tokens))
+            * WEIGHT_DTYPES[layout.weights_dtype]
+            for g in states
         )
         fits = PAGE_ALIGNMENT * _cdiv(state_bytes, PAGE_ALIGNMENT * per_token)
         page_size = max(page_size, fits)

@@ -63,6 +63,8 @@ def test_state_sizes_per_rank() -> None:
     # conv: (2 x 16 x 128 + 32 x 128) channels x (kernel 4 - 1); state: 32 heads x 128 x 128
     assert linear.state_elements(1) == (8192 * 3, 32 * 128 * 128)
     assert linear.state_elements(8) == (1024 * 3, 4 * 128 * 128)
+    # a speculative token keeps one more conv row (vLLM's num_spec), not more SSM state
+    assert linear.state_elements(1, 2) == (8192 * 5, 32 * 128 * 128)
     mamba = layout_of("jamba-v0.1").groups[0]
     # Mamba-1: 2 x 4096 channels, d_conv 4, d_state 16
     assert mamba.state_elements(1) == (8192 * 3, 8192 * 16)
