@@ -27,6 +27,11 @@ class CapacityModel:
 
     @classmethod
     def from_pool(cls, pool: ModelPool) -> CapacityModel:
+        if pool.from_config is not None:  # its labels are its layout's, which needs the file
+            raise ValueError(
+                "this ModelPool's architecture is fromConfig: its KV labels come from the "
+                "model's config.json (kvbank.capacity.configured.resolve), not from kvSlots"
+            )
         return cls(
             pool.kv_slots,
             pool.kv.page_size,

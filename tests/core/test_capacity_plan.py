@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvbank.capacity import CapacityModel, holdability
 from kvbank.modelpool import parse_modelpool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -242,3 +243,14 @@ def test_plan_refuses_bad_flags_in_one_line(flags: list[str], words: str) -> Non
     assert out.returncode != 0
     assert words in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_reader_that_loads_no_files_refuses_a_configured_pool(tmp_path: Path) -> None:
+    # the webhook and the sidecar call holdability without the layout: they must not judge
+    # the placeholders, nor count a pool without kvSlots as needing no pages
+    doc = yaml.safe_load(write_pool(tmp_path, {"fromConfig": {"path": "c.json"}}).read_text())
+    pool = parse_modelpool(doc)
+    held = holdability(pool)
+    assert not held.ok and "fromConfig is not resolved here" in held.violations[0]
+    with pytest.raises(ValueError, match="fromConfig"):
+        CapacityModel.from_pool(pool)
