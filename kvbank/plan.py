@@ -17,8 +17,9 @@ from typing import Any
 
 from kvbank.capacity import GIB, CapacityModel, largest_fitting, usable_pages, worst_case
 from kvbank.capacity.configured import ConfiguredModel, configure
-from kvbank.capacity.hfconfig import Kind, LayerGroup, ModelConfigError, ModelLayout, read_layout
+from kvbank.capacity.hfconfig import ModelConfigError, read_layout
 from kvbank.capacity.layout import KV_DTYPE_BYTES, EngineSettings, LayoutError
+from kvbank.capacity.modellayout import Kind, LayerGroup, ModelLayout
 from kvbank.modelpool import (
     API_GROUP,
     API_VERSION,

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbank.capacity.count import CapacityModel
-from kvbank.capacity.hfconfig import WEIGHT_DTYPES, Kind, LayerGroup, ModelLayout
+from kvbank.capacity.modellayout import WEIGHT_DTYPES, Kind, LayerGroup, ModelLayout
 from kvbank.modelpool import KvSlot
 
 # KV dtypes and their bytes per element. fp8 is vLLM's per-tensor-scaled fp8 (no extra bytes);
