@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"FAIL {where} {name}: {len(result.violations)} violation(s):")
                 for violation in result.violations:
                     print(f"  - {violation}")
+                for line in _group_lines(pool, configured):
+                    print(f"  {line}")
                 worst_exit = max(worst_exit, 1)
     return worst_exit
 
