@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvbank.capacity import holdability
+from kvbank.capacity import CapacityModel, holdability, worst_case
 from kvbank.deployment import parse_deployment
 from kvbank.fields import quote
 from kvbank.manifests import ManifestError, load_documents
 from kvbank.modelpool import KIND, ModelPool, SpecError, parse_modelpool
 from kvbank.service_class import ServiceClass
+
+if TYPE_CHECKING:
+    from kvbank.capacity.configured import ConfiguredModel
 
 __all__ = ["ManifestError", "load_documents", "run"]  # the sidecar's --pool reads the same way
 
@@ -73,7 +78,13 @@ def run(args: argparse.Namespace) -> int:
                     print(f"  - {err}", file=sys.stderr)
                 worst_exit = 2
                 continue
-            result = holdability(pool)
+            try:
+                configured = _resolve(pool, path)
+            except ValueError as exc:  # ConfigSourceError: names the field
+                print(f"error: {where}: {exc}", file=sys.stderr)
+                worst_exit = 2
+                continue
+            result = holdability(pool, configured)
             name = f"{pool.namespace}/{pool.name}"
             if result.ok:
                 print(
@@ -81,9 +92,44 @@ def run(args: argparse.Namespace) -> int:
                     f"pages; the pool ({result.pages} pages) holds {result.worst_concurrency} "
                     f"worst-case requests at once; {default_class(pool)}"
                 )
+                for line in _group_lines(pool, configured):
+                    print(f"  {line}")
             else:
                 print(f"FAIL {where} {name}: {len(result.violations)} violation(s):")
                 for violation in result.violations:
                     print(f"  - {violation}")
+                for line in _group_lines(pool, configured):
+                    print(f"  {line}")
                 worst_exit = max(worst_exit, 1)
     return worst_exit
+
+
+def _resolve(pool: ModelPool, manifest: str) -> ConfiguredModel | None:
+    """The pool's layout from its config.json, a path relative to the manifest's folder."""
+    if pool.from_config is None:
+        return None
+    from kvbank.capacity.configured import resolve  # only pools that name a config pay for it
+
+    return resolve(pool, Path.cwd() if manifest == "-" else Path(manifest).resolve().parent)
+
+
+def _group_lines(pool: ModelPool, configured: ConfiguredModel | None) -> list[str]:
+    """Per KV group of a configured pool: its layers, its rule and the worst-case request's
+    pages there."""
+    if configured is None:
+        return []
+    layout = configured.pool
+    model: CapacityModel = layout.capacity_model(pool.limits.max_seq_len, pool.limits.max_tokens)
+    _, worst = worst_case(model)
+    lines = [
+        f"{layout.model_type}: {len(layout.groups)} KV group(s), {layout.page_bytes} bytes a "
+        f"page of {layout.page_size} tokens ({layout.layers_per_group} layers x "
+        f"{layout.layer_page_bytes} bytes), weights "
+        f"{configured.weights_bytes_per_rank / 2**30:.2f} GiB per rank"
+    ]
+    for group in layout.groups:
+        lines.append(
+            f"group {group.label}: {group.layers} layers, {group.rule()}; worst-case request "
+            f"{worst.per_label[group.label]} pages"
+        )
+    return lines

@@ -18,6 +18,7 @@ DESCRIPTION = (
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("kvbank.check", "check ModelPool manifests: can the pool hold what they promise?"),
+    "plan": ("kvbank.plan", "size a pool from a model's config.json and the GPUs it runs on"),
     "serve": ("kvbank.engine.serve.command", "run the engine with its OpenAI-compatible HTTP API"),
     "bench": ("kvbank.engine.bench.cli", "run a benchmark scenario under one or more policies"),
     "sidecar": ("kvbank.sidecar.server", "run the gRPC admission sidecar"),

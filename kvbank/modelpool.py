@@ -100,10 +100,16 @@ class KvPool:
     host_pages: int = 0  # per rank, in host memory: evicted prefix pages kept for reload
 
 
+# vLLM's default step budget for its API server on an 80 GiB-class GPU: what a sliding window
+# or an attention chunk holds on top of its window (kvbank/capacity/layout.py).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
 @dataclass(frozen=True)
 class Limits:
     max_seq_len: int
     max_tokens: int
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,67 @@ class ModelPool:
     kv_slots: Mapping[str, KvSlot]
     limits: Limits
     admission: Admission = field(default_factory=Admission)
+    # The model's layout comes from its config.json (kvbank/capacity/configured.py resolves it);
+    # `architecture` then holds only placeholders and must not be read for capacity.
+    from_config: ConfigSource | None = None
+
+
+KV_DTYPES = ("bfloat16", "float16", "fp8", "fp8_per_token_head")
+MAX_CONFIG_PATH = 4096
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where a model's config.json is: a path (for `kvbank check`, relative to the manifest) or
+    a ConfigMap key (for the operator); the KV cache dtype and, if given, the weights' size."""
+
+    path: str | None = None
+    config_map: str | None = None
+    key: str = "config.json"
+    kv_dtype: str = "bfloat16"
+    weights_gib: float | None = None
+
+
+# What an architecture read from config.json holds until it is resolved: nothing to count by.
+CONFIGURED_ARCHITECTURE = Architecture(1, 1, 1, 1, 0.0, "bfloat16")
+
+
+def _config_source(r: FieldReader, arch: Mapping[str, Any], path: str) -> ConfigSource | None:
+    """spec.model.architecture.fromConfig: {path} or {configMap: {name, key}}, kvDtype,
+    weightsGiB. The hand-written fields do not mix with it."""
+    path = f"{path}.fromConfig"
+    src = r.mapping(arch.get("fromConfig"), path)
+    if src is None:
+        return None
+    r.unknown(src, path, {"path", "configMap", "kvDtype", "weightsGiB"})
+    mixed = sorted(k for k in arch if k != "fromConfig")
+    if mixed:
+        r.fail(path, f"describes the model by itself; drop {', '.join(mixed)} beside it")
+    file = r.string(src, "path", path, required=False)
+    if file is not None and len(file) > MAX_CONFIG_PATH:
+        r.fail(f"{path}.path", f"has {len(file)} characters; at most {MAX_CONFIG_PATH}")
+        file = None
+    cm = r.mapping(src.get("configMap"), f"{path}.configMap", required=False)
+    name = key = None
+    if cm is not None:
+        r.unknown(cm, f"{path}.configMap", {"name", "key"})
+        name = r.string(cm, "name", f"{path}.configMap")
+        key = r.string(cm, "key", f"{path}.configMap", required=False, default="config.json")
+    if (file is None) == (cm is None):
+        r.fail(path, "give exactly one of path (a local config.json) or configMap {name, key}")
+    kv_dtype = r.string(src, "kvDtype", path, required=False, choices=KV_DTYPES,
+                        default="bfloat16")  # fmt: skip
+    weights = r.number(src, "weightsGiB", path, lo=0, hi=1 << 20) if "weightsGiB" in src else None
+    if kv_dtype is None:
+        return None
+    return ConfigSource(file, name, key or "config.json", kv_dtype, weights)
+
+
+def _max_num_batched_tokens(r: FieldReader, lim: Mapping[str, Any]) -> int:
+    """spec.limits.maxNumBatchedTokens: the most tokens the engine schedules in one step."""
+    value = r.integer(lim, "maxNumBatchedTokens", "spec.limits", lo=1, hi=MAX_SEQ_LEN,
+                      default=DEFAULT_MAX_NUM_BATCHED_TOKENS)  # fmt: skip
+    return DEFAULT_MAX_NUM_BATCHED_TOKENS if value is None else value
 
 
 def _architecture(r: FieldReader, model: Mapping[str, Any]) -> Architecture | None:
@@ -169,6 +236,8 @@ def _architecture(r: FieldReader, model: Mapping[str, Any]) -> Architecture | No
     arch = r.mapping(arch, path)
     if arch is None:
         return None
+    if "fromConfig" in arch:  # read by _config_source; nothing here to count by
+        return CONFIGURED_ARCHITECTURE
     known = {"preset", "layers", "attentionHeads", "kvHeads", "headDim", "parameters", "dtype"}
     r.unknown(arch, path, known)
     base: Architecture | None = None
@@ -312,6 +381,9 @@ def parse_modelpool(doc: Any) -> ModelPool:
             f"has {len(model_name)} characters; at most {MAX_MODEL_NAME_LENGTH} are allowed",
         )
     arch = _architecture(r, model) if model else None
+    source = None
+    if isinstance(model.get("architecture"), Mapping) and "fromConfig" in model["architecture"]:
+        source = _config_source(r, model["architecture"], "spec.model.architecture")
 
     replicas = r.integer(spec, "replicas", "spec", lo=0, hi=MAX_REPLICAS, default=1)
     tp = r.integer(spec, "tensorParallel", "spec", lo=1, hi=MAX_TP, default=1)
@@ -340,10 +412,14 @@ def parse_modelpool(doc: Any) -> ModelPool:
     )
     host_pages = r.integer(kv_obj, "hostPages", "spec.kv", lo=0, hi=MAX_PAGES, default=0)
 
-    slots = _kv_slots(r, spec.get("kvSlots"))
+    if source is not None and "kvSlots" in spec:
+        r.fail("spec.kvSlots", "comes from model.architecture.fromConfig (one label per KV "
+               "group); drop kvSlots")  # fmt: skip
+    slots = _kv_slots(r, spec.get("kvSlots")) if source is None else {}
 
     lim = r.mapping(spec.get("limits"), "spec.limits") or {}
-    r.unknown(lim, "spec.limits", {"maxSeqLen", "maxTokens"})
+    r.unknown(lim, "spec.limits", {"maxSeqLen", "maxTokens", "maxNumBatchedTokens"})
+    batched = _max_num_batched_tokens(r, lim)
     max_seq_len = r.integer(lim, "maxSeqLen", "spec.limits", lo=2, hi=MAX_SEQ_LEN)
     max_tokens = r.integer(lim, "maxTokens", "spec.limits", lo=1, hi=MAX_SEQ_LEN)
     if max_seq_len and max_tokens and max_tokens >= max_seq_len:
@@ -384,6 +460,7 @@ def parse_modelpool(doc: Any) -> ModelPool:
         gpu=Gpu(memory, util, reserved),
         kv=KvPool(page_size, pages, fraction, spec_tokens, host_pages),
         kv_slots=slots,
-        limits=Limits(max_seq_len, max_tokens),
+        limits=Limits(max_seq_len, max_tokens, batched),
         admission=Admission(min_conc, policy, bool(backfill), *classes),
+        from_config=source,
     )

@@ -20,9 +20,18 @@ class CapacityModel:
     max_seq_len: int
     max_tokens: int  # the limit, and the budget of a request that sends no max_tokens
     speculative_tokens: int = 0
+    # The most pages one sequence holds in a label at once, whatever its length: a sliding
+    # window's or an attention chunk's label (kvbank.capacity.layout). A label not named here
+    # holds every position it writes, as kvSlots always have.
+    label_caps: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_pool(cls, pool: ModelPool) -> CapacityModel:
+        if pool.from_config is not None:  # its labels are its layout's, which needs the file
+            raise ValueError(
+                "this ModelPool's architecture is fromConfig: its KV labels come from the "
+                "model's config.json (kvbank.capacity.configured.resolve), not from kvSlots"
+            )
         return cls(
             pool.kv_slots,
             pool.kv.page_size,
@@ -125,6 +134,8 @@ def shared_prompt_pages(model: CapacityModel, request: RequestShape) -> int:
     a single sequence."""
     if request.sequences <= 1 or not all(t.keyed for t in label_terms(model, request).values()):
         return 0
+    if model.label_caps:  # a window drops its prompt's first pages: nothing stays shared
+        return 0
     return (request.prompt_tokens - 1) // model.page_size
 
 
@@ -133,7 +144,8 @@ def count_pages(model: CapacityModel, request: RequestShape, cached_pages: int =
     step. A label's prompt count (prompt tokens x multiplier, fixed tokens, the model's extra
     tokens) is reserved whole; what decode adds is capped at max_seq_len positions. A request of
     n sequences counts its shared prompt pages once and, n times, the pages each sequence writes
-    itself (the page holding its last prompt token onwards)."""
+    itself (the page holding its last prompt token onwards). A label with a cap
+    (`CapacityModel.label_caps`) counts its tokens up to that many pages, never more."""
     output = output_budget(model, request.prompt_tokens, request.max_tokens)
     decode_positions = output + model.speculative_tokens
     sequences = request.sequences
@@ -146,6 +158,9 @@ def count_pages(model: CapacityModel, request: RequestShape, cached_pages: int =
             + terms.own
             + terms.per_output * decode_positions
         )
+        cap = model.label_caps.get(label)
+        if cap is not None:
+            label_tokens = min(label_tokens, cap * model.page_size)
         tokens[label] = label_tokens
         one = pages_for(label_tokens, model.page_size)
         per_label[label] = shared + sequences * (one - shared)
@@ -184,6 +199,10 @@ def label_growth(
     for label, worst in count.tokens_per_label.items():
         rate = model.kv_slots[label].output
         base = worst - rate * decode_positions
+        if label in model.label_caps:  # it fills as any label, until its cap
+            slot = model.kv_slots[label]
+            own = slot.fixed + request.extra_tokens.get(label, 0)
+            base = min(worst, slot.prompt * request.prompt_tokens + own)
         if request.sequences == 1:
             growth[label] = LabelGrowth(base, rate, worst)
             continue
@@ -228,6 +247,8 @@ def worst_case(model: CapacityModel) -> tuple[RequestShape, PageCount]:
     can do better, and among those only the prompts where a rising label steps up. That leaves a
     handful of candidates even at page size 1 and a million positions (one to a few per label),
     except for specs whose rises cancel out exactly, where it is one per page per rising label.
+    A label's cap (`label_caps`) keeps its pages a monotone step function with a subset of its
+    steps and lowers them only, so the same candidates and the same bound still hold.
     """
     longest_output = min(model.max_tokens, model.max_seq_len - 1)
     lo, hi = model.max_seq_len - longest_output, model.max_seq_len - 1  # prompt lengths

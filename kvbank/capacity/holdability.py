@@ -4,6 +4,7 @@ rules the operator's webhook and `kvbank check` apply, each derived from `count_
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvbank.capacity.count import (
     SINK_PAGES,
@@ -15,6 +16,9 @@ from kvbank.capacity.count import (
     worst_case,
 )
 from kvbank.modelpool import ModelPool
+
+if TYPE_CHECKING:
+    from kvbank.capacity.configured import ConfiguredModel
 
 GIB = 1 << 30
 
@@ -48,13 +52,18 @@ def memory_budget_bytes(pool: ModelPool) -> float:
     return pool.gpu.memory_gib * pool.gpu.memory_utilization * GIB
 
 
-def pool_pages(pool: ModelPool) -> int:
-    """Pages per rank: the spec's count, or its fraction of what weights and reserve leave."""
+def pool_pages(pool: ModelPool, configured: ConfiguredModel | None = None) -> int:
+    """Pages per rank: the spec's count, or its fraction of what weights and reserve leave
+    (`configured`: the pool's layout from its config.json, whose page bytes and weights count)."""
     if pool.kv.pages is not None:
         return pool.kv.pages
-    left = memory_budget_bytes(pool) - weight_bytes_per_rank(pool) - pool.gpu.reserved_gib * GIB
+    weights = (
+        weight_bytes_per_rank(pool) if configured is None else configured.weights_bytes_per_rank
+    )
+    bytes_per_page = page_bytes(pool) if configured is None else configured.pool.page_bytes
+    left = memory_budget_bytes(pool) - weights - pool.gpu.reserved_gib * GIB
     fraction = pool.kv.memory_fraction or 0.0
-    return max(0, int(left * fraction // page_bytes(pool)))
+    return max(0, int(left * fraction // bytes_per_page))
 
 
 # ---- Holdability --------------------------------------------------------------------------------
@@ -98,11 +107,26 @@ def describe_worst(model: CapacityModel, shape: RequestShape, count: PageCount) 
     )
 
 
-def holdability(pool: ModelPool) -> Holdability:
+def holdability(pool: ModelPool, configured: ConfiguredModel | None = None) -> Holdability:
     """Every reason the pool could not hold what the spec promises, each with the numbers and
-    what to change. An empty tuple means the spec is holdable."""
-    model = CapacityModel.from_pool(pool)
-    pages = pool_pages(pool)
+    what to change. An empty tuple means the spec is holdable. `configured`: the layout of a
+    pool whose architecture is `fromConfig`, resolved by the caller (it reads a file); each of
+    its KV groups is a label with its own rule, and its page bytes and weights count."""
+    if pool.from_config is not None and configured is None:
+        return Holdability(0, 0, 0, (
+            "model.architecture.fromConfig is not resolved here: this reader does not load "
+            "config files. Run kvbank check on the manifest beside its config.json, or give "
+            "the architecture by hand.",
+        ))  # fmt: skip
+    if configured is None:
+        model = CapacityModel.from_pool(pool)
+        bytes_per_page = page_bytes(pool)
+        weights = weight_bytes_per_rank(pool)
+    else:
+        model = configured.pool.capacity_model(pool.limits.max_seq_len, pool.limits.max_tokens)
+        bytes_per_page = configured.pool.page_bytes
+        weights = configured.weights_bytes_per_rank
+    pages = pool_pages(pool, configured)
     usable = usable_pages(pages)
     shape, worst = worst_case(model)
     problems: list[str] = []
@@ -137,13 +161,22 @@ def holdability(pool: ModelPool) -> Holdability:
         )
 
     arch, tp = pool.architecture, pool.tensor_parallel
-    if arch.attention_heads % tp:
+    if configured is not None and configured.pool.page_size != pool.kv.page_size:
+        layout = configured.pool
+        problems.append(
+            f"kv.pageSize={pool.kv.page_size} is below what one page of this model's state "
+            f"needs: vLLM raises its block size to {layout.page_size} tokens so that a "
+            f"{layout.layer_page_bytes}-byte page holds it. Set kv.pageSize to "
+            f"{layout.page_size}."
+        )
+    # A configured layout checked its heads against tensorParallel when it was made.
+    if configured is None and arch.attention_heads % tp:
         problems.append(
             f"tensorParallel={tp} does not divide model.architecture.attentionHeads="
             f"{arch.attention_heads}. Use a tensorParallel that divides it "
             f"({', '.join(str(d) for d in _divisors(arch.attention_heads) if d <= 64)})."
         )
-    if arch.kv_heads % tp and tp % arch.kv_heads:
+    if configured is None and arch.kv_heads % tp and tp % arch.kv_heads:
         problems.append(
             f"tensorParallel={tp} cannot split model.architecture.kvHeads={arch.kv_heads}: "
             f"one must divide the other. Use tensorParallel "
@@ -152,11 +185,10 @@ def holdability(pool: ModelPool) -> Holdability:
         )
 
     budget = memory_budget_bytes(pool)
-    weights = weight_bytes_per_rank(pool)
-    kv_bytes = pages * page_bytes(pool)
+    kv_bytes = pages * bytes_per_page
     reserve = pool.gpu.reserved_gib * GIB
     if kv_bytes + weights + reserve > budget:
-        room = int((budget - weights - reserve) // page_bytes(pool))
+        room = int((budget - weights - reserve) // bytes_per_page)
         fix = (
             f"Lower kv.pages to at most {room}"
             if room > 0
@@ -164,7 +196,7 @@ def holdability(pool: ModelPool) -> Holdability:
         )
         problems.append(
             f"pool + weights + reserve need {_gib(kv_bytes + weights + reserve)} GiB per rank "
-            f"(kv {_gib(kv_bytes)} GiB for {pages} pages of {page_bytes(pool)} bytes, weights "
+            f"(kv {_gib(kv_bytes)} GiB for {pages} pages of {bytes_per_page} bytes, weights "
             f"{_gib(weights)} GiB, reserved {_gib(reserve)} GiB) but gpu.memoryGiB="
             f"{pool.gpu.memory_gib:g} x memoryUtilization={pool.gpu.memory_utilization:g} "
             f"gives {_gib(budget)} GiB. {fix}, or raise gpu.memoryGiB."

@@ -1,0 +1,73 @@
+"""A ModelPool whose architecture comes from the model's config.json (`fromConfig`): the model's
+layout, the pool vLLM would make of it on one rank, and its weights per rank, resolved once so
+that `holdability`, `kvbank check` and `kvbank plan` judge the same figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbank.capacity.hfconfig import ModelConfigError, ModelLayout, read_layout
+from kvbank.capacity.layout import EngineSettings, LayoutError, PoolLayout, pool_layout
+from kvbank.modelpool import ModelPool
+
+
+@dataclass(frozen=True)
+class ConfiguredModel:
+    model: ModelLayout
+    pool: PoolLayout
+    weights_bytes_per_rank: float
+
+
+def configure(
+    model: ModelLayout, settings: EngineSettings, weights_bytes: float | None = None
+) -> ConfiguredModel:
+    """The pool of `model` under `settings`; weights default to the config's estimate, split
+    evenly over the ranks."""
+    total = model.weight_bytes() if weights_bytes is None else weights_bytes
+    return ConfiguredModel(model, pool_layout(model, settings), total / settings.tensor_parallel)
+
+
+def settings_of(pool: ModelPool) -> EngineSettings:
+    return EngineSettings(
+        page_size=pool.kv.page_size,
+        tensor_parallel=pool.tensor_parallel,
+        kv_dtype=pool.from_config.kv_dtype if pool.from_config else "bfloat16",
+        max_num_batched_tokens=pool.limits.max_num_batched_tokens,
+        speculative_tokens=pool.kv.speculative_tokens,
+    )
+
+
+class ConfigSourceError(ValueError):
+    """fromConfig could not be resolved; `field` is the manifest or config field to fix."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+def resolve(pool: ModelPool, base: Path) -> ConfiguredModel | None:
+    """The configured model of a pool that names `fromConfig.path` (relative to `base`, the
+    manifest's folder); None for a pool described by hand. Raises ConfigSourceError naming the
+    field: the manifest's, or the config's under `fromConfig`."""
+    source = pool.from_config
+    if source is None:
+        return None
+    where = "spec.model.architecture.fromConfig"
+    if source.path is None:
+        raise ConfigSourceError(
+            f"{where}.configMap",
+            "is read by the operator from the cluster; kvbank check reads only a local path "
+            "(fromConfig: {path: config.json})",
+        )
+    path = Path(source.path)
+    if not path.is_absolute():
+        path = base / path
+    try:
+        layout = read_layout(path)
+        weights = source.weights_gib * (1 << 30) if source.weights_gib is not None else None
+        return configure(layout, settings_of(pool), weights)
+    except ModelConfigError as exc:
+        raise ConfigSourceError(f"{where} {exc.field}", exc.message) from None
+    except LayoutError as exc:
+        raise ConfigSourceError(f"spec.{exc.field}", exc.message) from None

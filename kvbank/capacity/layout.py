@@ -1,0 +1,229 @@
+"""A model's layer groups as a vLLM engine pools them on one rank: which KV cache groups it
+makes, how many bytes one page (one block id) takes, and how many pages each group may hold for
+one request. Each group becomes one label of `count_pages`, with the group's worst-case rule:
+
+- full attention and MLA: every position;
+- sliding window: at most ceil((window - 1 + step) / pageSize) + 1 pages, `step` being the
+  most tokens one step schedules (max_num_batched_tokens, or one decode row and its speculative
+  tokens if more) -- the window before the step's first token, the step, and one page the window
+  may start inside;
+- chunked local attention: the current chunk and the step, ceil((chunk + step) / pageSize)
+  pages, one more when chunks do not start on a page;
+- Mamba and linear attention: a fixed state of 1 + speculativeTokens pages whatever the length.
+
+Pages follow vLLM's hybrid allocator (`vllm/v1/core/kv_cache_utils.py`, read, not copied): one
+block pool for every group; layers of one kind form groups of `layers_per_group` layers (the
+fewest layers of any kind, or the most when within 1.5x), padding the last group of a kind; a
+page is `layers_per_group` layers' worth of one block. A state layer's page is padded up to an
+attention layer's, and where the state is larger than an attention page at the given page size
+the page size is raised to the next multiple of 16 tokens that holds it (vLLM does the same
+without prefix caching).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbank.capacity.count import CapacityModel
+from kvbank.capacity.modellayout import WEIGHT_DTYPES, Kind, LayerGroup, ModelLayout
+from kvbank.modelpool import KvSlot
+
+# KV dtypes and their bytes per element. fp8 is vLLM's per-tensor-scaled fp8 (no extra bytes);
+# fp8_per_token_head adds one float32 scale per token, head and K/V, as vLLM budgets it.
+KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_per_token_head": 1}
+PAGE_ALIGNMENT = 16  # tokens: attention kernels take block sizes in multiples of this
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's API server on an 80 GiB-class GPU
+
+
+class LayoutError(ValueError):
+    """A layout the engine cannot pool this way; `field` names what to change."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What, besides the model, decides the pool: the requested page size (tokens per block),
+    tensor parallelism, the KV dtype, the step's token budget and speculative tokens."""
+
+    page_size: int = 16
+    tensor_parallel: int = 1
+    kv_dtype: str = "bfloat16"
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    speculative_tokens: int = 0
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one step writes for one request."""
+        return max(self.max_num_batched_tokens, 1 + self.speculative_tokens)
+
+
+@dataclass(frozen=True)
+class PoolGroup:
+    """One KV cache group: a label of count_pages."""
+
+    label: str
+    kind: Kind
+    layers: int  # the model's layers in it; layers_per_group less this is padding
+    window: int  # sliding window or chunk; 0 for the others
+    cap_pages: int | None  # the most pages one request holds here at once; None: every position
+    state_pages: int  # pages a state group holds per request; 0 for attention
+
+    def slot(self, page_size: int) -> KvSlot:
+        if self.state_pages:
+            return KvSlot(fixed=self.state_pages * page_size)
+        return KvSlot(prompt=1, output=1)
+
+    def rule(self) -> str:
+        if self.state_pages:
+            return f"{self.state_pages} page(s) of state per request"
+        if self.cap_pages is not None:
+            what = "window" if self.kind is Kind.SLIDING else "chunk"
+            return f"{what} {self.window}: at most {self.cap_pages} pages"
+        return "every position"
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """The pool one rank allocates for a model: its groups, the tokens per page (the requested
+    size, or larger where a state must fit one page), bytes per page, and each group's share."""
+
+    model_type: str
+    groups: tuple[PoolGroup, ...]
+    page_size: int
+    page_bytes: int  # one block id across every layer it spans
+    layers_per_group: int
+    layer_page_bytes: int  # one layer's share of a page
+    kv_heads_per_rank: int
+    settings: EngineSettings
+
+    @property
+    def kv_slots(self) -> dict[str, KvSlot]:
+        return {g.label: g.slot(self.page_size) for g in self.groups}
+
+    @property
+    def label_caps(self) -> dict[str, int]:
+        return {g.label: g.cap_pages for g in self.groups if g.cap_pages is not None}
+
+    def capacity_model(self, max_seq_len: int, max_tokens: int) -> CapacityModel:
+        return CapacityModel(
+            self.kv_slots,
+            self.page_size,
+            max_seq_len,
+            max_tokens,
+            self.settings.speculative_tokens,
+            label_caps=self.label_caps,
+        )
+
+
+def heads_per_rank(layout: ModelLayout, tp: int) -> int:
+    """KV heads one rank keeps: split when TP divides them, copied when TP exceeds them. Raises
+    LayoutError naming tensorParallel when neither divides the other, or the query heads."""
+    heads = layout.kv_heads
+    if layout.attention_heads % tp:
+        fits = [d for d in range(1, 65) if layout.attention_heads % d == 0]
+        raise LayoutError(
+            "tensorParallel",
+            f"{tp} does not divide the model's {layout.attention_heads} attention heads; use "
+            f"one of {', '.join(map(str, fits))}",
+        )
+    if heads % tp and tp % heads:
+        raise LayoutError(
+            "tensorParallel",
+            f"{tp} cannot split the model's {heads} KV heads: one must divide the other",
+        )
+    for group in layout.groups:
+        for name, size in group.state_divisors().items():
+            if size % tp:
+                raise LayoutError(
+                    "tensorParallel", f"{tp} does not divide the model's {name} ({size})"
+                )
+    return max(1, heads // tp)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _token_bytes(group: LayerGroup, heads: int, kv_dtype: str) -> int:
+    """Bytes one token takes in one attention layer of this group on one rank."""
+    size = KV_DTYPE_BYTES[kv_dtype]
+    if group.kind is Kind.MLA:  # one latent, replicated: not split by TP
+        return group.head_dim_k * size
+    scales = 2 * heads * 4 if kv_dtype == "fp8_per_token_head" else 0
+    return heads * (group.head_dim_k + group.head_dim_v) * size + scales
+
+
+def pool_layout(layout: ModelLayout, settings: EngineSettings) -> PoolLayout:
+    """How vLLM pools this model on one rank with these settings."""
+    if settings.kv_dtype not in KV_DTYPE_BYTES:
+        raise LayoutError(
+            "kvDtype", f"must be one of {', '.join(KV_DTYPE_BYTES)}, got {settings.kv_dtype!r}"
+        )
+    tp = settings.tensor_parallel
+    heads = heads_per_rank(layout, tp)
+    attention = [g for g in layout.groups if not g.kind.is_state]
+    states = [g for g in layout.groups if g.kind.is_state]
+    if not attention:
+        raise LayoutError("model_type", f"{layout.model_type} has no attention layers to pool")
+    token_bytes = {_token_bytes(g, heads, settings.kv_dtype) for g in attention}
+    if len(token_bytes) > 1:
+        raise LayoutError(
+            "model_type",
+            f"{layout.model_type}'s attention layers differ in bytes per token "
+            f"({sorted(token_bytes)}); kvbank counts one page size for every group",
+        )
+    per_token = token_bytes.pop()
+    page_size = settings.page_size
+    state_bytes = 0
+    if states:
+        state_bytes = max(
+            sum(g.state_elements(tp, settings.speculative_tokens))
+            * WEIGHT_DTYPES[layout.weights_dtype]
+            for g in states
+        )
+        fits = PAGE_ALIGNMENT * _cdiv(state_bytes, PAGE_ALIGNMENT * per_token)
+        page_size = max(page_size, fits)
+    layer_page = page_size * per_token
+
+    counts = {id(g): g.layers for g in layout.groups}
+    if len(layout.groups) == 1:
+        per_group = layout.groups[0].layers
+    else:
+        fewest, most = min(counts.values()), max(counts.values())
+        per_group = most if most < fewest * 1.5 else fewest
+    groups: list[PoolGroup] = []
+    for group in layout.groups:
+        pieces = _cdiv(group.layers, per_group)
+        for index in range(pieces):
+            label = group.kind.value if pieces == 1 else f"{group.kind.value}.{index}"
+            layers = len(range(index, group.layers, pieces))  # vLLM deals layers i::pieces
+            groups.append(_pool_group(group, label, layers, page_size, settings))
+    return PoolLayout(
+        layout.model_type,
+        tuple(groups),
+        page_size,
+        per_group * layer_page,
+        per_group,
+        layer_page,
+        heads,
+        settings,
+    )
+
+
+def _pool_group(
+    group: LayerGroup, label: str, layers: int, page_size: int, settings: EngineSettings
+) -> PoolGroup:
+    step = settings.step_tokens
+    cap: int | None = None
+    state = 0
+    if group.kind is Kind.SLIDING:
+        cap = _cdiv(group.window - 1 + step, page_size) + 1
+    elif group.kind is Kind.CHUNKED:
+        cap = _cdiv(group.window + step, page_size) + (1 if group.window % page_size else 0)
+    elif group.kind.is_state:
+        state = 1 + settings.speculative_tokens
+    return PoolGroup(label, group.kind, layers, group.window, cap, state)
