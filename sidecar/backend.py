@@ -28,6 +28,9 @@ Races, and why they are safe:
   re-registers what runs and resubmits what waits, counting nothing twice (how: see
   sidecar/backend_wire.py, which keeps the session, the registry of running requests and
   the wire; this module is the `AdmissionBackend` API the engine calls).
+- The sidecar does not answer at all: non-blocking, the step still never waits; `outage` says
+  so (the serving loop answers 503 and fails /health meanwhile), what runs keeps its pages,
+  and the next session opens when the sidecar answers again.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ The sidecar restarts (SIGKILL) or drops the session: the call fails with ABORTED
 opens a new session that re-registers every running request with what it reserved and holds
 (`Ledger.restore`), then resubmits the waiting ones in FIFO order. Pending events are dropped, not
 resent: the registry already counts every take and release, so nothing is lost or counted twice.
+A serving (non-blocking) backend whose call goes unanswered past its budget does the same once a
+sidecar answers again, trying with bounded backoff; until then its `outage` says why, and the
+engine admits nothing (see `ReportWire`). The events queued while a session opens are kept: the
+opening request's registry counts everything before it, they count what came after.
 
 The registry of running requests (reserved, held) is what a restore needs; it also answers
 `outstanding()` between reports. Admission itself is decided only by the sidecar's ledger.
