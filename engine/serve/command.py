@@ -170,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     from kvbank.engine.serve.stack import KV_LABEL, ServeOptions
 
-    pool_fields: dict[str, object] = {}
+    pool = None
     if args.pool:
         from kvbank.engine.serve.from_pool import apply_pool
 
@@ -178,11 +178,6 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         add_arguments(defaults)
         args = argparse.Namespace(**vars(args))  # the caller's namespace stays as parsed
         pool = apply_pool(args, {k: defaults.get_default(k) for k in vars(args)})
-        pool_fields = {
-            "pool": args.pool,
-            "kv_label": next(iter(pool.kv_slots), KV_LABEL),
-            "speculative_tokens": pool.kv.speculative_tokens,
-        }
 
     for name in ("pages", "page_size", "max_tokens", "max_waiting", "max_batch_tokens", "tp"):
         value = getattr(args, name)
@@ -241,7 +236,9 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         api_key_file=args.api_key_file,
         served_model_name=args.served_model_name,
         **class_options(args),
-        **pool_fields,  # type: ignore[arg-type]
+        pool=args.pool,
+        kv_label=next(iter(pool.kv_slots)) if pool is not None else KV_LABEL,
+        speculative_tokens=pool.kv.speculative_tokens if pool is not None else 0,
     )
 
 
