@@ -199,11 +199,14 @@ def build_stack(
     if eos is None:
         eos = config.eos_token_ids[0] if config.eos_token_ids else -1
     max_seq_len = options.max_seq_len or min(config.max_position_embeddings, 4096)
-    limit = f"--pool {options.pool}'s spec.limits.maxSeqLen" if options.pool else "--max-seq-len"
     if max_seq_len > config.max_position_embeddings:
+        given = f"--max-seq-len {max_seq_len}"
+        if options.pool:
+            given = f"spec.limits.maxSeqLen {max_seq_len} of --pool {options.pool}"
         raise ValueError(
-            f"{limit} {max_seq_len} exceeds the model's max_position_embeddings "
-            f"{config.max_position_embeddings}; lower {limit}"
+            f"{given} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}; lower it to at most "
+            f"{config.max_position_embeddings}"
         )
     if not 1 <= options.max_tokens < max_seq_len:
         raise ValueError(
