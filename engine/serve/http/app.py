@@ -113,7 +113,8 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
     @app.exception_handler(EngineStopped)
     async def engine_stopped(_: Request, exc: EngineStopped) -> JSONResponse:
         # A request that waited when admission was lost ends here too, its message the outage.
-        return error(503, str(exc), "server_error", None, None, retry_later)
+        code = "admission_unavailable" if loop.alive and loop.outage is not None else None
+        return error(503, str(exc), "server_error", None, code, retry_later)
 
     @app.get("/health")
     async def health() -> Response:
