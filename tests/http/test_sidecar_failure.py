@@ -190,6 +190,7 @@ def test_a_sidecar_killed_under_load_drains_the_engine_and_a_restart_serves_agai
                 sent = time.monotonic()
                 r = httpx.post(url + "/v1/completions", json=small, timeout=30)
                 refusals.append((r.status_code, time.monotonic() - sent, r.headers))
+                assert r.json()["error"]["code"] == "admission_unavailable", r.text
             assert all(code == 503 for code, _, _ in refusals), refusals
             assert max(took for _, took, _ in refusals) < 1.0, refusals
             assert all(headers.get("retry-after") == "1" for _, _, headers in refusals)
