@@ -34,6 +34,7 @@ from kvbank.sidecar.auth import bearer
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
+RECONNECT_BACKOFF_MS = (100, 2000)  # the channel's first and longest wait between connects
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -100,7 +101,13 @@ class SidecarClient:
         self.deadline_s = deadline_s
         self.follow_deadline_s = follow_deadline_s
         self.retry_budget_s = retry_budget_s
-        options: list[tuple[str, int | str]] = [("grpc.max_send_message_length", max_message_bytes)]
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            # gRPC's own reconnect backoff grows to 120 s: a sidecar back after a long outage
+            # would wait that long for the channel to try again, whatever the caller's retries.
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+        ]
         if tls_ca is not None:
             # The certificate must name the address's host, or `tls_server_name` when given.
             if tls_server_name:
