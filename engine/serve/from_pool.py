@@ -93,7 +93,7 @@ def apply_pool(args: argparse.Namespace, defaults: Mapping[str, Any]) -> ModelPo
     manifest, naming both."""
     pool = read_pool(args.pool)
     for flag, value in _conflicts(args, defaults, pool_values(pool)):
-        given = getattr(args, flag.dest)
+        given = str(getattr(args, flag.dest))[:40]
         raise ValueError(
             f"{flag.flag} {given} conflicts with --pool {args.pool}, whose {flag.field} gives "
             f"{value}; drop {flag.flag} (the pool settles it), or change the manifest"
