@@ -92,26 +92,18 @@ def apply_pool(args: argparse.Namespace, defaults: Mapping[str, Any]) -> ModelPo
     still at its default was not given). Raises ValueError for a flag that differs from the
     manifest, naming both."""
     pool = read_pool(args.pool)
-    for flag, value in _conflicts(args, defaults, pool_values(pool)):
-        given = str(getattr(args, flag.dest))[:40]
-        raise ValueError(
-            f"{flag.flag} {given} conflicts with --pool {args.pool}, whose {flag.field} gives "
-            f"{value}; drop {flag.flag} (the pool settles it), or change the manifest"
-        )
-    for dest, value in pool_values(pool).items():
-        setattr(args, dest, value)
-    return pool
-
-
-def _conflicts(
-    args: argparse.Namespace, defaults: Mapping[str, Any], values: Mapping[str, Any]
-) -> list[tuple[PoolFlag, Any]]:
-    found = []
+    values = pool_values(pool)
     for flag in POOL_FLAGS:
         given = getattr(args, flag.dest)
         if given != defaults.get(flag.dest) and given != values[flag.dest]:
-            found.append((flag, values[flag.dest]))
-    return found
+            raise ValueError(
+                f"{flag.flag} {str(given)[:40]} conflicts with --pool {args.pool}, whose "
+                f"{flag.field} gives {values[flag.dest]}; drop {flag.flag} (the pool settles "
+                f"it), or change the manifest"
+            )
+    for dest, value in values.items():
+        setattr(args, dest, value)
+    return pool
 
 
 def _slots(slots: Mapping[str, KvSlot]) -> str:
