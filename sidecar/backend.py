@@ -28,6 +28,9 @@ Races, and why they are safe:
   re-registers what runs and resubmits what waits, counting nothing twice (how: see
   sidecar/backend_wire.py, which keeps the session, the registry of running requests and
   the wire; this module is the `AdmissionBackend` API the engine calls).
+- The sidecar does not answer at all: non-blocking, the step still never waits; `outage` says
+  so (the serving loop answers 503 and fails /health meanwhile), what runs keeps its pages,
+  and the next session opens when the sidecar answers again.
 """
 
 from __future__ import annotations
@@ -46,9 +49,13 @@ from kvbank.ledger import (
     UnknownRequest,
 )
 from kvbank.proto import admission_pb2 as pb
-from kvbank.sidecar.backend_wire import BackendBooks, ReportWire, submit_to_wire
+from kvbank.sidecar.backend_wire import BackendBooks, Outage, ReportWire, submit_to_wire
 from kvbank.sidecar.client import SidecarClient, SidecarError
 from kvbank.sidecar.peakpass import hit_to_wire, pace_of, shape_to_wire
+
+# A report on loopback takes a millisecond; a sidecar that has not answered one in half a
+# second (its retries against a refused connection included) is gone, not slow.
+SERVING_UNANSWERED_S = 0.5
 
 
 class SidecarBackend:
@@ -64,10 +71,11 @@ class SidecarBackend:
         engine_id: str = "engine",
         blocking: bool = True,
         lease_s: float = 10.0,
+        unanswered_s: float | None = None,
     ) -> None:
         self.blocking = blocking
         self.books = BackendBooks()
-        self.wire = ReportWire(client, self.books, total_pages, engine_id, lease_s)
+        self.wire = ReportWire(client, self.books, total_pages, engine_id, lease_s, unanswered_s)
 
     @property
     def sessions_opened(self) -> int:
@@ -271,8 +279,43 @@ class SidecarBackend:
 
     def settled(self) -> bool:
         """No report in flight: every decision the sidecar made is known here. Only then may
-        the engine pin (a decision still on its way may have counted the pages a pin takes)."""
-        return self.wire.inflight is None
+        the engine pin (a decision still on its way may have counted the pages a pin takes).
+        Blocking, that is always so between polls; non-blocking, it also needs a session."""
+        return self.wire.inflight is None if self.blocking else self.wire.ready
+
+    @property
+    def outage(self) -> Outage | None:
+        """Non-blocking: why the sidecar cannot be reached now (None: it answers). Safe to read
+        from any thread: one reference, replaced whole."""
+        return self.wire.outage
+
+    def idle(self) -> float:
+        """What a serving engine with no work calls on every idle turn instead of `flush`,
+        without waiting: read the reply in flight, send what is pending, keep the session
+        (an empty report once a third of the lease has passed, which is also how an idle
+        engine finds its sidecar gone) and try to reconnect. Returns how soon (seconds) it
+        wants to be called again."""
+        self.wire.read_inflight()
+        quiet_s = time.monotonic() - self.wire.last_report_at
+        self.wire.send_async(0, keepalive=quiet_s > self.wire.lease_ms / 3000)
+        return 0.02 if self.wire.inflight is not None or self.wire.opening is not None else 0.5
+
+    def open_session(self) -> None:
+        """Open the session now, waiting for it: `kvbank serve` does at start-up, so a sidecar
+        that will not serve this engine (another pool, another policy) ends start-up with the
+        sidecar's reason instead of failing the first request. Raises ValueError."""
+        try:
+            self.wire.open()
+        except SidecarError as exc:
+            hint = ""
+            if exc.code == "FAILED_PRECONDITION":
+                hint = (
+                    "; `kvbank serve --pool FILE` reads the ModelPool `kvbank sidecar --pool` does"
+                )
+            raise ValueError(
+                f"the sidecar at {self.wire.client.address} refuses this engine ({exc.code}): "
+                f"{exc.message}{hint}"
+            ) from exc
 
     def _hand_over(self) -> list[Decision]:
         ready, self.books.ready = self.books.ready, []
@@ -331,7 +374,9 @@ def connect(
 ) -> SidecarBackend:
     """The factory `kvbank serve --sidecar` and `kvbank bench --sidecar` call. `verify` asks the
     sidecar for its status first (token and TLS included) and raises ValueError, saying what to
-    fix, when it cannot answer."""
+    fix, when it cannot answer. Non-blocking, a report unanswered for `SERVING_UNANSWERED_S`
+    starts an outage (`SidecarBackend.outage`): the engine then refuses new requests at once
+    rather than keep them waiting on a ledger it cannot reach."""
     client = SidecarClient(address, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name)
     if verify:
         try:
@@ -339,7 +384,8 @@ def connect(
         except SidecarError as exc:
             client.close()
             raise ValueError(unreachable_message(address, exc, token, tls_ca)) from exc
-    return SidecarBackend(client, total_pages, engine_id=engine_id, blocking=blocking)
+    unanswered_s = None if blocking else SERVING_UNANSWERED_S
+    return SidecarBackend(client, total_pages, engine_id, blocking, unanswered_s=unanswered_s)
 
 
 def unreachable_message(

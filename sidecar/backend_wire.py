@@ -8,6 +8,10 @@ The sidecar restarts (SIGKILL) or drops the session: the call fails with ABORTED
 opens a new session that re-registers every running request with what it reserved and holds
 (`Ledger.restore`), then resubmits the waiting ones in FIFO order. Pending events are dropped, not
 resent: the registry already counts every take and release, so nothing is lost or counted twice.
+A serving (non-blocking) backend whose call goes unanswered past its budget does the same once a
+sidecar answers again, trying with bounded backoff; until then its `outage` says why, and the
+engine admits nothing (see `ReportWire`). The events queued while a session opens are kept: the
+opening request's registry counts everything before it, they count what came after.
 
 The registry of running requests (reserved, held) is what a restore needs; it also answers
 `outstanding()` between reports. Admission itself is decided only by the sidecar's ledger.
@@ -15,6 +19,7 @@ The registry of running requests (reserved, held) is what a restore needs; it al
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -33,6 +38,8 @@ from kvbank.ledger import (
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.client import SessionLost, SidecarClient, SidecarError, SidecarUnavailable
 from kvbank.sidecar.peakpass import hit_to_wire
+
+log = logging.getLogger("kvbank.sidecar")
 
 _LEDGER_ERRORS: dict[str, type[Exception]] = {
     "INVALID_ARGUMENT": InvalidPages,
@@ -106,8 +113,34 @@ class BackendBooks:
             ]
 
 
+@dataclass(frozen=True)
+class Outage:
+    """Why the serving engine cannot reach its sidecar now: the address, the gRPC status of the
+    last failed call and since when (monotonic). While one lasts the engine admits nothing."""
+
+    address: str
+    code: str
+    message: str
+    since: float
+
+    def describe(self) -> str:
+        return (
+            f"the admission sidecar at {self.address} does not answer ({self.code}: "
+            f"{self.message[:200]})"
+        )
+
+
 class ReportWire:
-    """The session with the sidecar and the one report in flight, over `books`."""
+    """The session with the sidecar and the one report in flight, over `books`.
+
+    Non-blocking (serving), the wire never waits and never raises for a sidecar it cannot
+    reach: a session is opened on the sender thread like a report, and a call that fails
+    UNAVAILABLE (after the client's retry budget) ends the session and starts an `outage`,
+    logged once; a new session is tried with bounded backoff until one opens, re-registering
+    what runs then."""
+
+    RETRY_FIRST_S = 0.1
+    RETRY_MAX_S = 2.0  # a restarted sidecar is found within this, plus the client's budget
 
     def __init__(
         self,
@@ -116,8 +149,12 @@ class ReportWire:
         total_pages: int,
         engine_id: str = "engine",
         lease_s: float = 10.0,
+        unanswered_s: float | None = None,
     ) -> None:
         self.client = client
+        # Non-blocking: how long a call may go unanswered before the outage starts (the retry
+        # budget of its calls; None: the client's own).
+        self.unanswered_s = unanswered_s
         self.books = books
         self.total_pages = total_pages
         self.engine_id = engine_id
@@ -127,6 +164,10 @@ class ReportWire:
         self.report_seq = 0
         self.inflight: Future[pb.ReportReply] | None = None
         self.inflight_request: pb.ReportRequest | None = None
+        self.opening: Future[pb.OpenSessionReply] | None = None
+        self.outage: Outage | None = None
+        self.next_open_at = 0.0
+        self.retry_s = self.RETRY_FIRST_S
         self.last_report_at = 0.0
 
     def build(self, room: int, admit: bool) -> pb.ReportRequest:
@@ -167,22 +208,38 @@ class ReportWire:
         """Build a report, send it, wait for the reply and absorb it."""
         self.books.absorb(self.send(self.build(room, admit)))
 
-    def send_async(self, room: int) -> None:
+    # ---- non-blocking ----------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """A session is open and no report is in flight: every decision made is known here."""
+        return bool(self.session) and self.inflight is None and self.opening is None
+
+    def send_async(self, room: int, keepalive: bool = False) -> None:
         # The reply in flight is read only by `read_inflight`, which the engine calls before it
         # pins: a reply read here would be followed by the next report with no pin in between.
         books = self.books
+        if not self.session:
+            self.open_async()
+            if self.opening is None or not self.opening.done():
+                return
+            self._read_opening()  # answered already: report in this same call
+            if not self.session:
+                return
         if self.inflight is not None:
             return
-        if books.events or books.waiting:
+        if books.events or books.waiting or keepalive:
             if books.pace is not None:
                 # Room is what the engine can start once it applied what it holds now: the
                 # decisions just read are applied after this call returns.
                 room = max(0, room - sum(isinstance(d, Admitted) for d in books.ready))
             self.inflight_request = self.build(room, admit=True)
-            self.inflight = self.client.report_async(self.inflight_request)
+            self.inflight = self.client.report_async(self.inflight_request, self.unanswered_s)
 
     def read_inflight(self) -> bool:
         """Absorb the reply in flight if it arrived; True when no report is in flight now."""
+        if self.opening is not None:
+            self._read_opening()
         if self.inflight is None:
             return True
         if not self.inflight.done():
@@ -191,19 +248,81 @@ class ReportWire:
         try:
             self.books.absorb(future.result())
         except SessionLost:
-            self.open()
-        except SidecarUnavailable:
-            # Keep serving and resend the same report: the sidecar may have applied it and
-            # lost only the reply, and a repeated report_seq is answered, not re-applied.
-            assert self.inflight_request is not None
-            self.inflight = self.client.report_async(self.inflight_request)
-            return False
+            self.session = 0  # the sidecar restarted or dropped us: a new session, at once
+        except SidecarUnavailable as exc:
+            # The sidecar may have applied the report and lost only the reply; a new session
+            # rebuilds its ledger from this engine's books either way.
+            self._lose(exc)
         except SidecarError as exc:
             raise as_ledger_error(exc) from exc
         return True
 
+    def open_async(self) -> None:
+        """Start opening a session on the sender thread, unless one is opening or the backoff
+        after a failed try has not passed."""
+        if self.opening is not None or time.monotonic() < self.next_open_at:
+            return
+        request = self._open_request()
+        # What this request registers counts every event so far; from here on the next
+        # report carries the waiting requests again and what happens after this point.
+        self.books.events = self._resubmits()
+        self.opening = self.client.open_session_async(request, self.unanswered_s)
+
+    def _read_opening(self) -> None:
+        assert self.opening is not None
+        if not self.opening.done():
+            return
+        future, self.opening = self.opening, None
+        try:
+            reply = future.result()
+        except SidecarError as exc:
+            # Unreachable, or a sidecar that refuses this engine (another pool or policy after
+            # its restart): either way the engine cannot admit, and keeps trying.
+            self._lose(exc)
+            return
+        events, outage = self.books.events, self.outage
+        self._opened(reply)
+        self.books.events = events  # the resubmits, then what happened while it opened
+        self.retry_s = self.RETRY_FIRST_S
+        if outage is not None:
+            self.outage = None
+            log.warning(
+                "the admission sidecar at %s answers again after %.1f s: session %d re-opened "
+                "with %d running requests re-registered; admitting again",
+                self.client.address, time.monotonic() - outage.since, self.session,
+                len(self.books.running),
+            )  # fmt: skip
+
+    def _lose(self, exc: SidecarError) -> None:
+        """End the session after a failed call: log the outage once (and again only if its
+        status changes) and back off before the next try."""
+        self.session, self.inflight, self.inflight_request = 0, None, None
+        self.books.last_pool = None  # no pin on a headroom the lost ledger reported
+        now = time.monotonic()
+        self.next_open_at = now + self.retry_s
+        self.retry_s = min(self.retry_s * 2, self.RETRY_MAX_S)
+        previous = self.outage
+        self.outage = Outage(
+            self.client.address, exc.code, exc.message, previous.since if previous else now
+        )
+        if previous is None or previous.code != exc.code:
+            log.error(
+                "%s; admitting nothing: new requests get 503 and /health fails until it "
+                "answers, running requests keep their pages and finish; retrying every %.1f s "
+                "at most",
+                self.outage.describe(), self.RETRY_MAX_S,
+            )  # fmt: skip
+
+    # ---- both ------------------------------------------------------------------------------
+
     def wait_inflight(self) -> None:
         """Wait for the reply in flight, if any, and absorb it."""
+        if self.opening is not None:
+            opening, self.opening = self.opening, None
+            try:
+                self._opened(opening.result())  # the resubmits queued when it started stay
+            except SidecarError as exc:
+                raise as_ledger_error(exc) from exc
         if self.inflight is None:
             return
         future, self.inflight = self.inflight, None
@@ -216,6 +335,14 @@ class ReportWire:
 
     def open(self) -> None:
         """Open a session that re-registers what runs and resubmits what waits (see above)."""
+        try:
+            reply = self.client.open_session(self._open_request())
+        except SidecarError as exc:
+            raise as_ledger_error(exc) from exc
+        self._opened(reply)
+        self.books.events = self._resubmits()
+
+    def _open_request(self) -> pb.OpenSessionRequest:
         books = self.books
         request = pb.OpenSessionRequest(
             engine_id=self.engine_id,
@@ -232,17 +359,19 @@ class ReportWire:
             request.pace.CopyFrom(books.pace)
         if books.supply is not None:
             request.supply.free, request.supply.evictable = books.supply
-        try:
-            reply = self.client.open_session(request)
-        except SidecarError as exc:
-            raise as_ledger_error(exc) from exc
+        return request
+
+    def _opened(self, reply: pb.OpenSessionReply) -> None:
         self.sessions_opened += 1
         self.session, self.report_seq = reply.session, 0
-        books.last_seq = reply.next_seq - 1
+        self.books.last_seq = reply.next_seq - 1
         self.inflight = None
-        books.events = [
+        self.last_report_at = time.monotonic()
+
+    def _resubmits(self) -> list[pb.Event]:
+        return [
             pb.Event(submit=submit_to_wire(rid, pages, refusal, shape))
-            for rid, (pages, refusal, shape) in books.waiting.items()
+            for rid, (pages, refusal, shape) in self.books.waiting.items()
         ]
 
 

@@ -7,8 +7,9 @@ Policies, the same for every caller:
   `follow_deadline_s` (default 60 s), after which the follower simply resumes from its
   sequence number, so no stream can hang on a silent peer.
 - UNAVAILABLE (the sidecar restarting, a connection reset) and DEADLINE_EXCEEDED are retried
-  with exponential backoff (50 ms doubling to 1 s) until `retry_budget_s` (default 10 s) is
-  spent, then `SidecarUnavailable`. Retrying is safe for every call: reports carry their
+  with exponential backoff (50 ms doubling to 1 s) until `retry_budget_s` (default 10 s; a
+  call may pass its own, as the serving engine's reports do) is spent, then
+  `SidecarUnavailable`. Retrying is safe for every call: reports carry their
   `report_seq` and the sidecar answers a repeated one with its first reply; acks and status
   are idempotent; opening a session twice only replaces the first one.
 - ABORTED means the sidecar does not hold the caller's session (it restarted or the lease
@@ -32,6 +33,8 @@ from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.auth import bearer
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
+RECONNECT_BACKOFF_MS = (100, 2000)  # the channel's first and longest wait between connects
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -98,7 +101,13 @@ class SidecarClient:
         self.deadline_s = deadline_s
         self.follow_deadline_s = follow_deadline_s
         self.retry_budget_s = retry_budget_s
-        options: list[tuple[str, int | str]] = [("grpc.max_send_message_length", max_message_bytes)]
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            # gRPC's own reconnect backoff grows to 120 s: a sidecar back after a long outage
+            # would wait that long for the channel to try again, whatever the caller's retries.
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+        ]
         if tls_ca is not None:
             # The certificate must name the address's host, or `tls_server_name` when given.
             if tls_server_name:
@@ -124,8 +133,8 @@ class SidecarClient:
 
     # ---- the policy ----------------------------------------------------------------------------
 
-    def _retrying(self, call: Callable[[], _T]) -> _T:
-        give_up = time.monotonic() + self.retry_budget_s
+    def _retrying(self, call: Callable[[], _T], budget_s: float | None = None) -> _T:
+        give_up = time.monotonic() + (self.retry_budget_s if budget_s is None else budget_s)
         backoff = 0.05
         while True:
             try:
@@ -137,27 +146,46 @@ class SidecarClient:
             time.sleep(min(backoff, max(0.0, give_up - time.monotonic())))
             backoff = min(backoff * 2, 1.0)
 
-    def _unary(self, method: Callable[..., _T], request: object) -> _T:
+    def _unary(
+        self, method: Callable[..., _T], request: object, budget_s: float | None = None
+    ) -> _T:
         return self._retrying(
-            lambda: method(request, timeout=self.deadline_s, metadata=self._metadata)
+            lambda: method(request, timeout=self.deadline_s, metadata=self._metadata), budget_s
         )
 
     # ---- calls ---------------------------------------------------------------------------------
 
-    def open_session(self, request: pb.OpenSessionRequest) -> pb.OpenSessionReply:
-        return self._unary(self._stub.OpenSession, request)
+    def open_session(
+        self, request: pb.OpenSessionRequest, budget_s: float | None = None
+    ) -> pb.OpenSessionReply:
+        return self._unary(self._stub.OpenSession, request, budget_s)
 
-    def report(self, request: pb.ReportRequest) -> pb.ReportReply:
-        return self._unary(self._stub.Report, request)
+    def report(self, request: pb.ReportRequest, budget_s: float | None = None) -> pb.ReportReply:
+        return self._unary(self._stub.Report, request, budget_s)
 
-    def report_async(self, request: pb.ReportRequest) -> Future[pb.ReportReply]:
+    def report_async(
+        self, request: pb.ReportRequest, budget_s: float | None = None
+    ) -> Future[pb.ReportReply]:
         """Send a report without waiting (the serving engine's step loop never blocks). One
         long-lived sender thread makes the call with the same policy as `report` (retries, and a
         failure ends as one of this module's errors): a gRPC future would start a thread per
-        call, about 1.6 ms of the step on a small machine."""
+        call, about 1.6 ms of the step on a small machine. `budget_s` replaces the retry
+        budget for this call (a serving engine wants to know soon)."""
+        return self._send(self.report, request, budget_s)
+
+    def open_session_async(
+        self, request: pb.OpenSessionRequest, budget_s: float | None = None
+    ) -> Future[pb.OpenSessionReply]:
+        """Open a session without waiting, on the same sender thread as the reports, so a
+        session is never opened beside a report of the session it replaces."""
+        return self._send(self.open_session, request, budget_s)
+
+    def _send(
+        self, call: Callable[[_R, float | None], _T], request: _R, budget_s: float | None
+    ) -> Future[_T]:
         if self._sender is None:
             self._sender = ThreadPoolExecutor(1, thread_name_prefix="kvbank-report")
-        return self._sender.submit(self.report, request)
+        return self._sender.submit(call, request, budget_s)
 
     def ack(self, follower_id: str, seq: int) -> int:
         """Returns the oldest sequence number the log still holds."""

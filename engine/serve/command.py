@@ -45,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    parser.add_argument(
+        "--pool",
+        metavar="FILE",
+        help="ModelPool manifest to serve, the one `kvbank sidecar --pool` reads: the pool's "
+        "pages, page size, limits and admission come from it (a flag that says otherwise is "
+        "refused)",
+    )
     parser.add_argument("--pages", type=int, default=1024, help="KV pages per rank, sink included")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument(
@@ -174,7 +181,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
-    from kvbank.engine.serve.stack import ServeOptions
+    from kvbank.engine.serve.stack import KV_LABEL, ServeOptions
+
+    pool = None
+    if args.pool:
+        from kvbank.engine.serve.from_pool import apply_pool
+
+        defaults = argparse.ArgumentParser()
+        add_arguments(defaults)
+        args = argparse.Namespace(**vars(args))  # the caller's namespace stays as parsed
+        pool = apply_pool(args, {k: defaults.get_default(k) for k in vars(args)})
 
     for name in ("pages", "page_size", "max_tokens", "max_waiting", "max_batch_tokens", "tp"):
         value = getattr(args, name)
@@ -237,6 +253,9 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         api_key_file=args.api_key_file,
         served_model_name=args.served_model_name,
         **class_options(args),
+        pool=args.pool,
+        kv_label=next(iter(pool.kv_slots)) if pool is not None else KV_LABEL,
+        speculative_tokens=pool.kv.speculative_tokens if pool is not None else 0,
     )
 
 
@@ -376,7 +395,7 @@ def _run_until_loop_fails(server: uvicorn.Server, loop: EngineLoop) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         options = options_from_args(args)
         from kvbank.engine.tp.pod import pod_rank

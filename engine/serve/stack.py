@@ -73,6 +73,10 @@ class ServeOptions:
     victim: str = Victim.NEWEST.value
     estimate: str = Estimate.LEARNED.value
     extra: dict[str, Any] = field(default_factory=dict)
+    # From `--pool FILE` (the ModelPool the sidecar reads too); else the defaults below.
+    pool: str | None = None
+    kv_label: str = KV_LABEL
+    speculative_tokens: int = 0
 
     @property
     def classes(self) -> ClassPolicy:
@@ -198,9 +202,13 @@ def build_stack(
         eos = config.eos_token_ids[0] if config.eos_token_ids else -1
     max_seq_len = options.max_seq_len or min(config.max_position_embeddings, 4096)
     if max_seq_len > config.max_position_embeddings:
+        given = f"--max-seq-len {max_seq_len}"
+        if options.pool:
+            given = f"spec.limits.maxSeqLen {max_seq_len} of --pool {options.pool}"
         raise ValueError(
-            f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
-            f"{config.max_position_embeddings}; lower --max-seq-len"
+            f"{given} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}; lower it to at most "
+            f"{config.max_position_embeddings}"
         )
     if not 1 <= options.max_tokens < max_seq_len:
         raise ValueError(
@@ -208,7 +216,11 @@ def build_stack(
             f"({max_seq_len - 1})"
         )
     capacity = CapacityModel(
-        {KV_LABEL: KvSlot(prompt=1, output=1)}, options.page_size, max_seq_len, options.max_tokens
+        {options.kv_label: KvSlot(prompt=1, output=1)},
+        options.page_size,
+        max_seq_len,
+        options.max_tokens,
+        options.speculative_tokens,
     )
     attention = options.attention or default_attention(device)
     runner = TorchRunner(
@@ -225,4 +237,9 @@ def build_stack(
         debug=options.debug,
     )
     engine = Engine(engine_config, runner, backend)
+    open_session = getattr(engine.backend, "open_session", None)
+    if options.sidecar and open_session is not None:
+        # Now that the policy configured the backend: a sidecar that will not serve this
+        # engine (another pool or policy) ends start-up here, not with the first request.
+        open_session()
     return Stack(name, model_dir, config, tokenizer, capacity, runner, engine, options, attention)

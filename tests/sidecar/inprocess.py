@@ -43,5 +43,14 @@ class InProcessSidecar:
         self.reports += 1
         return self.state.report(request)
 
-    def report_async(self, request: pb.ReportRequest) -> Future[pb.ReportReply]:
+    def report_async(
+        self, request: pb.ReportRequest, budget_s: float | None = None
+    ) -> Future[pb.ReportReply]:
         return _Later(self.report(request), self.lag())
+
+    def open_session_async(
+        self, request: pb.OpenSessionRequest, budget_s: float | None = None
+    ) -> Future[pb.OpenSessionReply]:
+        opened: Future[pb.OpenSessionReply] = Future()
+        opened.set_result(self.open_session(request))
+        return opened

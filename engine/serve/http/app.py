@@ -36,7 +36,13 @@ from kvbank.engine.serve.http.fields import (
     check_fields,
     response_grammar,
 )
-from kvbank.engine.serve.http.loop import EngineLoop, EngineStopped, QueueFull, Submission
+from kvbank.engine.serve.http.loop import (
+    AdmissionUnavailable,
+    EngineLoop,
+    EngineStopped,
+    QueueFull,
+    Submission,
+)
 from kvbank.engine.serve.http.metrics import ServeMetrics
 from kvbank.engine.serve.http.schema import (
     MAX_PROMPTS,
@@ -83,6 +89,7 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
     app = FastAPI(title="kvbank", docs_url=None, redoc_url=None, openapi_url=None)
     tokenizer = served.tokenizer
     pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+    retry_later = {"Retry-After": str(RETRY_AFTER_S)}
 
     @functools.lru_cache(maxsize=65536)
     def token_text(token: int) -> str:
@@ -112,7 +119,9 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
 
     @app.exception_handler(EngineStopped)
     async def engine_stopped(_: Request, exc: EngineStopped) -> JSONResponse:
-        return error(503, f"the engine stopped: {exc}", "server_error")
+        # A request that waited when admission was lost ends here too, its message the outage.
+        code = "admission_unavailable" if loop.alive and loop.outage is not None else None
+        return error(503, str(exc), "server_error", None, code, retry_later)
 
     @app.exception_handler(RequestFailed)
     async def request_failed(_: Request, exc: RequestFailed) -> JSONResponse:
@@ -120,8 +129,13 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
 
     @app.get("/health")
     async def health() -> Response:
+        # The readiness probe: a pod that cannot admit is drained until its sidecar is back.
         if not loop.alive:
             return error(503, f"the engine loop stopped: {loop.error}", "server_error")
+        outage = loop.outage
+        if outage is not None:
+            message = str(AdmissionUnavailable(outage))
+            return error(503, message, "server_error", None, "admission_unavailable", retry_later)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -266,8 +280,13 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
             metrics.requests.labels("queue_full").inc()
             return error(429, str(exc), "rate_limit_error", None, "queue_full",
                          {"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        except AdmissionUnavailable as exc:
+            metrics.requests.labels("unavailable").inc()
+            return error(503, str(exc), "server_error", None, "admission_unavailable",
+                         retry_later)  # fmt: skip
         except (EngineStopped, TimeoutError) as exc:
-            return error(503, f"the engine is not running: {exc}", "server_error")
+            return error(503, f"the engine is not running: {exc}", "server_error", None, None,
+                         retry_later)  # fmt: skip
         return None
 
     return RequireApiKey(app, served.api_keys) if served.api_keys else app

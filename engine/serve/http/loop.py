@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvbank.engine.engine import Engine, RequestOutput
 from kvbank.engine.runner import SamplingParams
@@ -38,6 +38,23 @@ class QueueFull(Exception):
 
 class EngineStopped(Exception):
     """The engine loop has stopped (shutdown, or a fatal error); no request can run."""
+
+
+class AdmissionUnavailable(Exception):
+    """The engine's admission sidecar does not answer: nothing can be admitted now, so nothing
+    is queued (a request would wait on a ledger the engine cannot reach)."""
+
+    def __init__(self, outage: Outage) -> None:
+        super().__init__(f"{outage.describe()}; retry later, or on another replica")
+        self.outage = outage
+
+
+class Outage(Protocol):
+    """What a backend that can lose its ledger says about it (kvbank.sidecar.backend_wire)."""
+
+    since: float
+
+    def describe(self) -> str: ...
 
 
 @dataclass
@@ -126,7 +143,17 @@ class EngineLoop:
 
     # ---- the engine thread ----------------------------------------------------------------------
 
+    @property
+    def outage(self) -> Outage | None:
+        """Why admission cannot run now (the sidecar is unreachable); None while it can. Read
+        from any thread: the backend replaces one reference."""
+        outage: Outage | None = getattr(self.engine.backend, "outage", None)
+        return outage
+
     def _add(self, sub: Submission) -> None:
+        outage = self.outage
+        if outage is not None:
+            raise AdmissionUnavailable(outage)
         waiting = self.engine.num_waiting
         if waiting >= self.max_waiting:
             raise QueueFull(waiting, self.max_waiting)
@@ -169,6 +196,7 @@ class EngineLoop:
                 self._busy = True
                 outputs = self._step()
                 self._deliver(outputs)
+                self._refuse_waiting_without_admission()
                 if self.on_step:
                     self.on_step(self.engine, outputs)
                 if self.engine.last_rows == 0:
@@ -180,15 +208,38 @@ class EngineLoop:
         finally:
             self._fail_all()
 
+    def _refuse_waiting_without_admission(self) -> None:
+        """With admission lost, every waiting request ends now with the outage as its error
+        (HTTP 503 to a client still waiting for its headers), rather than wait for a sidecar
+        that may not come back; what runs keeps its pages and finishes."""
+        outage = self.outage
+        if outage is None or not self.engine.num_waiting:
+            return
+        message = str(AdmissionUnavailable(outage))
+        for rid in list(self.engine.sched.waiting_by_rid):
+            sub = self._streams.pop(rid, None)
+            subs = [] if sub is None else [sub, *sub.siblings]
+            for seq in subs:
+                self._streams.pop(seq.rid, None)
+                self.engine.abort(seq.rid)
+                out = RequestOutput(seq.rid, [], True, None, message)
+                seq.event_loop.call_soon_threadsafe(seq.outputs.put_nowait, out)
+            if sub is None:
+                self.engine.abort(rid)
+
     def _idle_step(self) -> None:
-        if self._busy:
-            # A sidecar backend sends only while polled: push the last events out when the
-            # engine goes idle, so the sidecar's ledger does not wait for the next request.
-            self._busy = False
+        # A sidecar backend sends only while polled: an idle engine still pushes its last
+        # events out, keeps its session and finds a lost sidecar again, without waiting.
+        idle = getattr(self.engine.backend, "idle", None)
+        wait_s = self.IDLE_WAIT_S
+        if idle is not None:
+            wait_s = min(wait_s, idle())
+        elif self._busy:
             flush = getattr(self.engine.backend, "flush", None)
             if flush is not None:
                 flush()
-        if self._wake.wait(self.IDLE_WAIT_S):
+        self._busy = False
+        if self._wake.wait(wait_s):
             self._wake.clear()
         if self._idle:
             self._idle()

@@ -1,0 +1,114 @@
+"""`kvbank serve --pool FILE`: the engine's pool, limits and admission read from the ModelPool
+manifest `kvbank sidecar --pool FILE` reads, so the two cannot disagree on the pool's size.
+
+The manifest is judged as the sidecar judges it (`parse_modelpool`, then `kvbank check`'s
+holdability). A flag given beside `--pool` must say what the manifest says: one that differs is
+refused, naming both, rather than silently winning over the spec the operator judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbank.capacity import holdability, pool_pages
+from kvbank.manifests import ManifestError, load_documents
+from kvbank.modelpool import KvSlot, ModelPool, SpecError, parse_modelpool
+
+# The engine's decoder writes one KV position per prompt token and per output token.
+DECODER_SLOT = KvSlot(prompt=1, output=1)
+
+
+@dataclass(frozen=True)
+class PoolFlag:
+    flag: str  # as the user types it
+    dest: str  # the argparse attribute
+    field: str  # the manifest's field
+
+
+# The flags a ModelPool settles, in the order they are checked.
+POOL_FLAGS = (
+    PoolFlag("--pages", "pages", "spec.kv.pages"),
+    PoolFlag("--page-size", "page_size", "spec.kv.pageSize"),
+    PoolFlag("--host-pages", "host_pages", "spec.kv.hostPages"),
+    PoolFlag("--max-seq-len", "max_seq_len", "spec.limits.maxSeqLen"),
+    PoolFlag("--max-tokens", "max_tokens", "spec.limits.maxTokens"),
+    PoolFlag("--policy", "policy", "spec.admission.policy and backfill"),
+    PoolFlag("--default-class", "default_class", "spec.admission.defaultClass"),
+    PoolFlag("--max-preemptions", "max_preemptions", "spec.admission.bestEffort.maxPreemptions"),
+    PoolFlag("--victim", "victim", "spec.admission.bestEffort.victim"),
+    PoolFlag("--estimate", "estimate", "spec.admission.bestEffort.estimate"),
+)
+
+
+def read_pool(path: str) -> ModelPool:
+    """The one ModelPool in `path`, holdable. Raises ValueError saying what to change."""
+    try:
+        docs = list(load_documents(path))
+    except (OSError, ManifestError) as exc:
+        raise ValueError(f"--pool {path}: {exc}") from exc
+    if len(docs) != 1:
+        raise ValueError(f"--pool {path}: expected one ModelPool document, found {len(docs)}")
+    where, doc = docs[0]
+    try:
+        pool = parse_modelpool(doc)
+    except SpecError as exc:
+        raise ValueError(f"--pool {where}: " + "; ".join(str(e) for e in exc.errors)) from exc
+    held = holdability(pool)
+    if not held.ok:
+        raise ValueError(
+            f"--pool {where}: `kvbank check` refuses this pool, so the engine will not serve "
+            f"it: " + "; ".join(str(v) for v in held.violations)
+        )
+    if len(pool.kv_slots) != 1 or next(iter(pool.kv_slots.values())) != DECODER_SLOT:
+        raise ValueError(
+            f"--pool {where}: spec.kvSlots declares {_slots(pool.kv_slots)}, but this engine's "
+            f"decoder writes one KV label of {{prompt: 1, output: 1}}; declare exactly that"
+        )
+    return pool
+
+
+def pool_values(pool: ModelPool) -> dict[str, Any]:
+    """The argparse values `pool` settles, by dest."""
+    adm = pool.admission
+    return {
+        "pages": pool_pages(pool),
+        "page_size": pool.kv.page_size,
+        "host_pages": pool.kv.host_pages,
+        "max_seq_len": pool.limits.max_seq_len,
+        "max_tokens": pool.limits.max_tokens,
+        "policy": adm.ledger_policy,
+        "default_class": adm.default_class.value,
+        "max_preemptions": adm.max_preemptions,
+        "victim": adm.victim.value,
+        "estimate": adm.estimate.value,
+    }
+
+
+def apply_pool(args: argparse.Namespace, defaults: Mapping[str, Any]) -> ModelPool:
+    """Read `args.pool` into `args`. `defaults`: each pool flag's value when not given (a flag
+    still at its default was not given). Raises ValueError for a flag that differs from the
+    manifest, naming both."""
+    pool = read_pool(args.pool)
+    values = pool_values(pool)
+    for flag in POOL_FLAGS:
+        given = getattr(args, flag.dest)
+        if given != defaults.get(flag.dest) and given != values[flag.dest]:
+            raise ValueError(
+                f"{flag.flag} {str(given)[:40]} conflicts with --pool {args.pool}, whose "
+                f"{flag.field} gives {values[flag.dest]}; drop {flag.flag} (the pool settles "
+                f"it), or change the manifest"
+            )
+    for dest, value in values.items():
+        setattr(args, dest, value)
+    return pool
+
+
+def _slots(slots: Mapping[str, KvSlot]) -> str:
+    shown = ", ".join(
+        f"{label[:40]}: {{prompt: {s.prompt}, output: {s.output}, fixed: {s.fixed}}}"
+        for label, s in list(slots.items())[:4]
+    )
+    return f"{len(slots)} label(s) ({shown})"
