@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -40,7 +41,12 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admission"].full_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT (port 0: any)")
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:50051",
+        help="HOST:PORT (port 0: any), or unix:///PATH for a Unix socket (the pod's own ranks "
+        "over a shared volume)",
+    )
     parser.add_argument(
         "--metrics-port", type=int, default=9464, help="Prometheus port (0: any, -1: off)"
     )
@@ -136,7 +142,43 @@ def _read_pool(path: str) -> tuple[int, str]:
     return pool_pages(pool), pool.admission.mode.name
 
 
+# A Unix socket's path must fit `sockaddr_un.sun_path` (108 bytes with its terminating NUL).
+UNIX_PATH_MAX = 107
+
+
+def unix_path(listen: str) -> Path | None:
+    """The socket path of a `unix:PATH` or `unix:///PATH` address; None for HOST:PORT."""
+    if not listen.startswith("unix:"):
+        return None
+    rest = listen[len("unix:") :]
+    return Path(rest[2:] if rest.startswith("//") else rest)
+
+
+def check_unix(listen: str) -> None:
+    """A Unix socket needs a path the kernel takes, in a folder that exists; a file left there
+    by a sidecar that died is replaced, anything else is refused."""
+    path = unix_path(listen)
+    if path is None:
+        return
+    if listen.endswith("/") or str(path) in ("", "."):
+        raise ConfigError(f"--listen {listen[:120]!r}: give the socket's file, unix:///PATH")
+    if len(os.fsencode(path)) > UNIX_PATH_MAX:
+        raise ConfigError(
+            f"--listen: the socket path is {len(os.fsencode(path))} bytes; a Unix socket's "
+            f"path is at most {UNIX_PATH_MAX}: use a shorter one"
+        )
+    if not path.parent.is_dir():
+        raise ConfigError(f"--listen {listen[:120]}: the folder {path.parent} does not exist")
+    if path.exists() and not path.is_socket():
+        raise ConfigError(
+            f"--listen {listen[:120]}: {path} exists and is not a socket; remove it or choose "
+            "another path"
+        )
+
+
 def is_loopback(listen: str) -> bool:
+    if unix_path(listen) is not None:
+        return True  # reached only through the file system of its own pod
     host = listen.rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
         return True
@@ -163,6 +205,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ConfigError(f"--token-file {args.token_file} is empty")
     if args.max_waiting < 1:
         raise ConfigError(f"--max-waiting must be at least 1, got {args.max_waiting}")
+    check_unix(args.listen)
     check_exposure(args.listen, token is not None, tls is not None, args.trusted_network)
     return Config(
         listen=args.listen,
@@ -237,8 +280,11 @@ async def serve(
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    host = config.listen.rsplit(":", 1)[0]
-    print(f"kvbank sidecar: serving on {host}:{port}, metrics {metrics_note}", flush=True)
+    if unix_path(config.listen) is not None:
+        where = config.listen
+    else:
+        where = f"{config.listen.rsplit(':', 1)[0]}:{port}"
+    print(f"kvbank sidecar: serving on {where}, metrics {metrics_note}", flush=True)
     if on_ready is not None:
         on_ready(port)
 

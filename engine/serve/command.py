@@ -90,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sidecar",
         metavar="ADDR",
-        help="admit through the gRPC sidecar at ADDR instead of in-process",
+        help="admit through the gRPC sidecar at ADDR (HOST:PORT, or unix:///PATH for a Unix "
+        "socket) instead of in-process",
     )
     parser.add_argument(
         "--sidecar-token-file", help="file holding the token the sidecar expects (--sidecar)"
