@@ -23,6 +23,13 @@ SPREAD_FIELDS = {
     "nodeAffinityPolicy", "nodeTaintsPolicy", "matchLabelKeys",
 }  # fmt: skip
 WHEN_UNSATISFIABLE = ("DoNotSchedule", "ScheduleAnyway")
+# What spec.template may not carry because the operator alone sets it: a pool may not weaken
+# the hardening every rank pod gets (operator/render/security.py).
+OPERATOR_OWNED = {
+    "securityContext": "the operator sets every pod's security context (Pod Security "
+    "restricted: uid 10001, non-root, no privilege escalation, every capability dropped, "
+    "RuntimeDefault seccomp, a read-only root); remove it",
+}
 TEMPLATE_FIELDS = {
     "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "priorityClassName",
     "runtimeClassName", "imagePullSecrets", "resources", "shmSize",
@@ -153,7 +160,9 @@ def read_template(r: FieldReader, obj: Any, path: str) -> PodTemplate:
     t = r.mapping(obj, path, required=False)
     if t is None:
         return PodTemplate()
-    r.unknown(t, path, TEMPLATE_FIELDS)
+    for key in OPERATOR_OWNED.keys() & t.keys():
+        r.fail(f"{path}.{key}", f"is not a field a pool sets: {OPERATOR_OWNED[key]}")
+    r.unknown({k: v for k, v in t.items() if k not in OPERATOR_OWNED}, path, TEMPLATE_FIELDS)
     selector = r.mapping(t.get("nodeSelector"), f"{path}.nodeSelector", required=False)
     if selector is not None:
         for key, value in selector.items():

@@ -145,7 +145,7 @@ def template() -> Schema:
                 {
                     "gpusPerRank": integer(0, MAX_GPUS_PER_RANK, "default 1"),
                     "cpu": quantity("CPU request of the engine container"),
-                    "memory": quantity("memory request of the engine container"),
+                    "memory": quantity("memory request and limit of the engine container"),
                 }
             ),
             "shmSize": quantity("an in-memory emptyDir at /dev/shm"),

@@ -31,6 +31,7 @@ from kvbank.operator.render.names import (
     Workload,
 )
 from kvbank.operator.render.pods import pod_template, rank_env
+from kvbank.operator.render.security import CACHE_VOLUME, SCRATCH_VOLUME, cache_env
 from kvbank.operator.render.services import (
     disruption_budget,
     headless_service,
@@ -178,7 +179,8 @@ class TestPodTemplate:
         engine, sidecar = template["spec"]["containers"]
         assert engine["name"] == "engine" and sidecar["name"] == "sidecar"
         assert engine["image"] == sidecar["image"] == "registry.example/kvbank:1.2.3"
-        assert engine["env"] == sidecar["env"]
+        # The engine's alone: its HOME and caches on the writable cache volume.
+        assert engine["env"] == sidecar["env"] + cache_env()
         env = {e["name"]: e.get("value") for e in engine["env"]}
         assert env["KVBANK_WORLD_SIZE"] == "2"
         assert env["KVBANK_DIST_PORT"] == "29500"
@@ -189,7 +191,10 @@ class TestPodTemplate:
         assert env["KVBANK_SIDECAR_ADDR"] == "127.0.0.1:50051"
         assert env["KVBANK_HEADLESS"] == "llama-ranks"
         assert engine["resources"] == {"limits": {"nvidia.com/gpu": 1}}
-        assert "resources" not in sidecar
+        assert sidecar["resources"] == {
+            "requests": {"cpu": "100m", "memory": "128Mi"},
+            "limits": {"memory": "512Mi"},
+        }
         assert engine["args"] == [
             "kvbank", "serve", "--host", "0.0.0.0", "--port", "8000",
             "--sidecar", "127.0.0.1:50051",
@@ -213,16 +218,24 @@ class TestPodTemplate:
                     "items": [{"key": "token", "path": "token"}],
                 },
             },
+            {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+            {"name": "cache", "emptyDir": {"sizeLimit": "16Gi"}},
         ]
-        for container in (engine, sidecar):
-            assert container["volumeMounts"] == [
-                {"name": "config", "mountPath": "/etc/kvbank/config", "readOnly": True},
-                {
-                    "name": "sidecar-token",
-                    "mountPath": "/var/run/kvbank/sidecar-token",
-                    "readOnly": True,
-                },
-            ]
+        shared = [
+            {"name": "config", "mountPath": "/etc/kvbank/config", "readOnly": True},
+            {
+                "name": "sidecar-token",
+                "mountPath": "/var/run/kvbank/sidecar-token",
+                "readOnly": True,
+            },
+        ]
+        tmp = {"name": "tmp", "mountPath": "/tmp"}
+        assert engine["volumeMounts"] == [
+            *shared,
+            {"name": "cache", "mountPath": "/var/cache/kvbank"},
+            tmp,
+        ]
+        assert sidecar["volumeMounts"] == [*shared, tmp]
         assert template["spec"]["terminationGracePeriodSeconds"] == 600
 
     def test_the_commands_parse_with_the_real_subcommands(self) -> None:
@@ -419,6 +432,8 @@ class TestPodsStartWithoutAKubelet:
         for volume in template["spec"]["volumes"]:
             folder = root / volume["name"]
             folder.mkdir()
+            if "emptyDir" in volume:
+                continue  # the scratch folders: written by the containers, read by none here
             if "configMap" in volume:
                 assert volume["configMap"]["name"] == config_map["metadata"]["name"]
                 for key, text in config_map["data"].items():
@@ -433,6 +448,8 @@ class TestPodsStartWithoutAKubelet:
         mounts: dict[str, Path] = {}
         for container in template["spec"]["containers"]:
             for mount in container["volumeMounts"]:
+                if mount["name"] in (SCRATCH_VOLUME, CACHE_VOLUME):
+                    continue
                 assert mount["readOnly"] is True
                 mounts[mount["mountPath"]] = folders[mount["name"]]
         return mounts
@@ -512,7 +529,8 @@ class TestRenderPool:
         ]
         template = rendered.manifests[-1]["spec"]["template"]
         assert template["metadata"]["annotations"][ANNOTATION_CONFIG_HASH] == rendered.config_hash
-        config, token = template["spec"]["volumes"]
+        config, token, scratch, cache = template["spec"]["volumes"]
+        assert (scratch["name"], cache["name"]) == (SCRATCH_VOLUME, CACHE_VOLUME)
         assert config["configMap"]["name"] == rendered.manifests[0]["metadata"]["name"]
         assert token["secret"]["secretName"] == rendered.token_secret["metadata"]["name"]
 

@@ -206,10 +206,10 @@ class TestScheduling:
         }
         assert placement(PodTemplate(), "llama") == {}
 
-    def test_gpus_are_limits_cpu_and_memory_requests(self) -> None:
+    def test_gpus_are_limits_cpu_and_memory_requests_memory_a_limit_too(self) -> None:
         assert engine_resources(self.TEMPLATE, SETTINGS, 2) == {
             "requests": {"cpu": "8", "memory": "64Gi"},
-            "limits": {"nvidia.com/gpu": 2},
+            "limits": {"memory": "64Gi", "nvidia.com/gpu": 2},
         }
         assert engine_resources(PodTemplate(), SETTINGS, 0) == {}  # a CPU pool
 
@@ -289,16 +289,17 @@ class TestPodTemplateWithDeployment:
         )
         spec = template["spec"]
         assert [v["name"] for v in spec["volumes"]] == [
-            "config", "sidecar-token", "weights", "dshm", "api-key", "sidecar-tls",
+            "config", "sidecar-token", "weights", "dshm", "api-key", "sidecar-tls", "tmp", "cache",
         ]  # fmt: skip
         engine, sidecar = spec["containers"]
         assert [m["mountPath"] for m in engine["volumeMounts"]] == [
             "/etc/kvbank/config", "/var/run/kvbank/sidecar-token",
-            "/models/llama-3.1-8b-instruct", "/dev/shm", "/etc/kvbank/api-key",
-            "/etc/kvbank/sidecar-tls",
+            "/var/cache/kvbank", "/models/llama-3.1-8b-instruct", "/dev/shm",
+            "/etc/kvbank/api-key", "/etc/kvbank/sidecar-tls", "/tmp",
         ]  # fmt: skip
         assert [m["mountPath"] for m in sidecar["volumeMounts"]] == [
             "/etc/kvbank/config", "/var/run/kvbank/sidecar-token", "/etc/kvbank/sidecar-tls",
+            "/tmp",
         ]  # fmt: skip
         assert template["metadata"]["annotations"]["kvbank.dev/sidecar-tls-serial"] == "abc"
         assert spec["nodeSelector"] == {"gpu": "a"}
