@@ -15,6 +15,7 @@ from kvbank.operator.render.names import Owner, RenderSettings, Workload
 from kvbank.operator.render.services import disruption_budget, headless_service, traffic_service
 from kvbank.operator.render.sidecar_tls import PoolTLS
 from kvbank.operator.render.token import token_secret
+from kvbank.operator.render.engines import pods_per_group
 from kvbank.operator.render.workloads import workload
 
 
@@ -43,7 +44,7 @@ def render_pool(
     manifests = [
         config_map(owner, data),
         headless_service(owner, settings),
-        traffic_service(owner, settings, kind),
+        traffic_service(owner, settings, kind, pods_per_group(pool, deployment or Deployment())),
         disruption_budget(owner),
         workload(kind, pool, owner, settings, digest, secret["metadata"]["name"], deployment, tls),
     ]

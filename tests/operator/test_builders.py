@@ -12,6 +12,7 @@ import yaml
 from operator_specs import pool_doc
 
 from kvbank.capacity import holdability, pool_pages
+from kvbank.deployment import parse_deployment
 from kvbank.modelpool import parse_modelpool
 from kvbank.operator.pruning import stale_config_maps
 from kvbank.operator.render.bundle import Rendered, render_pool
@@ -24,8 +25,8 @@ from kvbank.operator.render.engine_config import (
 )
 from kvbank.operator.render.names import (
     ANNOTATION_CONFIG_HASH,
-    LABEL_RANK,
     LWS_WORKER_INDEX,
+    STS_POD_INDEX,
     Owner,
     RenderSettings,
     Workload,
@@ -39,7 +40,7 @@ from kvbank.operator.render.services import (
 )
 from kvbank.operator.render.status import Condition, conditions
 from kvbank.operator.render.token import MissingSidecarToken, token_fingerprint, token_secret
-from kvbank.operator.render.workloads import leader_worker_set, stateful_set
+from kvbank.operator.render.workloads import leader_worker_set, stateful_set, workload_refusal
 
 OWNER = Owner("llama", "team-a", "uid-7")
 SETTINGS = RenderSettings(image="registry.example/kvbank:1.2.3", sidecar_token="t0ken-for-tests")
@@ -152,15 +153,41 @@ class TestHeadlessService:
 
 
 class TestTrafficService:
-    def test_selects_rank_zero_of_a_stateful_set_by_the_operator_label(self) -> None:
-        svc = traffic_service(OWNER, SETTINGS, Workload.STATEFUL_SET)
+    def test_one_pod_per_group_every_pod_of_a_stateful_set_is_a_rank_zero(self) -> None:
+        svc = traffic_service(OWNER, SETTINGS, Workload.STATEFUL_SET, 1)
         assert svc["metadata"]["name"] == "llama"
-        assert svc["spec"]["selector"] == {**SELECTOR, LABEL_RANK: "0"}
+        assert svc["spec"]["selector"] == SELECTOR
         assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http"}]
 
+    def test_several_pods_the_stateful_set_controllers_own_ordinal_label(self) -> None:
+        svc = traffic_service(OWNER, SETTINGS, Workload.STATEFUL_SET, 2)
+        assert svc["spec"]["selector"] == {**SELECTOR, STS_POD_INDEX: "0"}
+        assert STS_POD_INDEX == "apps.kubernetes.io/pod-index"
+
     def test_selects_the_leader_of_a_leader_worker_set(self) -> None:
-        svc = traffic_service(OWNER, SETTINGS, Workload.LEADER_WORKER_SET)
-        assert svc["spec"]["selector"] == {**SELECTOR, LWS_WORKER_INDEX: "0"}
+        for pods in (1, 4):
+            svc = traffic_service(OWNER, SETTINGS, Workload.LEADER_WORKER_SET, pods)
+            assert svc["spec"]["selector"] == {**SELECTOR, LWS_WORKER_INDEX: "0"}
+
+
+class TestWorkloadRefusal:
+    def test_only_several_groups_of_several_pods_in_one_stateful_set(self) -> None:
+        def refusal(kind: Workload, engine: str = "kvbank", **spec: Any) -> str | None:
+            doc = pool_doc(engine={"kind": engine}, **spec)
+            return workload_refusal(parse_modelpool(doc), parse_deployment(doc), kind)
+
+        sts, lws = Workload.STATEFUL_SET, Workload.LEADER_WORKER_SET
+        assert refusal(sts, replicas=3, tensorParallel=1) is None
+        assert refusal(sts, replicas=1, tensorParallel=2) is None
+        assert refusal(sts, "vllm", replicas=3, tensorParallel=2) is None
+        assert refusal(lws, replicas=3, tensorParallel=2) is None
+        why = refusal(sts, replicas=3, tensorParallel=2)
+        assert why is not None
+        assert why.startswith(
+            "spec.replicas=3 with spec.tensorParallel=2 runs 3 groups of 2 pods, which needs a "
+            "LeaderWorkerSet"
+        )
+        assert "lower spec.replicas to 1" in why
 
 
 class TestDisruptionBudget:
