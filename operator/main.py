@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import sys
 
 from kvbank.operator import config as operator_config
@@ -50,9 +51,20 @@ def run(args: argparse.Namespace) -> int:
     register(registry, runtime)
     kopf.run(
         registry=registry,
-        standalone=True,
         clusterwide=not config.namespaces,
         namespaces=list(config.namespaces),
         liveness_endpoint=config.liveness,
+        **peering(config.peering),
     )
     return 0
+
+
+def peering(name: str | None) -> dict[str, object]:
+    """kopf's peering: of the replicas sharing `name`, the one of the highest priority handles
+    the pools and the others pause their handlers and timers (their webhook servers keep
+    answering). Replicas of equal priority would all pause, so each draws its own at start; a
+    replica that stops leaves the peering at once, and one killed is forgotten after kopf's
+    60 s lifetime, when the next resumes. No name: standalone, for a single replica."""
+    if name is None:
+        return {"standalone": True}
+    return {"standalone": False, "peering_name": name, "priority": random.randrange(1, 1 << 31)}

@@ -88,10 +88,12 @@ def test_default_render_has_exactly_the_operator_objects(helm: Tools) -> None:
     docs = render(helm)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == [
+        "ClusterKopfPeering",  # which operator replica reconciles
         "ClusterRole",
         "ClusterRoleBinding",
         "ConfigMap",  # the Grafana dashboard
         "Deployment",
+        "PodDisruptionBudget",  # one operator replica through a drain
         "Role",
         "RoleBinding",
         "Secret",
@@ -101,8 +103,16 @@ def test_default_render_has_exactly_the_operator_objects(helm: Tools) -> None:
         "ValidatingWebhookConfiguration",
     ]
     deployment = one(docs, "Deployment")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    peering = one(docs, "ClusterKopfPeering")["metadata"]["name"]
+    assert env_of(deployment)["KVBANK_PEERING"] == peering == "kvbank-operator"
+    budget = one(docs, "PodDisruptionBudget")["spec"]
+    assert budget["minAvailable"] == 1
+    assert budget["selector"] == deployment["spec"]["selector"]
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -318,7 +328,10 @@ def test_cert_manager_mode_renders_a_certificate_and_no_secret_rights(
     assert hooks["metadata"]["annotations"] == {
         "cert-manager.io/inject-ca-from": "kvbank-system/kvbank-webhook-tls"
     }
-    assert not [r for r in rules(docs, "ClusterRole") if "resourceNames" in r]
+    # Only the peering object is named: no webhook configuration or Secret right at all.
+    assert [r["resources"] for r in rules(docs, "ClusterRole") if "resourceNames" in r] == [
+        ["clusterkopfpeerings"]
+    ]
     deployment = one(docs, "Deployment")
     config = parsed_operator_config(env_of(deployment), monkeypatch)
     assert config.tls.mode == "cert-manager"
