@@ -11,11 +11,11 @@ from kvbank.capacity import Holdability
 from kvbank.deployment import Deployment
 from kvbank.modelpool import ModelPool
 from kvbank.operator.render.engine_config import config_data, config_hash, config_map
+from kvbank.operator.render.engines import pods_per_group
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
 from kvbank.operator.render.services import disruption_budget, headless_service, traffic_service
 from kvbank.operator.render.sidecar_tls import PoolTLS
 from kvbank.operator.render.token import token_secret
-from kvbank.operator.render.engines import pods_per_group
 from kvbank.operator.render.workloads import workload
 
 

@@ -6,6 +6,7 @@ import base64
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
