@@ -56,7 +56,8 @@ RENDERED_FLAGS = {
     ),
     "vllm": (
         "--port", "--scheduler-cls", "--block-size", "--num-gpu-blocks-override",
-        "--max-model-len", "--tensor-parallel-size", "--api-key",
+        "--max-model-len", "--tensor-parallel-size", "--api-key", "--served-model-name",
+        "--gpu-memory-utilization", "--no-async-scheduling", "--async-scheduling",
     ),
 }  # fmt: skip
 

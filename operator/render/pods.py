@@ -21,7 +21,6 @@ from kvbank.operator.render.engines import (
     api_key_mount,
     api_key_volume,
     engine_command,
-    is_vllm,
     pods_per_group,
     ranks_per_pod,
     sidecar_args,
@@ -201,7 +200,7 @@ def pod_template(
     if shm is not None:
         volumes.append(shm)
         engine["volumeMounts"].append(shm_mount())
-    if deployment.api_key is not None and not is_vllm(deployment):
+    if deployment.api_key is not None:
         volumes.append(api_key_volume(deployment.api_key))
         engine["volumeMounts"].append(api_key_mount())
     annotations = {ANNOTATION_CONFIG_HASH: config_hash}
