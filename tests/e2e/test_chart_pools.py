@@ -54,7 +54,8 @@ def test_the_example_values_install_the_example_pool_and_its_weights_claim(helm:
     claim = one(docs, "PersistentVolumeClaim")
     assert claim["metadata"]["name"] == pool_doc["spec"]["model"]["source"]["pvc"]["claimName"]
     assert claim["metadata"]["namespace"] == pool_doc["metadata"]["namespace"] == "team-a"
-    assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+    # Writable, for the loader pod that fills it (ReadOnlyMany could never be filled).
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert claim["spec"]["resources"] == {"requests": {"storage": "40Gi"}}
     assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
@@ -111,7 +112,11 @@ def test_the_scheduling_fields_are_the_pools_over_the_charts_defaults(
     assert pod["tolerations"] == [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     ]
-    assert pod["priorityClassName"] == "system-cluster-critical"  # the chart's default
+    # The chart's default: a class of the user's (examples/priorityclass.yaml), never system-*.
+    assert pod["priorityClassName"] == "kvbank-inference"
+    priority_class = load_example("priorityclass.yaml")
+    assert priority_class["metadata"]["name"] == "kvbank-inference"
+    assert 0 < priority_class["value"] < 1_000_000_000  # user classes stay below a billion
     [spread] = pod["topologySpreadConstraints"]
     assert spread["labelSelector"] == {
         "matchLabels": {"app.kubernetes.io/name": "kvbank", "kvbank.dev/pool": "llama-8b"}
