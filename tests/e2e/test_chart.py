@@ -126,7 +126,16 @@ def test_images_are_the_tags_the_containerfiles_build(helm: Tools) -> None:
         built |= set(re.findall(r"-t (\S+:\S+) \.", path.read_text()))
     deployment = one(render(helm), "Deployment")
     operator_image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
-    assert built == {operator_image, env_of(deployment)["KVBANK_IMAGE"]}
+    env = env_of(deployment)
+    assert built == {operator_image, env["KVBANK_IMAGE"], env["KVBANK_VLLM_IMAGE"]}
+    # One registry prefix for all three.
+    moved = one(render(helm, "image.registry=registry.corp.example/ml/"), "Deployment")
+    moved_env = env_of(moved)
+    assert moved["spec"]["template"]["spec"]["containers"][0]["image"] == (
+        "registry.corp.example/ml/kvbank-operator:" + operator_image.rsplit(":", 1)[1]
+    )
+    assert moved_env["KVBANK_IMAGE"].startswith("registry.corp.example/ml/kvbank:")
+    assert moved_env["KVBANK_VLLM_IMAGE"].startswith("registry.corp.example/ml/kvbank-vllm:")
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert operator_image.endswith(":" + chart["appVersion"])
 

@@ -36,16 +36,23 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* REGISTRY/REPOSITORY:TAG, the tag defaulting to the chart's appVersion; an empty
+image.registry leaves the repository as written (a full reference of its own). */}}
+{{- define "kvbank.image" -}}
+{{- $registry := trimSuffix "/" .root.Values.image.registry -}}
+{{- if $registry }}{{ $registry }}/{{ end }}{{ .image.repository }}:{{ .image.tag | default .root.Chart.AppVersion }}
+{{- end -}}
+
 {{- define "kvbank.operatorImage" -}}
-{{ .Values.operator.image.repository }}:{{ .Values.operator.image.tag | default .Chart.AppVersion }}
+{{ include "kvbank.image" (dict "root" . "image" .Values.operator.image) }}
 {{- end -}}
 
 {{- define "kvbank.engineImage" -}}
-{{ .Values.engine.image.repository }}:{{ .Values.engine.image.tag | default .Chart.AppVersion }}
+{{ include "kvbank.image" (dict "root" . "image" .Values.engine.image) }}
 {{- end -}}
 
 {{- define "kvbank.vllmImage" -}}
-{{ .Values.engine.vllm.image.repository }}:{{ .Values.engine.vllm.image.tag | default .Chart.AppVersion }}
+{{ include "kvbank.image" (dict "root" . "image" .Values.engine.vllm.image) }}
 {{- end -}}
 
 {{- define "kvbank.poolTemplate" -}}
