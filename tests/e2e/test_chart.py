@@ -136,6 +136,9 @@ def test_images_are_the_tags_the_containerfiles_build(helm: Tools) -> None:
     )
     assert moved_env["KVBANK_IMAGE"].startswith("registry.corp.example/ml/kvbank:")
     assert moved_env["KVBANK_VLLM_IMAGE"].startswith("registry.corp.example/ml/kvbank-vllm:")
+    # A full reference (what the one-node tests set, and earlier values) is left alone.
+    full = one(render(helm, "engine.image.repository=kvbank.local/kvbank"), "Deployment")
+    assert env_of(full)["KVBANK_IMAGE"].startswith("kvbank.local/kvbank:")
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert operator_image.endswith(":" + chart["appVersion"])
 

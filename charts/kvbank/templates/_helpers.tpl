@@ -36,11 +36,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
-{{/* REGISTRY/REPOSITORY:TAG, the tag defaulting to the chart's appVersion; an empty
-image.registry leaves the repository as written (a full reference of its own). */}}
+{{/* REGISTRY/REPOSITORY:TAG, the tag defaulting to the chart's appVersion. A repository
+holding a "/" is a full reference already (ghcr.io/kvbank/kvbank, as earlier values wrote it)
+and gets no prefix; so does every one when image.registry is empty. */}}
 {{- define "kvbank.image" -}}
 {{- $registry := trimSuffix "/" .root.Values.image.registry -}}
-{{- if $registry }}{{ $registry }}/{{ end }}{{ .image.repository }}:{{ .image.tag | default .root.Chart.AppVersion }}
+{{- if and $registry (not (contains "/" .image.repository)) }}{{ $registry }}/{{ end }}{{ .image.repository }}:{{ .image.tag | default .root.Chart.AppVersion }}
 {{- end -}}
 
 {{- define "kvbank.operatorImage" -}}
