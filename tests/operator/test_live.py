@@ -1,4 +1,4 @@
-"""Ranks from pods, rank labels, and the status timer's sidecar poll: bounded concurrency,
+"""Ranks from pods, and the status timer's sidecar poll: bounded concurrency,
 timeouts, and the Ready / Degraded conditions it writes."""
 
 from __future__ import annotations
