@@ -100,7 +100,7 @@ def test_the_operator_mounts_the_weights_where_the_engine_looks(
     assert engine["args"][engine["args"].index("--model") + 1] == mount["mountPath"]
     [check] = pod["initContainers"]
     assert check["name"] == "weights-check"
-    assert check["volumeMounts"] == [mount]
+    assert check["volumeMounts"] == [mount, {"name": "tmp", "mountPath": "/tmp"}]
     assert check["command"][-1] == mount["mountPath"]
 
 
@@ -124,7 +124,7 @@ def test_the_scheduling_fields_are_the_pools_over_the_charts_defaults(
     engine = pod["containers"][0]
     assert engine["resources"] == {
         "requests": {"cpu": "8", "memory": "64Gi"},  # the pool's, over the chart's 4 / 32Gi
-        "limits": {"nvidia.com/gpu": 1},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": 1},  # memory: a limit too
     }
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
