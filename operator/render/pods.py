@@ -212,7 +212,7 @@ def pod_template(
     return {
         "metadata": {"labels": labels(pool.name, "rank"), "annotations": annotations},
         "spec": {
-            "securityContext": pod_security_context(),
+            "securityContext": pod_security_context(template.security),
             "terminationGracePeriodSeconds": settings.termination_grace_seconds,
             "initContainers": [harden(c) for c in parts.init_containers],
             "containers": [harden(engine), harden(sidecar)],

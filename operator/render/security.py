@@ -3,8 +3,10 @@ that: the pod and container security contexts, the scratch volumes that stand in
 read-only root filesystem, the probes and the resources of the containers that are not the
 engine (the engine's are the spec's: render.scheduling).
 
-These are the operator's, never the spec's: `spec.template` has no security field (the parser
-refuses one, naming it), so no pool can weaken them. Every container, init containers
+These are the operator's, never the spec's: `spec.template.securityContext` may only add
+supplementalGroups, an SELinux type and level and an AppArmor profile, every one of which
+restricted allows (the parser refuses any other field, naming it), and the hardened fields are
+laid over what it adds, so no pool can weaken them. Every container, init containers
 included, gets the same context; an init container running a user's image (weights-copy)
 runs as the same non-root user, which `cp` into an emptyDir needs nothing more than.
 
@@ -16,6 +18,8 @@ the image's /etc/passwd.
 from __future__ import annotations
 
 from typing import Any
+
+from kvbank.deployment import SecurityAdditions
 
 RUN_AS_USER = 10001
 SCRATCH_VOLUME = "tmp"
@@ -46,11 +50,20 @@ COPY_RESOURCES = {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"mem
 DOWNLOAD_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}}
 
 
-def pod_security_context() -> dict[str, Any]:
+def pod_security_context(additions: SecurityAdditions | None = None) -> dict[str, Any]:
     """fsGroup gives the pod's group the volumes whose ownership the kubelet manages (emptyDirs,
     a claim that supports it); OnRootMismatch keeps a large weights claim from being walked at
-    every start."""
+    every start. `additions`: what spec.template.securityContext adds, under the hardening."""
+    added: dict[str, Any] = {}
+    if additions is not None:
+        if additions.supplemental_groups:
+            added["supplementalGroups"] = list(additions.supplemental_groups)
+        if additions.se_linux_options:
+            added["seLinuxOptions"] = dict(additions.se_linux_options)
+        if additions.app_armor_profile:
+            added["appArmorProfile"] = dict(additions.app_armor_profile)
     return {
+        **added,
         "runAsNonRoot": True,
         "runAsUser": RUN_AS_USER,
         "runAsGroup": RUN_AS_USER,

@@ -10,7 +10,7 @@ import pytest
 from operator_specs import pool_doc
 from pod_security import violations
 
-from kvbank.deployment import parse_deployment
+from kvbank.deployment import parse_deployment, parse_template
 from kvbank.modelpool import SpecError, parse_modelpool
 from kvbank.operator.admission import dev_warnings
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
@@ -224,11 +224,52 @@ class TestRestrictedProfile:
         assert len(warning) < 256  # the apiserver may truncate a longer warning
 
 
-class TestTemplateCannotWeakenIt:
-    def test_a_security_context_in_spec_template_is_refused_naming_the_field(self) -> None:
+class TestTemplateMayOnlyAdd:
+    ADDED: ClassVar[dict[str, Any]] = {
+        "supplementalGroups": [2000],
+        "seLinuxOptions": {"type": "container_t", "level": "s0:c123,c456"},
+        "appArmorProfile": {"type": "Localhost", "localhostProfile": "kvbank-rank"},
+    }
+
+    def test_a_field_of_the_hardening_is_refused_naming_it(self) -> None:
         doc = pool_doc(template={"securityContext": {"runAsUser": 0, "privileged": True}})
         with pytest.raises(SpecError) as caught:
             parse_deployment(doc)
-        [error] = [str(e) for e in caught.value.errors]
-        assert error.startswith("spec.template.securityContext: is not a field a pool sets")
-        assert "the operator sets every pod's security context" in error
+        errors = sorted(str(e) for e in caught.value.errors)
+        assert [e.split(":")[0] for e in errors] == [
+            "spec.template.securityContext.privileged",
+            "spec.template.securityContext.runAsUser",
+        ]
+        for error in errors:
+            assert "is not a field a pool sets: the operator sets it on every rank pod" in error
+            assert "a pool may add only supplementalGroups, seLinuxOptions, appArmorProfile" in (
+                error
+            )
+
+    def test_what_restricted_refuses_is_refused_within_the_additions(self) -> None:
+        bad = {
+            "supplementalGroups": [0],
+            "seLinuxOptions": {"type": "spc_t", "user": "root"},
+            "appArmorProfile": {"type": "Unconfined"},
+        }
+        with pytest.raises(SpecError) as caught:
+            parse_deployment(pool_doc(template={"securityContext": bad}))
+        fields = sorted(str(e).split(":")[0] for e in caught.value.errors)
+        assert fields == [
+            "spec.template.securityContext.appArmorProfile.type",
+            "spec.template.securityContext.seLinuxOptions.type",
+            "spec.template.securityContext.seLinuxOptions.user",
+            "spec.template.securityContext.supplementalGroups[0]",
+        ]
+
+    def test_the_additions_are_rendered_under_the_hardening_and_still_pass(self) -> None:
+        template = _template(template={"securityContext": self.ADDED})
+        assert template["spec"]["securityContext"] == {**self.ADDED, **pod_security_context()}
+        assert violations(template) == []
+
+    def test_the_charts_defaults_may_add_too_and_a_pools_own_replace_them(self) -> None:
+        defaults = parse_template({"securityContext": {"supplementalGroups": [3000]}})
+        mine = parse_deployment(pool_doc(template={"securityContext": self.ADDED})).template
+        assert mine.over(defaults).security == mine.security
+        plain = parse_deployment(pool_doc()).template
+        assert plain.over(defaults).security == defaults.security
