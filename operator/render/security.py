@@ -17,6 +17,7 @@ the image's /etc/passwd.
 
 from __future__ import annotations
 
+from copy import deepcopy
 from typing import Any
 
 from kvbank.deployment import SecurityAdditions
@@ -127,19 +128,19 @@ def engine_probes(probe: dict[str, Any]) -> dict[str, Any]:
     restarts the container then; a follower rank serves /health alone."""
     return {
         "startupProbe": {
-            **probe,
+            **deepcopy(probe),
             "periodSeconds": STARTUP_PERIOD,
             "timeoutSeconds": PROBE_TIMEOUT,
             "failureThreshold": STARTUP_FAILURES,
         },
         "readinessProbe": {
-            **probe,
+            **deepcopy(probe),
             "periodSeconds": 5,
             "timeoutSeconds": PROBE_TIMEOUT,
             "failureThreshold": 3,
         },
         "livenessProbe": {
-            **probe,
+            **deepcopy(probe),
             "periodSeconds": 10,
             "timeoutSeconds": PROBE_TIMEOUT,
             "failureThreshold": 6,
@@ -150,10 +151,10 @@ def engine_probes(probe: dict[str, Any]) -> dict[str, Any]:
 def sidecar_probes(probe: dict[str, Any]) -> dict[str, Any]:
     """The sidecar reads one small file at start: a minute is long for its startup."""
     return {
-        "startupProbe": {**probe, "periodSeconds": 2, "failureThreshold": 30},
-        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
+        "startupProbe": {**deepcopy(probe), "periodSeconds": 2, "failureThreshold": 30},
+        "readinessProbe": {**deepcopy(probe), "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {
-            **probe,
+            **deepcopy(probe),
             "periodSeconds": 10,
             "timeoutSeconds": PROBE_TIMEOUT,
             "failureThreshold": 6,
