@@ -272,7 +272,7 @@ def test_vllm_and_an_api_key_render_as_the_interfaces_say(cluster: Cluster) -> N
     assert "VLLM_API_KEY" not in env
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
     assert volumes["api-key"]["secret"]["secretName"] == "llama-keys"
-    assert engine["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert engine["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": "2"}
 
 
 def test_helm_upgrade_with_the_example_values_installs_the_example_pool(cluster: Cluster) -> None:
