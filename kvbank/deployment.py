@@ -19,15 +19,18 @@ from typing import Any
 from kvbank.fields import FieldReader, SpecError
 from kvbank.pod_template import (
     AFFINITY_KINDS,
+    APPARMOR_TYPES,
     DNS_NAME,
     MAX_GPUS_PER_RANK,
     MAX_ITEMS,
     QUANTITY,
+    SELINUX_TYPES,
     TAINT_EFFECTS,
     TOLERATION_OPERATORS,
     WHEN_UNSATISFIABLE,
     PodTemplate,
     Resources,
+    SecurityAdditions,
     parse_template,
     read_name,
     read_template,
@@ -36,8 +39,20 @@ from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS
 
 # Re-exported: readers of the pod-facing fields find them all here.
 __all__ = [
-    "AFFINITY_KINDS", "DNS_NAME", "MAX_GPUS_PER_RANK", "MAX_ITEMS", "QUANTITY", "TAINT_EFFECTS",
-    "TOLERATION_OPERATORS", "WHEN_UNSATISFIABLE", "PodTemplate", "Resources", "parse_template",
+    "AFFINITY_KINDS",
+    "APPARMOR_TYPES",
+    "DNS_NAME",
+    "MAX_GPUS_PER_RANK",
+    "MAX_ITEMS",
+    "QUANTITY",
+    "SELINUX_TYPES",
+    "TAINT_EFFECTS",
+    "TOLERATION_OPERATORS",
+    "WHEN_UNSATISFIABLE",
+    "PodTemplate",
+    "Resources",
+    "SecurityAdditions",
+    "parse_template",
 ]  # fmt: skip
 
 ENGINE_KINDS = ("kvbank", "vllm")
@@ -56,7 +71,8 @@ RENDERED_FLAGS = {
     ),
     "vllm": (
         "--port", "--scheduler-cls", "--block-size", "--num-gpu-blocks-override",
-        "--max-model-len", "--tensor-parallel-size", "--api-key",
+        "--max-model-len", "--tensor-parallel-size", "--api-key", "--served-model-name",
+        "--gpu-memory-utilization", "--no-async-scheduling", "--async-scheduling",
     ),
 }  # fmt: skip
 

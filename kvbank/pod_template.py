@@ -23,9 +23,21 @@ SPREAD_FIELDS = {
     "nodeAffinityPolicy", "nodeTaintsPolicy", "matchLabelKeys",
 }  # fmt: skip
 WHEN_UNSATISFIABLE = ("DoNotSchedule", "ScheduleAnyway")
+# spec.template.securityContext may only add to the hardening every rank pod gets
+# (operator/render/security.py), never replace a field of it: groups to read a claim's files
+# by, an SELinux type and level of those Pod Security restricted allows, an AppArmor profile.
+SECURITY_ADDITIONS = ("supplementalGroups", "seLinuxOptions", "appArmorProfile")
+OPERATOR_OWNED_SECURITY = (
+    "the operator sets it on every rank pod (Pod Security restricted: uid 10001, non-root, no "
+    "privilege escalation, every capability dropped, RuntimeDefault seccomp, a read-only root); "
+    f"a pool may add only {', '.join(SECURITY_ADDITIONS)}"
+)
+SELINUX_TYPES = ("container_t", "container_init_t", "container_kvm_t", "container_engine_t")
+APPARMOR_TYPES = ("RuntimeDefault", "Localhost")
+MAX_GID = (1 << 31) - 1
 TEMPLATE_FIELDS = {
     "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "priorityClassName",
-    "runtimeClassName", "imagePullSecrets", "resources", "shmSize",
+    "runtimeClassName", "imagePullSecrets", "resources", "shmSize", "securityContext",
 }  # fmt: skip
 
 
@@ -34,6 +46,15 @@ class Resources:
     gpus_per_rank: int | None = None
     cpu: str | None = None
     memory: str | None = None
+
+
+@dataclass(frozen=True)
+class SecurityAdditions:
+    """What a pool adds to its pods' security context, in the pod spec's own words."""
+
+    supplemental_groups: tuple[int, ...] = ()
+    se_linux_options: Mapping[str, str] | None = None
+    app_armor_profile: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +71,7 @@ class PodTemplate:
     image_pull_secrets: tuple[str, ...] | None = None
     resources: Resources = field(default_factory=Resources)
     shm_size: str | None = None
+    security: SecurityAdditions | None = None
 
     def over(self, defaults: PodTemplate) -> PodTemplate:
         """This template, each unset field taken from `defaults` (resources field by field)."""
@@ -193,4 +215,43 @@ def read_template(r: FieldReader, obj: Any, path: str) -> PodTemplate:
             read_quantity(r, res, "memory", f"{path}.resources"),
         ),
         shm_size=read_quantity(r, t, "shmSize", path),
+        security=_security(r, t.get("securityContext"), f"{path}.securityContext"),
+    )
+
+
+def _security(r: FieldReader, obj: Any, path: str) -> SecurityAdditions | None:
+    ctx = r.mapping(obj, path, required=False)
+    if ctx is None:
+        return None
+    for key in ctx:
+        if key not in SECURITY_ADDITIONS:
+            r.fail(f"{path}.{key}", f"is not a field a pool sets: {OPERATOR_OWNED_SECURITY}")
+    groups: list[int] = []
+    raw_groups = ctx.get("supplementalGroups", [])
+    if not isinstance(raw_groups, list) or len(raw_groups) > MAX_ITEMS:
+        r.fail(f"{path}.supplementalGroups", f"must be a list of at most {MAX_ITEMS} group ids")
+        raw_groups = []
+    for i, gid in enumerate(raw_groups):
+        if isinstance(gid, bool) or not isinstance(gid, int) or not 1 <= gid <= MAX_GID:
+            # 0 is root's group: it would widen what the pod reads, not name a claim's owner.
+            r.fail(f"{path}.supplementalGroups[{i}]", f"must be a group id from 1 to {MAX_GID} "
+                   f"(0, root's group, is refused), got {str(gid)[:20]!r}")  # fmt: skip
+        else:
+            groups.append(gid)
+    selinux = r.mapping(ctx.get("seLinuxOptions"), f"{path}.seLinuxOptions", required=False)
+    if selinux is not None:
+        r.unknown(selinux, f"{path}.seLinuxOptions", {"type", "level"})  # user, role: refused
+        r.string(selinux, "type", f"{path}.seLinuxOptions", required=False, choices=SELINUX_TYPES)
+        r.string(selinux, "level", f"{path}.seLinuxOptions", required=False)
+    armor = r.mapping(ctx.get("appArmorProfile"), f"{path}.appArmorProfile", required=False)
+    if armor is not None:
+        at = f"{path}.appArmorProfile"
+        r.unknown(armor, at, {"type", "localhostProfile"})
+        kind = r.string(armor, "type", at, choices=APPARMOR_TYPES)
+        if (kind == "Localhost") != ("localhostProfile" in armor):
+            r.fail(f"{at}.localhostProfile", "is set exactly when type is Localhost")
+    return SecurityAdditions(
+        tuple(groups),
+        dict(selinux) if selinux is not None else None,
+        dict(armor) if armor is not None else None,
     )

@@ -81,7 +81,7 @@ def dev_warnings(deployment: Deployment) -> tuple[str, ...]:
     if isinstance(deployment.source, HostPathSource):
         return (
             f"spec.model.source.hostPath ({deployment.source.path}) is for development only: "
-            "the pods read whatever that node has at the path, and every node must have it. "
+            "every node must have it, and Pod Security baseline and restricted refuse it. "
             "Use spec.model.source.pvc in production.",
         )
     return ()

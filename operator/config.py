@@ -46,6 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "comma-separated); default: every namespace",
     )
     api.add_argument(
+        "--peering",
+        default=_env("KVBANK_PEERING", ""),
+        help="kopf peering object to share with the operator's other replicas (a "
+        "ClusterKopfPeering, or a KopfPeering in each --namespace): the replica of the highest "
+        "priority reconciles, every replica serves the webhook (env KVBANK_PEERING); "
+        "'' runs standalone, one replica only",
+    )
+    api.add_argument(
         "--api-timeout",
         type=float,
         default=_float_env("KVBANK_API_TIMEOUT", 10.0),
@@ -236,6 +244,7 @@ def sidecar_token(raw: str | None) -> str | None:
 class OperatorConfig:
     kubeconfig: str | None
     namespaces: tuple[str, ...]
+    peering: str | None
     api_timeout: float
     webhook_listen: str
     webhook_port: int
@@ -260,6 +269,7 @@ class OperatorConfig:
         return cls(
             kubeconfig=args.kubeconfig,
             namespaces=tuple(args.namespaces),
+            peering=args.peering or None,
             api_timeout=args.api_timeout,
             webhook_listen=args.webhook_listen,
             webhook_port=args.webhook_port,

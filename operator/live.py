@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from kvbank.modelpool import KIND
 from kvbank.operator.cluster import KVBANK, Cluster
 from kvbank.operator.pruning import prune_config_maps
-from kvbank.operator.ranks import RankedPod, leaders, rank_labels, ready_groups
+from kvbank.operator.ranks import RankedPod, leaders, ready_groups
 from kvbank.operator.render.names import LABEL_POOL, config_name
 from kvbank.operator.render.status import DEGRADED, READY, Condition, conditions
 from kvbank.operator.weights_status import check_condition
@@ -129,22 +129,6 @@ async def poll_sidecars(
     return Poll(totals, len(ranks) - len(failures), tuple(failures))
 
 
-async def label_ranks(cluster: Cluster, pods: Sequence[Mapping[str, Any]]) -> int:
-    """Give StatefulSet pods their rank and group labels, which the traffic Service selects rank 0
-    by. Done here, on the pool's own pod list, rather than from a watch of every pod in the
-    cluster. Returns how many pods were patched."""
-    patched = 0
-    for pod in pods:
-        wanted = rank_labels(pod)
-        if wanted is None:
-            continue
-        meta = pod["metadata"]
-        patch = {"metadata": {"labels": wanted}}
-        if await cluster.patch("v1", "Pod", meta["name"], meta.get("namespace"), patch):
-            patched += 1
-    return patched
-
-
 def _accepted(doc: Mapping[str, Any]) -> bool:
     for cond in (doc.get("status") or {}).get("conditions") or []:
         if cond.get("type") == "Accepted":
@@ -172,7 +156,6 @@ async def refresh(
     if (spec.get("engine") or {}).get("kind") == "vllm":
         tp = 1  # vLLM runs a group's ranks in one pod (render.engines)
     pods = await cluster.list("v1", "Pod", namespace, label_selector=f"{LABEL_POOL}={name}")
-    await label_ranks(cluster, pods)
     config_hash = (doc.get("status") or {}).get("configHash")
     if config_hash:  # the roll may have finished: old configs nobody mounts can go
         await prune_config_maps(cluster, namespace, name, config_name(name, config_hash), pods)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import sys
+from typing import NamedTuple
 
 from kvbank.operator import config as operator_config
 
@@ -48,11 +50,31 @@ def run(args: argparse.Namespace) -> int:
     )
     registry = kopf.OperatorRegistry()
     register(registry, runtime)
+    chosen = peering(config.peering)
     kopf.run(
         registry=registry,
-        standalone=True,
         clusterwide=not config.namespaces,
         namespaces=list(config.namespaces),
         liveness_endpoint=config.liveness,
+        standalone=chosen.standalone,
+        peering_name=chosen.name,
+        priority=chosen.priority,
     )
     return 0
+
+
+class Peering(NamedTuple):
+    standalone: bool
+    name: str | None = None
+    priority: int | None = None
+
+
+def peering(name: str | None) -> Peering:
+    """kopf's peering: of the replicas sharing `name`, the one of the highest priority handles
+    the pools and the others pause their handlers and timers (their webhook servers keep
+    answering). Replicas of equal priority would all pause, so each draws its own at start; a
+    replica that stops leaves the peering at once, and one killed is forgotten after kopf's
+    60 s lifetime, when the next resumes. No name: standalone, for a single replica."""
+    if name is None:
+        return Peering(standalone=True)
+    return Peering(standalone=False, name=name, priority=random.randrange(1, 1 << 31))

@@ -10,9 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbank.operator.render.names import (
-    LABEL_GROUP,
     LABEL_POOL,
-    LABEL_RANK,
     LWS_GROUP_INDEX,
     LWS_WORKER_INDEX,
     STS_POD_INDEX,
@@ -73,21 +71,6 @@ def _dns(pod: Mapping[str, Any]) -> str | None:
     if not host or not subdomain:
         return None
     return f"{host}.{subdomain}.{meta.get('namespace') or 'default'}.svc"
-
-
-def rank_labels(pod: Mapping[str, Any]) -> dict[str, str] | None:
-    """The labels a StatefulSet pod lacks for the traffic Service to pick rank 0; None when it
-    has them (or is a LeaderWorkerSet pod, which carries its own)."""
-    labels = (pod.get("metadata") or {}).get("labels") or {}
-    if LWS_WORKER_INDEX in labels:
-        return None
-    position = ranked(pod)
-    if position is None:
-        return None
-    want = {LABEL_RANK: str(position.rank), LABEL_GROUP: str(position.group)}
-    if all(labels.get(k) == v for k, v in want.items()):
-        return None
-    return want
 
 
 def ready_groups(pods: Iterable[Mapping[str, Any]], tensor_parallel: int) -> int:

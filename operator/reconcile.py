@@ -46,6 +46,7 @@ from kvbank.operator.render.names import (
 )
 from kvbank.operator.render.status import ACCEPTED, READY, Condition, conditions, status_patch
 from kvbank.operator.render.token import MissingSidecarToken, token_secret
+from kvbank.operator.render.workloads import workload_refusal
 from kvbank.operator.repair import stored_differs, why_repair
 from kvbank.operator.weights_status import WEIGHTS, source_condition
 
@@ -136,6 +137,23 @@ async def _refuse_render(
     return Outcome(False, text)
 
 
+async def _refuse_workload(
+    cluster: Cluster, owner: Owner, why: str, doc: Mapping[str, Any], now: str
+) -> Outcome:
+    """The spec is holdable, but not by the workload kind this cluster gives it; what already
+    runs is left alone."""
+    generation = int(doc["metadata"].get("generation") or 0)
+    text = f"{owner.namespace}/{owner.name}: no pods rendered: {why}"
+    current = (doc.get("status") or {}).get("conditions")
+    update = Condition(ACCEPTED, False, "NeedsLeaderWorkerSet", text)
+    status = {
+        "observedGeneration": generation,
+        "conditions": conditions(current, [update], generation, now),
+    }
+    await patch_status(cluster, owner, status)
+    return Outcome(False, text)
+
+
 @dataclass(frozen=True)
 class Accepted:
     """What a judged (or earlier accepted) pool renders from."""
@@ -164,6 +182,9 @@ async def converge(
         token_secret(owner, settings.sidecar_token)
     except MissingSidecarToken as exc:
         return await _refuse_untokened(cluster, owner, exc, doc, now)
+    refusal = workload_refusal(accepted.pool, accepted.deployment, accepted.kind)
+    if refusal is not None:
+        return await _refuse_workload(cluster, owner, refusal, doc, now)
     tls, tls_record = await ensure_pool_tls(cluster, owner, status_now, issuer, _moment(now))
     rendered = render_pool(
         accepted.pool,

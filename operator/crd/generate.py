@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from kvbank.operator.crd.modelpool_crd import modelpool_crd
+from kvbank.operator.crd.peering_crd import cluster_peering_crd, namespaced_peering_crd
 from kvbank.operator.crd.policy_crd import capacity_policy_crd
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "charts" / "kvbank" / "crds"
@@ -23,6 +24,9 @@ def rendered() -> dict[str, str]:
     docs: dict[str, dict[str, Any]] = {
         "modelpools.kvbank.dev.yaml": modelpool_crd(),
         "capacitypolicies.kvbank.dev.yaml": capacity_policy_crd(),
+        # kopf's peering, for the operator's replicas (docs/operator.md, "Replicas")
+        "clusterkopfpeerings.kopf.dev.yaml": cluster_peering_crd(),
+        "kopfpeerings.kopf.dev.yaml": namespaced_peering_crd(),
     }
     return {
         name: HEADER + yaml.safe_dump(doc, sort_keys=False, width=100) for name, doc in docs.items()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from kvbank.deployment import (
     AFFINITY_KINDS,
+    APPARMOR_TYPES,
     DEFAULT_API_KEY,
     DEFAULT_IMAGE_PATH,
     ENGINE_KINDS,
@@ -20,6 +21,7 @@ from kvbank.deployment import (
     MAX_ITEMS,
     QUANTITY,
     RENDERED_FLAGS,
+    SELINUX_TYPES,
     SOURCE_KINDS,
     TAINT_EFFECTS,
     TOLERATION_OPERATORS,
@@ -145,10 +147,31 @@ def template() -> Schema:
                 {
                     "gpusPerRank": integer(0, MAX_GPUS_PER_RANK, "default 1"),
                     "cpu": quantity("CPU request of the engine container"),
-                    "memory": quantity("memory request of the engine container"),
+                    "memory": quantity("memory request and limit of the engine container"),
                 }
             ),
             "shmSize": quantity("an in-memory emptyDir at /dev/shm"),
+            "securityContext": obj(
+                {
+                    "supplementalGroups": {
+                        "type": "array",
+                        "maxItems": MAX_ITEMS,
+                        "items": integer(1, (1 << 31) - 1),
+                    },
+                    "seLinuxOptions": obj(
+                        {"type": enum(SELINUX_TYPES), "level": string(MAX_NAME_LENGTH)}
+                    ),
+                    "appArmorProfile": obj(
+                        {
+                            "type": enum(APPARMOR_TYPES),
+                            "localhostProfile": string(MAX_NAME_LENGTH),
+                        },
+                        required=("type",),
+                    ),
+                },
+                description="added to the operator's hardened pod security context, which "
+                "no pool can change",
+            ),
         },
         description="where the rank pods run and what they ask of their nodes; unset fields "
         "take the chart's pools.template",

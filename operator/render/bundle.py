@@ -11,6 +11,7 @@ from kvbank.capacity import Holdability
 from kvbank.deployment import Deployment
 from kvbank.modelpool import ModelPool
 from kvbank.operator.render.engine_config import config_data, config_hash, config_map
+from kvbank.operator.render.engines import pods_per_group
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
 from kvbank.operator.render.services import disruption_budget, headless_service, traffic_service
 from kvbank.operator.render.sidecar_tls import PoolTLS
@@ -43,7 +44,7 @@ def render_pool(
     manifests = [
         config_map(owner, data),
         headless_service(owner, settings),
-        traffic_service(owner, settings, kind),
+        traffic_service(owner, settings, kind, pods_per_group(pool, deployment or Deployment())),
         disruption_budget(owner),
         workload(kind, pool, owner, settings, digest, secret["metadata"]["name"], deployment, tls),
     ]

@@ -27,6 +27,28 @@ TLS_DIR = "/etc/kvbank/sidecar-tls"
 TLS_VOLUME = "sidecar-tls"
 TLS_CA_FILE = f"{TLS_DIR}/ca.crt"
 VLLM_SCHEDULER = "kvbank.vllm.KvbankScheduler"
+API_KEY_FILE_ENV = "KVBANK_API_KEY_FILE"
+# vLLM takes several keys only as the words after one `--api-key` (a second `--api-key`
+# replaces the first; VLLM_API_KEY is one key, the Secret's whole value, newlines included).
+# So the keys are read here from the mounted Secret, one a line with blank lines and `#`
+# comments skipped as `kvbank serve --api-key-file` reads them, and appended to vLLM's
+# command: they reach its argv inside the container, never the pod spec. `$@` is the command.
+VLLM_KEYS_SCRIPT = """set -eu
+file="$KVBANK_API_KEY_FILE"
+keys=0
+set -- "$@" --api-key
+while IFS= read -r line || [ -n "$line" ]; do
+  key="$(printf '%s' "$line" | sed 's/^[[:space:]]*//; s/[[:space:]]*$//')"
+  case "$key" in ''|'#'*) continue ;; esac
+  set -- "$@" "$key"
+  keys=$((keys + 1))
+done < "$file"
+if [ "$keys" -eq 0 ]; then
+  echo "kvbank: $file holds no API key (spec.apiKeySecret): write one key a line" >&2
+  exit 2
+fi
+exec "$@"
+"""
 
 
 @dataclass(frozen=True)
@@ -94,8 +116,14 @@ def class_args(admission: Admission) -> list[str]:
 
 
 def vllm_args(pool: ModelPool, settings: RenderSettings, deployment: Deployment) -> list[str]:
+    """Served under the spec's model name (what kvbank's engine answers to and clients send),
+    and told the spec's memory fraction, which the pool's pages were sized by."""
+    keys = ["/bin/sh", "-c", VLLM_KEYS_SCRIPT, "vllm-api-keys"] if deployment.api_key else []
     return [
+        *keys,
         "vllm", "serve", model_path(settings, pool.model_name),
+        "--served-model-name", pool.model_name,
+        "--gpu-memory-utilization", str(pool.gpu.memory_utilization),
         "--scheduler-cls", VLLM_SCHEDULER,
         # kvbank's scheduler admits before each step; vLLM's async scheduling would run a step
         # ahead of the ledger, so the class refuses to start under it.
@@ -120,9 +148,7 @@ def vllm_env(
     if tls:
         env.append({"name": "KVBANK_SIDECAR_CA_FILE", "value": TLS_CA_FILE})
     if deployment.api_key is not None:
-        # vLLM takes one key from its environment, not a file of them.
-        ref = {"name": deployment.api_key.name, "key": deployment.api_key.key}
-        env.append({"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+        env.append({"name": API_KEY_FILE_ENV, "value": f"{API_KEY_DIR}/{deployment.api_key.key}"})
     return env
 
 

@@ -12,8 +12,6 @@ from kvbank.modelpool import API_GROUP, API_VERSION, KIND
 
 MANAGED_BY = "kvbank-operator"
 LABEL_POOL = f"{API_GROUP}/pool"
-LABEL_RANK = f"{API_GROUP}/rank"
-LABEL_GROUP = f"{API_GROUP}/group"
 ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
 # The serial of the sidecar certificate a pod was started with: a renewed one rolls the pods,
 # so no engine or sidecar keeps a certificate read at start past its expiry.

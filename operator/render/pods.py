@@ -12,6 +12,7 @@ so a four-line POSIX shell prelude computes them and then execs the real command
 
 from __future__ import annotations
 
+from copy import deepcopy
 from typing import Any
 
 from kvbank.deployment import Deployment
@@ -20,7 +21,6 @@ from kvbank.operator.render.engines import (
     api_key_mount,
     api_key_volume,
     engine_command,
-    is_vllm,
     pods_per_group,
     ranks_per_pod,
     sidecar_args,
@@ -41,6 +41,16 @@ from kvbank.operator.render.names import (
     labels,
 )
 from kvbank.operator.render.scheduling import engine_resources, placement, shm_mount, shm_volume
+from kvbank.operator.render.security import (
+    SIDECAR_RESOURCES,
+    cache_env,
+    cache_mount,
+    engine_probes,
+    harden,
+    pod_security_context,
+    scratch_volumes,
+    sidecar_probes,
+)
 from kvbank.operator.render.sidecar_tls import PoolTLS
 from kvbank.operator.render.token import token_mount, token_volume
 from kvbank.operator.render.weights import weights
@@ -107,7 +117,7 @@ def _container(
     args: list[str],
     env: list[dict[str, Any]],
     ports: list[dict[str, Any]],
-    probe: dict[str, Any],
+    probes: dict[str, Any],
     workload: Workload,
     settings: RenderSettings,
 ) -> dict[str, Any]:
@@ -119,7 +129,7 @@ def _container(
         "args": args,
         "env": env,
         "ports": ports,
-        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
+        **probes,
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             token_mount(),
@@ -146,13 +156,13 @@ def pod_template(
     engine = _container(
         "engine",
         command.args,
-        env + command.env,
+        env + cache_env() + command.env,
         [
             {"name": "http", "containerPort": settings.http_port, "protocol": "TCP"},
             # Only rank 0's is listened on; every rank gets it so the pod template is one.
             {"name": "dist", "containerPort": settings.dist_port, "protocol": "TCP"},
         ],
-        {"httpGet": {"path": "/health", "port": "http"}},
+        engine_probes({"httpGet": {"path": "/health", "port": "http"}}),
         workload,
         settings,
     )
@@ -169,12 +179,16 @@ def pod_template(
         ],
         # The kubelet's gRPC probe speaks plaintext only: behind TLS, the sidecar is probed as
         # a listening socket instead.
-        {"tcpSocket": {"port": "grpc"}}
-        if tls is not None
-        else {"grpc": {"port": settings.sidecar_port}},
+        sidecar_probes(
+            {"tcpSocket": {"port": "grpc"}}
+            if tls is not None
+            else {"grpc": {"port": settings.sidecar_port}}
+        ),
         workload,
         settings,
     )
+    sidecar["resources"] = deepcopy(SIDECAR_RESOURCES)
+    engine["volumeMounts"].append(cache_mount())
     volumes = [
         {"name": "config", "configMap": {"name": config_name(pool.name, config_hash)}},
         token_volume(token_secret),
@@ -186,7 +200,7 @@ def pod_template(
     if shm is not None:
         volumes.append(shm)
         engine["volumeMounts"].append(shm_mount())
-    if deployment.api_key is not None and not is_vllm(deployment):
+    if deployment.api_key is not None:
         volumes.append(api_key_volume(deployment.api_key))
         engine["volumeMounts"].append(api_key_mount())
     annotations = {ANNOTATION_CONFIG_HASH: config_hash}
@@ -198,10 +212,11 @@ def pod_template(
     return {
         "metadata": {"labels": labels(pool.name, "rank"), "annotations": annotations},
         "spec": {
+            "securityContext": pod_security_context(template.security),
             "terminationGracePeriodSeconds": settings.termination_grace_seconds,
-            "initContainers": parts.init_containers,
-            "containers": [engine, sidecar],
-            "volumes": volumes,
+            "initContainers": [harden(c) for c in parts.init_containers],
+            "containers": [harden(engine), harden(sidecar)],
+            "volumes": [*volumes, *scratch_volumes()],
             **placement(template, pool.name),
         },
     }

@@ -2,7 +2,10 @@
 `pools.template` defaults (`PodTemplate.over`), rendered into the pod spec.
 
 GPUs are limits (an extended resource is never overcommitted, so its request equals its
-limit); CPU and memory are requests, which is what the scheduler places by. `shmSize` is an
+limit); CPU and memory are requests, which is what the scheduler places by, and memory is the
+limit too: an engine past its memory is killed alone rather than pushing its node's other pods
+out, and the pod's memory is what the scheduler counted. CPU has no limit (a throttled engine
+stalls every request's decode). `shmSize` is an
 in-memory emptyDir at /dev/shm, because the container runtime's 64 MiB default is too small for
 the tokenizer's and NCCL's shared-memory segments. A spread constraint with no labelSelector
 spreads the pool's own pods.
@@ -28,8 +31,13 @@ def engine_resources(template: PodTemplate, settings: RenderSettings, gpus: int)
     }
     if requests:
         resources["requests"] = requests
+    limits: dict[str, Any] = {}
+    if template.resources.memory:
+        limits["memory"] = template.resources.memory
     if gpus:
-        resources["limits"] = {settings.gpu_resource: gpus}
+        limits[settings.gpu_resource] = gpus
+    if limits:
+        resources["limits"] = limits
     return resources
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvbank.operator.render.names import (
-    LABEL_RANK,
     LWS_WORKER_INDEX,
+    STS_POD_INDEX,
     Owner,
     RenderSettings,
     Workload,
@@ -32,21 +32,29 @@ def headless_service(owner: Owner, settings: RenderSettings) -> dict[str, Any]:
     }
 
 
-def rank0_selector(owner: Owner, workload: Workload) -> dict[str, str]:
-    """Only rank 0 takes requests. A LeaderWorkerSet labels its pods' worker index itself; a
-    StatefulSet's pods get `kvbank.dev/rank` from the operator (see reconcile.rank_labels)."""
-    key = LWS_WORKER_INDEX if workload is Workload.LEADER_WORKER_SET else LABEL_RANK
-    return {**selector_labels(owner.name), key: "0"}
+def rank0_selector(owner: Owner, workload: Workload, pods_per_group: int) -> dict[str, str]:
+    """Only rank 0 takes requests, chosen by labels the workload controller stamps, so traffic
+    reaches the right pods with the operator down. A LeaderWorkerSet labels each pod's worker
+    index; a StatefulSet only its ordinal (`apps.kubernetes.io/pod-index`, Kubernetes 1.28+).
+    With one pod per group every pod is a rank 0; with several, ordinal 0 is rank 0 of the one
+    group a StatefulSet pool may have (workloads.workload_refusal)."""
+    if workload is Workload.LEADER_WORKER_SET:
+        return {**selector_labels(owner.name), LWS_WORKER_INDEX: "0"}
+    if pods_per_group == 1:
+        return selector_labels(owner.name)
+    return {**selector_labels(owner.name), STS_POD_INDEX: "0"}
 
 
-def traffic_service(owner: Owner, settings: RenderSettings, workload: Workload) -> dict[str, Any]:
+def traffic_service(
+    owner: Owner, settings: RenderSettings, workload: Workload, pods_per_group: int
+) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": metadata(owner.name, owner, "traffic"),
         "spec": {
             "type": "ClusterIP",
-            "selector": rank0_selector(owner, workload),
+            "selector": rank0_selector(owner, workload, pods_per_group),
             "ports": [{"name": "http", "port": 80, "targetPort": "http"}],
         },
     }

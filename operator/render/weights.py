@@ -15,6 +15,7 @@ loader. With no source the image itself must hold the weights at that path (the 
 
 from __future__ import annotations
 
+from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from kvbank.deployment import (
     Source,
 )
 from kvbank.operator.render.names import RenderSettings
+from kvbank.operator.render.security import CHECK_RESOURCES, COPY_RESOURCES, DOWNLOAD_RESOURCES
 
 WEIGHTS_VOLUME = "weights"
 STAGING = "/kvbank-weights"  # where init containers write an emptyDir's copy
@@ -110,6 +112,7 @@ def _copy(source: ImageSource, settings: RenderSettings) -> dict[str, Any]:
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["/bin/sh", "-c", COPY_SCRIPT, "weights-copy", source.path, STAGING],
         "volumeMounts": [_staging_mount()],
+        "resources": deepcopy(COPY_RESOURCES),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
@@ -132,6 +135,7 @@ def _download(source: HuggingFaceSource, settings: RenderSettings) -> dict[str, 
         "command": ["python", "-c", DOWNLOAD_CODE],
         "env": env,
         "volumeMounts": [_staging_mount()],
+        "resources": deepcopy(DOWNLOAD_RESOURCES),
     }
 
 
@@ -145,6 +149,7 @@ def check_container(
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["/bin/sh", "-c", CHECK_SCRIPT, CHECK_CONTAINER, folder],
         "env": [{"name": "KVBANK_WEIGHTS_SOURCE", "value": describe(source)}],
+        "resources": deepcopy(CHECK_RESOURCES),
         # Its log line becomes the pod's termination message, which the live timer turns into
         # the pool's WeightsAvailable condition.
         "terminationMessagePolicy": "FallbackToLogsOnError",

@@ -89,6 +89,27 @@ def leader_worker_set(
     }
 
 
+def workload_refusal(pool: ModelPool, deployment: Deployment, kind: Workload) -> str | None:
+    """Why `kind` cannot run the pool with its traffic going to rank 0 alone, or None.
+
+    A Service selects by equal labels only. Under one StatefulSet the ranks 0 are ordinals 0,
+    TP, 2TP... and no label the StatefulSet controller stamps singles them out, so several
+    groups of several pods would need the operator to label pods (patch on every pod in the
+    cluster, and a traffic Service that goes wrong while the operator is down). Such a pool
+    needs a LeaderWorkerSet, which labels each pod's worker index itself."""
+    pods = pods_per_group(pool, deployment)
+    if kind is Workload.LEADER_WORKER_SET or pods == 1 or pool.replicas == 1:
+        return None
+    return (
+        f"spec.replicas={pool.replicas} with spec.tensorParallel={pool.tensor_parallel} runs "
+        f"{pool.replicas} groups of {pods} pods, which needs a LeaderWorkerSet: in one "
+        "StatefulSet no label picks out each group's rank 0 for the traffic Service. Install "
+        "LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) and recreate the pool, or lower "
+        "spec.replicas to 1 (one pool per replica), or use spec.engine.kind vllm (one pod per "
+        "group)"
+    )
+
+
 def workload(
     kind: Workload,
     pool: ModelPool,

@@ -88,10 +88,12 @@ def test_default_render_has_exactly_the_operator_objects(helm: Tools) -> None:
     docs = render(helm)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == [
+        "ClusterKopfPeering",  # which operator replica reconciles
         "ClusterRole",
         "ClusterRoleBinding",
         "ConfigMap",  # the Grafana dashboard
         "Deployment",
+        "PodDisruptionBudget",  # one operator replica through a drain
         "Role",
         "RoleBinding",
         "Secret",
@@ -101,8 +103,16 @@ def test_default_render_has_exactly_the_operator_objects(helm: Tools) -> None:
         "ValidatingWebhookConfiguration",
     ]
     deployment = one(docs, "Deployment")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    peering = one(docs, "ClusterKopfPeering")["metadata"]["name"]
+    assert env_of(deployment)["KVBANK_PEERING"] == peering == "kvbank-operator"
+    budget = one(docs, "PodDisruptionBudget")["spec"]
+    assert budget["minAvailable"] == 1
+    assert budget["selector"] == deployment["spec"]["selector"]
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -116,7 +126,19 @@ def test_images_are_the_tags_the_containerfiles_build(helm: Tools) -> None:
         built |= set(re.findall(r"-t (\S+:\S+) \.", path.read_text()))
     deployment = one(render(helm), "Deployment")
     operator_image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
-    assert built == {operator_image, env_of(deployment)["KVBANK_IMAGE"]}
+    env = env_of(deployment)
+    assert built == {operator_image, env["KVBANK_IMAGE"], env["KVBANK_VLLM_IMAGE"]}
+    # One registry prefix for all three.
+    moved = one(render(helm, "image.registry=registry.corp.example/ml/"), "Deployment")
+    moved_env = env_of(moved)
+    assert moved["spec"]["template"]["spec"]["containers"][0]["image"] == (
+        "registry.corp.example/ml/kvbank-operator:" + operator_image.rsplit(":", 1)[1]
+    )
+    assert moved_env["KVBANK_IMAGE"].startswith("registry.corp.example/ml/kvbank:")
+    assert moved_env["KVBANK_VLLM_IMAGE"].startswith("registry.corp.example/ml/kvbank-vllm:")
+    # A full reference (what the one-node tests set, and earlier values) is left alone.
+    full = one(render(helm, "engine.image.repository=kvbank.local/kvbank"), "Deployment")
+    assert env_of(full)["KVBANK_IMAGE"].startswith("kvbank.local/kvbank:")
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert operator_image.endswith(":" + chart["appVersion"])
 
@@ -318,7 +340,10 @@ def test_cert_manager_mode_renders_a_certificate_and_no_secret_rights(
     assert hooks["metadata"]["annotations"] == {
         "cert-manager.io/inject-ca-from": "kvbank-system/kvbank-webhook-tls"
     }
-    assert not [r for r in rules(docs, "ClusterRole") if "resourceNames" in r]
+    # Only the peering object is named: no webhook configuration or Secret right at all.
+    assert [r["resources"] for r in rules(docs, "ClusterRole") if "resourceNames" in r] == [
+        ["clusterkopfpeerings"]
+    ]
     deployment = one(docs, "Deployment")
     config = parsed_operator_config(env_of(deployment), monkeypatch)
     assert config.tls.mode == "cert-manager"

@@ -54,7 +54,8 @@ def test_the_example_values_install_the_example_pool_and_its_weights_claim(helm:
     claim = one(docs, "PersistentVolumeClaim")
     assert claim["metadata"]["name"] == pool_doc["spec"]["model"]["source"]["pvc"]["claimName"]
     assert claim["metadata"]["namespace"] == pool_doc["metadata"]["namespace"] == "team-a"
-    assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+    # Writable, for the loader pod that fills it (ReadOnlyMany could never be filled).
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert claim["spec"]["resources"] == {"requests": {"storage": "40Gi"}}
     assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
@@ -99,7 +100,7 @@ def test_the_operator_mounts_the_weights_where_the_engine_looks(
     assert engine["args"][engine["args"].index("--model") + 1] == mount["mountPath"]
     [check] = pod["initContainers"]
     assert check["name"] == "weights-check"
-    assert check["volumeMounts"] == [mount]
+    assert check["volumeMounts"] == [mount, {"name": "tmp", "mountPath": "/tmp"}]
     assert check["command"][-1] == mount["mountPath"]
 
 
@@ -111,7 +112,11 @@ def test_the_scheduling_fields_are_the_pools_over_the_charts_defaults(
     assert pod["tolerations"] == [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     ]
-    assert pod["priorityClassName"] == "system-cluster-critical"  # the chart's default
+    # The chart's default: a class of the user's (examples/priorityclass.yaml), never system-*.
+    assert pod["priorityClassName"] == "kvbank-inference"
+    priority_class = load_example("priorityclass.yaml")
+    assert priority_class["metadata"]["name"] == "kvbank-inference"
+    assert 0 < priority_class["value"] < 1_000_000_000  # user classes stay below a billion
     [spread] = pod["topologySpreadConstraints"]
     assert spread["labelSelector"] == {
         "matchLabels": {"app.kubernetes.io/name": "kvbank", "kvbank.dev/pool": "llama-8b"}
@@ -119,7 +124,7 @@ def test_the_scheduling_fields_are_the_pools_over_the_charts_defaults(
     engine = pod["containers"][0]
     assert engine["resources"] == {
         "requests": {"cpu": "8", "memory": "64Gi"},  # the pool's, over the chart's 4 / 32Gi
-        "limits": {"nvidia.com/gpu": 1},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": 1},  # memory: a limit too
     }
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}

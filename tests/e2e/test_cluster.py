@@ -243,7 +243,11 @@ def test_a_holdable_pool_is_accepted_and_rendered(cluster: Cluster) -> None:
     assert engine["args"][engine["args"].index("--sidecar-token-file") + 1] == TOKEN_FILE
     services = {s["metadata"]["name"]: s["spec"] for s in objects["services"]}
     assert services["llama-8b-ranks"]["clusterIP"] == "None"
-    assert services["llama-8b"]["selector"]["kvbank.dev/rank"] == "0"
+    # One pod per group: every pod is a rank 0, selected by the pool's labels alone.
+    assert services["llama-8b"]["selector"] == {
+        "app.kubernetes.io/name": "kvbank",
+        "kvbank.dev/pool": "llama-8b",
+    }
     [pdb] = objects["poddisruptionbudgets"]
     assert pdb["spec"]["maxUnavailable"] == 1
     [config] = objects["configmaps"]

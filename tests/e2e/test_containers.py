@@ -21,19 +21,32 @@ def instructions(name: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and line[0] != "#"]
 
 
-def test_bases_are_pinned_and_users_are_not_root() -> None:
-    expected_bases = {
-        "operator.Containerfile": r"docker\.io/library/python:3\.\d+\.\d+-slim-\w+",
-        "engine.Containerfile": (
-            r"docker\.io/pytorch/pytorch:\d+\.\d+\.\d+-cuda[\d.]+-cudnn\d+-runtime"
-        ),
-    }
-    for name, pattern in expected_bases.items():
+IMAGES = ("operator.Containerfile", "engine.Containerfile", "vllm.Containerfile")
+
+
+def test_bases_are_pinned_to_the_tested_python_and_users_are_not_root() -> None:
+    """Python's minor version is the one the tests run and mypy checks (pyproject.toml)."""
+    tested = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["python_version"]
+    assert tested == f"{sys.version_info.major}.{sys.version_info.minor}"
+    pattern = rf"docker\.io/library/python:{re.escape(tested)}\.\d+-slim-\w+"
+    for name in IMAGES:
         lines = instructions(name)
         [base] = [line.split()[1] for line in lines if line.startswith("FROM ")]
-        assert re.fullmatch(pattern, base), f"{name}: base {base} is not pinned to a version"
+        assert re.fullmatch(pattern, base), f"{name}: base {base} is not Python {tested}.N"
         [user] = [line.split()[1] for line in lines if line.startswith("USER ")]
-        assert user.split(":")[0] not in {"0", "root"}, name
+        assert user.split(":")[0] == "10001", name  # the pods' runAsUser (render.security)
+
+
+def test_torch_and_vllm_are_the_tested_versions() -> None:
+    import importlib.metadata
+
+    torch = importlib.metadata.version("torch").split("+")[0]
+    [engine] = [line for line in instructions("engine.Containerfile") if "pip install" in line]
+    assert f'"torch=={torch}"' in engine, f"the engine image must pin the tested torch {torch}"
+    makefile = (ROOT / "Makefile").read_text()
+    [vllm] = re.findall(r"^VLLM_VERSION := (\S+)$", makefile, re.MULTILINE)
+    [install] = [line for line in instructions("vllm.Containerfile") if "pip install" in line]
+    assert f'"vllm=={vllm}"' in install, f"the vLLM image must pin make vllm-venv's {vllm}"
 
 
 def test_each_image_installs_the_extras_its_commands_need() -> None:

@@ -258,18 +258,21 @@ def test_vllm_and_an_api_key_render_as_the_interfaces_say(cluster: Cluster) -> N
     engine = sts["spec"]["template"]["spec"]["containers"][0]
     assert engine["image"] == "registry.example/kvbank-vllm:1"
     args = engine["args"]
-    assert args[:3] == ["vllm", "serve", "/models/llama-3.1-8b-instruct"]
+    # The API keys' file read into one --api-key by a shell step, then vllm serve.
+    assert args[:2] == ["/bin/sh", "-c"] and args[3] == "vllm-api-keys"
+    assert args[4:7] == ["vllm", "serve", "/models/llama-3.1-8b-instruct"]
+    assert args[args.index("--served-model-name") + 1] == "llama-3.1-8b-instruct"
     assert args[args.index("--tensor-parallel-size") + 1] == "2"
     assert args[args.index("--num-gpu-blocks-override") + 1] == "20000"
     assert args[-1] == "--enforce-eager"
     env = {e["name"]: e for e in engine["env"]}
     assert env["KVBANK_POLICY"]["value"] == "peak+backfill"
     assert env["KVBANK_SIDECAR"]["value"] == "127.0.0.1:50051"
-    assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {
-        "name": "llama-keys",
-        "key": "api-key",
-    }
-    assert engine["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert env["KVBANK_API_KEY_FILE"]["value"] == "/etc/kvbank/api-key/api-key"
+    assert "VLLM_API_KEY" not in env
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["api-key"]["secret"]["secretName"] == "llama-keys"
+    assert engine["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": "2"}
 
 
 def test_helm_upgrade_with_the_example_values_installs_the_example_pool(cluster: Cluster) -> None:
@@ -281,7 +284,7 @@ def test_helm_upgrade_with_the_example_values_installs_the_example_pool(cluster:
     assert out.returncode == 0, out.stderr
     cluster.accepted("team-a", POOL)
     claim = cluster.admin.get("pvc", "llama-3-1-8b-weights", "team-a")
-    assert claim is not None and claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+    assert claim is not None and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     # No volume binds it here (no controller-manager): the pool says so.
     wait_for("ClaimNotBound", lambda: weights_reason(cluster, "team-a") == "ClaimNotBound", 30)
     sts = wait_for("the StatefulSet", lambda: cluster.admin.get("statefulset", POOL, "team-a"), 30)

@@ -6,12 +6,14 @@ import base64
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from operator_specs import pool_doc
 
 from kvbank.capacity import holdability, pool_pages
+from kvbank.deployment import parse_deployment
 from kvbank.modelpool import parse_modelpool
 from kvbank.operator.pruning import stale_config_maps
 from kvbank.operator.render.bundle import Rendered, render_pool
@@ -24,13 +26,14 @@ from kvbank.operator.render.engine_config import (
 )
 from kvbank.operator.render.names import (
     ANNOTATION_CONFIG_HASH,
-    LABEL_RANK,
     LWS_WORKER_INDEX,
+    STS_POD_INDEX,
     Owner,
     RenderSettings,
     Workload,
 )
 from kvbank.operator.render.pods import pod_template, rank_env
+from kvbank.operator.render.security import CACHE_VOLUME, SCRATCH_VOLUME, cache_env
 from kvbank.operator.render.services import (
     disruption_budget,
     headless_service,
@@ -38,7 +41,7 @@ from kvbank.operator.render.services import (
 )
 from kvbank.operator.render.status import Condition, conditions
 from kvbank.operator.render.token import MissingSidecarToken, token_fingerprint, token_secret
-from kvbank.operator.render.workloads import leader_worker_set, stateful_set
+from kvbank.operator.render.workloads import leader_worker_set, stateful_set, workload_refusal
 
 OWNER = Owner("llama", "team-a", "uid-7")
 SETTINGS = RenderSettings(image="registry.example/kvbank:1.2.3", sidecar_token="t0ken-for-tests")
@@ -151,15 +154,41 @@ class TestHeadlessService:
 
 
 class TestTrafficService:
-    def test_selects_rank_zero_of_a_stateful_set_by_the_operator_label(self) -> None:
-        svc = traffic_service(OWNER, SETTINGS, Workload.STATEFUL_SET)
+    def test_one_pod_per_group_every_pod_of_a_stateful_set_is_a_rank_zero(self) -> None:
+        svc = traffic_service(OWNER, SETTINGS, Workload.STATEFUL_SET, 1)
         assert svc["metadata"]["name"] == "llama"
-        assert svc["spec"]["selector"] == {**SELECTOR, LABEL_RANK: "0"}
+        assert svc["spec"]["selector"] == SELECTOR
         assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http"}]
 
+    def test_several_pods_the_stateful_set_controllers_own_ordinal_label(self) -> None:
+        svc = traffic_service(OWNER, SETTINGS, Workload.STATEFUL_SET, 2)
+        assert svc["spec"]["selector"] == {**SELECTOR, STS_POD_INDEX: "0"}
+        assert STS_POD_INDEX == "apps.kubernetes.io/pod-index"
+
     def test_selects_the_leader_of_a_leader_worker_set(self) -> None:
-        svc = traffic_service(OWNER, SETTINGS, Workload.LEADER_WORKER_SET)
-        assert svc["spec"]["selector"] == {**SELECTOR, LWS_WORKER_INDEX: "0"}
+        for pods in (1, 4):
+            svc = traffic_service(OWNER, SETTINGS, Workload.LEADER_WORKER_SET, pods)
+            assert svc["spec"]["selector"] == {**SELECTOR, LWS_WORKER_INDEX: "0"}
+
+
+class TestWorkloadRefusal:
+    def test_only_several_groups_of_several_pods_in_one_stateful_set(self) -> None:
+        def refusal(kind: Workload, engine: str = "kvbank", **spec: Any) -> str | None:
+            doc = pool_doc(engine={"kind": engine}, **spec)
+            return workload_refusal(parse_modelpool(doc), parse_deployment(doc), kind)
+
+        sts, lws = Workload.STATEFUL_SET, Workload.LEADER_WORKER_SET
+        assert refusal(sts, replicas=3, tensorParallel=1) is None
+        assert refusal(sts, replicas=1, tensorParallel=2) is None
+        assert refusal(sts, "vllm", replicas=3, tensorParallel=2) is None
+        assert refusal(lws, replicas=3, tensorParallel=2) is None
+        why = refusal(sts, replicas=3, tensorParallel=2)
+        assert why is not None
+        assert why.startswith(
+            "spec.replicas=3 with spec.tensorParallel=2 runs 3 groups of 2 pods, which needs a "
+            "LeaderWorkerSet"
+        )
+        assert "lower spec.replicas to 1" in why
 
 
 class TestDisruptionBudget:
@@ -178,7 +207,8 @@ class TestPodTemplate:
         engine, sidecar = template["spec"]["containers"]
         assert engine["name"] == "engine" and sidecar["name"] == "sidecar"
         assert engine["image"] == sidecar["image"] == "registry.example/kvbank:1.2.3"
-        assert engine["env"] == sidecar["env"]
+        # The engine's alone: its HOME and caches on the writable cache volume.
+        assert engine["env"] == sidecar["env"] + cache_env()
         env = {e["name"]: e.get("value") for e in engine["env"]}
         assert env["KVBANK_WORLD_SIZE"] == "2"
         assert env["KVBANK_DIST_PORT"] == "29500"
@@ -189,7 +219,10 @@ class TestPodTemplate:
         assert env["KVBANK_SIDECAR_ADDR"] == "127.0.0.1:50051"
         assert env["KVBANK_HEADLESS"] == "llama-ranks"
         assert engine["resources"] == {"limits": {"nvidia.com/gpu": 1}}
-        assert "resources" not in sidecar
+        assert sidecar["resources"] == {
+            "requests": {"cpu": "100m", "memory": "128Mi"},
+            "limits": {"memory": "512Mi"},
+        }
         assert engine["args"] == [
             "kvbank", "serve", "--host", "0.0.0.0", "--port", "8000",
             "--sidecar", "127.0.0.1:50051",
@@ -213,16 +246,24 @@ class TestPodTemplate:
                     "items": [{"key": "token", "path": "token"}],
                 },
             },
+            {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+            {"name": "cache", "emptyDir": {"sizeLimit": "16Gi"}},
         ]
-        for container in (engine, sidecar):
-            assert container["volumeMounts"] == [
-                {"name": "config", "mountPath": "/etc/kvbank/config", "readOnly": True},
-                {
-                    "name": "sidecar-token",
-                    "mountPath": "/var/run/kvbank/sidecar-token",
-                    "readOnly": True,
-                },
-            ]
+        shared = [
+            {"name": "config", "mountPath": "/etc/kvbank/config", "readOnly": True},
+            {
+                "name": "sidecar-token",
+                "mountPath": "/var/run/kvbank/sidecar-token",
+                "readOnly": True,
+            },
+        ]
+        tmp = {"name": "tmp", "mountPath": "/tmp"}
+        assert engine["volumeMounts"] == [
+            *shared,
+            {"name": "cache", "mountPath": "/var/cache/kvbank"},
+            tmp,
+        ]
+        assert sidecar["volumeMounts"] == [*shared, tmp]
         assert template["spec"]["terminationGracePeriodSeconds"] == 600
 
     def test_the_commands_parse_with_the_real_subcommands(self) -> None:
@@ -419,6 +460,8 @@ class TestPodsStartWithoutAKubelet:
         for volume in template["spec"]["volumes"]:
             folder = root / volume["name"]
             folder.mkdir()
+            if "emptyDir" in volume:
+                continue  # the scratch folders: written by the containers, read by none here
             if "configMap" in volume:
                 assert volume["configMap"]["name"] == config_map["metadata"]["name"]
                 for key, text in config_map["data"].items():
@@ -433,6 +476,8 @@ class TestPodsStartWithoutAKubelet:
         mounts: dict[str, Path] = {}
         for container in template["spec"]["containers"]:
             for mount in container["volumeMounts"]:
+                if mount["name"] in (SCRATCH_VOLUME, CACHE_VOLUME):
+                    continue
                 assert mount["readOnly"] is True
                 mounts[mount["mountPath"]] = folders[mount["name"]]
         return mounts
@@ -512,7 +557,8 @@ class TestRenderPool:
         ]
         template = rendered.manifests[-1]["spec"]["template"]
         assert template["metadata"]["annotations"][ANNOTATION_CONFIG_HASH] == rendered.config_hash
-        config, token = template["spec"]["volumes"]
+        config, token, scratch, cache = template["spec"]["volumes"]
+        assert (scratch["name"], cache["name"]) == (SCRATCH_VOLUME, CACHE_VOLUME)
         assert config["configMap"]["name"] == rendered.manifests[0]["metadata"]["name"]
         assert token["secret"]["secretName"] == rendered.token_secret["metadata"]["name"]
 

@@ -78,6 +78,22 @@ class TestConfig:
         assert "--webhook-configuration" in capsys.readouterr().out
 
 
+class TestPeering:
+    def test_no_name_is_standalone(self) -> None:
+        assert operator_main.peering(None) == operator_main.Peering(True, None, None)
+
+    def test_replicas_draw_their_own_priorities(self) -> None:
+        first, second = operator_main.peering("kvbank"), operator_main.peering("kvbank")
+        assert first.standalone is False and first.name == "kvbank"
+        assert first.priority is not None and first.priority > 0
+        assert first.priority != second.priority  # equal ones would both pause
+
+    def test_the_flag_and_its_variable(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        assert OperatorConfig.from_args(_parse()).peering is None
+        monkeypatch.setenv("KVBANK_PEERING", "kvbank-operator")
+        assert OperatorConfig.from_args(_parse()).peering == "kvbank-operator"
+
+
 def test_run_hands_kopf_the_registry_and_namespaces(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -100,7 +116,7 @@ def test_run_hands_kopf_the_registry_and_namespaces(
     args = _parse("--kubeconfig", str(kubeconfig), "--namespace", "team-a", "--cert-mode", "none")
     assert operator_main.run(args) == 0
     assert seen["namespaces"] == ["team-a"] and seen["clusterwide"] is False
-    assert seen["standalone"] is True
+    assert seen["standalone"] is True and seen["peering_name"] is None
     # no certificate, no webhook server: kopf would refuse to start with webhook handlers
     assert seen["registry"]._webhooks.get_all_handlers() == []
     reconcilers = {h.fn.__name__ for h in seen["registry"]._changing.get_all_handlers()}

@@ -4,6 +4,9 @@ engine, the sidecar's TLS, and the whole pod template they compose."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +23,7 @@ from kvbank.deployment import (
     parse_template,
 )
 from kvbank.modelpool import SpecError, parse_modelpool
-from kvbank.operator.render.engines import engine_command, sidecar_args
+from kvbank.operator.render.engines import VLLM_KEYS_SCRIPT, engine_command, sidecar_args
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
 from kvbank.operator.render.pods import pod_template
 from kvbank.operator.render.scheduling import engine_resources, placement, shm_volume
@@ -206,10 +209,10 @@ class TestScheduling:
         }
         assert placement(PodTemplate(), "llama") == {}
 
-    def test_gpus_are_limits_cpu_and_memory_requests(self) -> None:
+    def test_gpus_are_limits_cpu_and_memory_requests_memory_a_limit_too(self) -> None:
         assert engine_resources(self.TEMPLATE, SETTINGS, 2) == {
             "requests": {"cpu": "8", "memory": "64Gi"},
-            "limits": {"nvidia.com/gpu": 2},
+            "limits": {"memory": "64Gi", "nvidia.com/gpu": 2},
         }
         assert engine_resources(PodTemplate(), SETTINGS, 0) == {}  # a CPU pool
 
@@ -239,6 +242,7 @@ class TestEngineCommand:
         assert command.image == SETTINGS.vllm_image
         assert command.args == [
             "vllm", "serve", "/models/llama-3.1-8b-instruct",
+            "--served-model-name", "llama-3.1-8b-instruct", "--gpu-memory-utilization", "0.9",
             "--scheduler-cls", "kvbank.vllm.KvbankScheduler", "--no-async-scheduling",
             "--block-size", "16", "--num-gpu-blocks-override", "20000",
             "--max-model-len", "8192", "--port", "8000", "--tensor-parallel-size", "2",
@@ -250,6 +254,50 @@ class TestEngineCommand:
             {"name": "KVBANK_SIDECAR_TOKEN_FILE", "value": "/var/run/kvbank/sidecar-token/token"},
             {"name": "KVBANK_SIDECAR_CA_FILE", "value": "/etc/kvbank/sidecar-tls/ca.crt"},
         ]
+
+    def test_vllm_gets_every_key_of_the_secret_after_one_api_key_flag(self) -> None:
+        pool = parse_modelpool(pool_doc())
+        deployment = _deployment(engine={"kind": "vllm"}, apiKeySecret={"name": "keys"})
+        command = engine_command(pool, SETTINGS, deployment, tls=False)
+        assert command.args[:4] == ["/bin/sh", "-c", VLLM_KEYS_SCRIPT, "vllm-api-keys"]
+        assert command.args[4:6] == ["vllm", "serve"]
+        assert {"name": "KVBANK_API_KEY_FILE", "value": "/etc/kvbank/api-key/api-key"} in (
+            command.env
+        )
+        assert "VLLM_API_KEY" not in str(command.env)  # one key only, the Secret's whole value
+
+    @pytest.mark.parametrize(
+        ("text", "keys"),
+        [
+            ("k1\n", ["k1"]),
+            ("k1\nk2\n", ["k1", "k2"]),
+            ("# rotated 2026-01\n  k1  \n\nk2", ["k1", "k2"]),  # comments, blanks, no last \n
+            ("k1\r\nk2\r\n", ["k1", "k2"]),
+        ],
+    )
+    def test_the_key_script_reads_lines_as_kvbank_serve_does(
+        self, tmp_path: Path, text: str, keys: list[str]
+    ) -> None:
+        (tmp_path / "api-key").write_text(text)
+        run = subprocess.run(
+            ["sh", "-c", VLLM_KEYS_SCRIPT, "vllm-api-keys", "printf", "%s\\n", "vllm", "serve"],
+            env={"KVBANK_API_KEY_FILE": str(tmp_path / "api-key"), "PATH": os.environ["PATH"]},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert run.stdout.splitlines() == ["vllm", "serve", "--api-key", *keys]
+
+    def test_the_key_script_stops_on_a_secret_without_a_key(self, tmp_path: Path) -> None:
+        (tmp_path / "api-key").write_text("# none yet\n\n")
+        run = subprocess.run(
+            ["sh", "-c", VLLM_KEYS_SCRIPT, "vllm-api-keys", "true"],
+            env={"KVBANK_API_KEY_FILE": str(tmp_path / "api-key"), "PATH": os.environ["PATH"]},
+            capture_output=True,
+            text=True,
+        )
+        assert run.returncode == 2
+        assert "holds no API key (spec.apiKeySecret): write one key a line" in run.stderr
 
     def test_the_sidecar_serves_tls_or_is_told_the_network_is_trusted(self) -> None:
         with_tls = sidecar_args(SETTINGS, tls=True)
@@ -289,16 +337,17 @@ class TestPodTemplateWithDeployment:
         )
         spec = template["spec"]
         assert [v["name"] for v in spec["volumes"]] == [
-            "config", "sidecar-token", "weights", "dshm", "api-key", "sidecar-tls",
+            "config", "sidecar-token", "weights", "dshm", "api-key", "sidecar-tls", "tmp", "cache",
         ]  # fmt: skip
         engine, sidecar = spec["containers"]
         assert [m["mountPath"] for m in engine["volumeMounts"]] == [
             "/etc/kvbank/config", "/var/run/kvbank/sidecar-token",
-            "/models/llama-3.1-8b-instruct", "/dev/shm", "/etc/kvbank/api-key",
-            "/etc/kvbank/sidecar-tls",
+            "/var/cache/kvbank", "/models/llama-3.1-8b-instruct", "/dev/shm",
+            "/etc/kvbank/api-key", "/etc/kvbank/sidecar-tls", "/tmp",
         ]  # fmt: skip
         assert [m["mountPath"] for m in sidecar["volumeMounts"]] == [
             "/etc/kvbank/config", "/var/run/kvbank/sidecar-token", "/etc/kvbank/sidecar-tls",
+            "/tmp",
         ]  # fmt: skip
         assert template["metadata"]["annotations"]["kvbank.dev/sidecar-tls-serial"] == "abc"
         assert spec["nodeSelector"] == {"gpu": "a"}

@@ -226,6 +226,24 @@ class TestRefused:
         assert accepted["status"] == "False" and accepted["reason"] == "Unholdable"
         assert "kv.pages=400 cannot hold one worst-case request" in accepted["message"]
 
+    def test_groups_of_several_pods_without_leader_worker_set_render_nothing(self) -> None:
+        """The traffic Service could not pick each group's rank 0 out of one StatefulSet by a
+        label its controller stamps; the operator labels no pods."""
+        cluster = _setup(stored(pool_doc(replicas=2, tensorParallel=2)))
+        outcome = _run(cluster)
+        assert not outcome.accepted
+        assert _owned(cluster) == []
+        accepted = _condition(cluster, "Accepted")
+        assert (accepted["status"], accepted["reason"]) == ("False", "NeedsLeaderWorkerSet")
+        assert accepted["message"].startswith(
+            "team-a/llama: no pods rendered: spec.replicas=2 with spec.tensorParallel=2 runs 2 "
+            "groups of 2 pods, which needs a LeaderWorkerSet"
+        )
+        cluster.one("ModelPool", "llama")["spec"]["replicas"] = 1
+        assert _run(cluster).accepted
+        service = cluster.one("Service", "llama")
+        assert service["spec"]["selector"]["apps.kubernetes.io/pod-index"] == "0"
+
     def test_a_later_bad_spec_leaves_the_running_objects_alone(self) -> None:
         cluster = _setup(stored(pool_doc()))
         _run(cluster)

@@ -334,8 +334,8 @@ class TestWarnings:
         doc = pool_doc(model={**WEIGHTS_SPEC, "source": {"hostPath": {"path": "/srv/llama"}}})
         assert asyncio.run(review(FakeCluster(), doc, None, warnings=warnings)) is None
         assert warnings == [
-            "spec.model.source.hostPath (/srv/llama) is for development only: the pods read "
-            "whatever that node has at the path, and every node must have it. Use "
+            "spec.model.source.hostPath (/srv/llama) is for development only: every node must "
+            "have it, and Pod Security baseline and restricted refuse it. Use "
             "spec.model.source.pvc in production."
         ]
 

@@ -36,16 +36,24 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* REGISTRY/REPOSITORY:TAG, the tag defaulting to the chart's appVersion. A repository
+holding a "/" is a full reference already (ghcr.io/kvbank/kvbank, as earlier values wrote it)
+and gets no prefix; so does every one when image.registry is empty. */}}
+{{- define "kvbank.image" -}}
+{{- $registry := trimSuffix "/" .root.Values.image.registry -}}
+{{- if and $registry (not (contains "/" .image.repository)) }}{{ $registry }}/{{ end }}{{ .image.repository }}:{{ .image.tag | default .root.Chart.AppVersion }}
+{{- end -}}
+
 {{- define "kvbank.operatorImage" -}}
-{{ .Values.operator.image.repository }}:{{ .Values.operator.image.tag | default .Chart.AppVersion }}
+{{ include "kvbank.image" (dict "root" . "image" .Values.operator.image) }}
 {{- end -}}
 
 {{- define "kvbank.engineImage" -}}
-{{ .Values.engine.image.repository }}:{{ .Values.engine.image.tag | default .Chart.AppVersion }}
+{{ include "kvbank.image" (dict "root" . "image" .Values.engine.image) }}
 {{- end -}}
 
 {{- define "kvbank.vllmImage" -}}
-{{ .Values.engine.vllm.image.repository }}:{{ .Values.engine.vllm.image.tag | default .Chart.AppVersion }}
+{{ include "kvbank.image" (dict "root" . "image" .Values.engine.vllm.image) }}
 {{- end -}}
 
 {{- define "kvbank.poolTemplate" -}}
@@ -80,4 +88,52 @@ app.kubernetes.io/managed-by: kvbank-operator
 {{- if and .Values.webhook.url (eq .Values.certificates.mode "cert-manager") -}}
 {{- fail "webhook.url (local development) needs certificates.mode self-signed: cert-manager's certificate names only the Service" -}}
 {{- end -}}
+{{- end -}}
+
+{{/* What the operator does to a pool's objects, in the pool's namespace: a ClusterRole's rules
+cluster-wide, a Role's in each of operator.watchNamespaces. */}}
+{{- define "kvbank.poolRules" -}}
+- apiGroups: [kvbank.dev]
+  resources: [modelpools]
+  verbs: [get, list, watch, patch]
+- apiGroups: [kvbank.dev]
+  resources: [modelpools/status]
+  verbs: [patch]
+# What a pool renders (operator/render/bundle.py), by server-side apply; get, because the
+# repair timer reads each one back to put back what vanished or drifted.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [create, patch, get, list, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [create, patch, get]
+- apiGroups: [apps]
+  resources: [statefulsets]
+  verbs: [create, patch, get]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [create, patch, get]
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [create, patch, get]
+# A pool's copy of the sidecar token (operator/render/token.py) and its sidecar certificate
+# (operator/pool_tls.py): created, and the certificate renewed by a whole-object update.
+# Never get, list, watch or patch: each of those returns a Secret's data, and patch (as
+# server-side apply) would let the operator read every Secret it may patch. An update answers
+# with the object the operator itself sent.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create, update]
+# Whether a pool's weights claim exists and is Bound (its WeightsAvailable condition).
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get]
+# The status timer reads a pool's pods (readiness, rank-0 addresses, weights-check failures);
+# it writes none: the traffic Service selects by labels the workload controller stamps.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
 {{- end -}}

@@ -129,9 +129,12 @@ def test_the_node_is_ready_and_advertises_gpus(session: Session) -> None:
 
 
 def test_the_operator_runs_as_a_pod_under_its_service_account(session: Session) -> None:
-    [pod] = ready_pods(session.tools, SYSTEM, "app.kubernetes.io/component=operator", 1)
-    assert pod["spec"]["serviceAccountName"] == "kvbank-operator"
-    assert pod["spec"]["nodeName"] == "kvbank-node"
+    # Two replicas (the chart's default): both serve the webhook, kopf's peering lets one
+    # reconcile, which every later test relies on.
+    pods = ready_pods(session.tools, SYSTEM, "app.kubernetes.io/component=operator", 2)
+    for pod in pods:
+        assert pod["spec"]["serviceAccountName"] == "kvbank-operator"
+        assert pod["spec"]["nodeName"] == "kvbank-node"
 
 
 def weights_volume(session: Session) -> None:
@@ -322,14 +325,14 @@ def test_a_deleted_statefulset_is_restored_by_the_operator(session: Session) -> 
 
 def test_helm_upgrade_rolls_the_operator_and_the_pools_keep_serving(session: Session) -> None:
     tools = session.tools
-    [old] = ready_pods(tools, SYSTEM, "app.kubernetes.io/component=operator", 1)
+    old = ready_pods(tools, SYSTEM, "app.kubernetes.io/component=operator", 2)
     out = tools.helm(
         "upgrade", RELEASE, str(CHART), "-n", SYSTEM, "--reuse-values",
         "--set", "operator.statusInterval=7", "--wait", "--timeout", "5m", timeout=360,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    [new] = ready_pods(tools, SYSTEM, "app.kubernetes.io/component=operator", 1)
-    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+    new = ready_pods(tools, SYSTEM, "app.kubernetes.io/component=operator", 2)
+    assert not {p["metadata"]["uid"] for p in new} & {p["metadata"]["uid"] for p in old}
     with port_forward(tools, NAMESPACE, "service/single", 80) as port:
         assert complete(port, "after the upgrade")["usage"]["completion_tokens"] > 0
 
