@@ -25,10 +25,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from kvbank.capacity import holdability, pool_pages
-from kvbank.manifests import ManifestError, load_documents
+from kvbank.capacity import pool_pages
+from kvbank.manifests import ManifestError
 from kvbank.mode import LEDGER_MODE_NAMES
-from kvbank.modelpool import SpecError, parse_modelpool
+from kvbank.poolfile import PoolFileError, read_pool
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.auth import TokenInterceptor
@@ -125,20 +125,10 @@ class Config:
 
 def _read_pool(path: str) -> tuple[int, str]:
     """The pool's pages and the ledger policy its spec.admission names."""
-    docs = list(load_documents(path))
-    if len(docs) != 1:
-        raise ConfigError(f"--pool {path}: expected one ModelPool document, found {len(docs)}")
-    where, doc = docs[0]
     try:
-        pool = parse_modelpool(doc)
-    except SpecError as exc:
-        raise ConfigError(f"{where}: " + "; ".join(str(e) for e in exc.errors)) from exc
-    held = holdability(pool)
-    if not held.ok:
-        raise ConfigError(
-            f"--pool {where}: `kvbank check` refuses this pool, so this sidecar will not "
-            f"serve it: " + "; ".join(str(v) for v in held.violations)
-        )
+        pool = read_pool(path, "this sidecar")
+    except PoolFileError as exc:
+        raise ConfigError(str(exc)) from exc
     return pool_pages(pool), pool.admission.mode.name
 
 

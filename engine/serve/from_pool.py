@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbank.capacity import holdability, pool_pages
-from kvbank.manifests import ManifestError, load_documents
-from kvbank.modelpool import KvSlot, ModelPool, SpecError, parse_modelpool
+from kvbank.capacity import pool_pages
+from kvbank.modelpool import KvSlot, ModelPool
+from kvbank.poolfile import read_pool as read_pool_file
 
 # The engine's decoder writes one KV position per prompt token and per output token.
 DECODER_SLOT = KvSlot(prompt=1, output=1)
@@ -44,24 +44,10 @@ POOL_FLAGS = (
 
 
 def read_pool(path: str) -> ModelPool:
-    """The one ModelPool in `path`, holdable. Raises ValueError saying what to change."""
-    try:
-        docs = list(load_documents(path))
-    except (OSError, ManifestError) as exc:
-        raise ValueError(f"--pool {path}: {exc}") from exc
-    if len(docs) != 1:
-        raise ValueError(f"--pool {path}: expected one ModelPool document, found {len(docs)}")
-    where, doc = docs[0]
-    try:
-        pool = parse_modelpool(doc)
-    except SpecError as exc:
-        raise ValueError(f"--pool {where}: " + "; ".join(str(e) for e in exc.errors)) from exc
-    held = holdability(pool)
-    if not held.ok:
-        raise ValueError(
-            f"--pool {where}: `kvbank check` refuses this pool, so the engine will not serve "
-            f"it: " + "; ".join(str(v) for v in held.violations)
-        )
+    """The one ModelPool in `path`, holdable, with the one KV label this engine's decoder
+    writes. Raises ValueError saying what to change."""
+    pool = read_pool_file(path, "the engine")
+    where = path
     if len(pool.kv_slots) != 1 or next(iter(pool.kv_slots.values())) != DECODER_SLOT:
         raise ValueError(
             f"--pool {where}: spec.kvSlots declares {_slots(pool.kv_slots)}, but this engine's "
