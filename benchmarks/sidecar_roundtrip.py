@@ -1,13 +1,14 @@
 """gRPC decision round trip on loopback at a fixed decision rate, and follower lag.
 
-    python benchmarks/sidecar_roundtrip.py [--rate 2000] [--seconds 5] [--running 64]
+    python benchmarks/sidecar_roundtrip.py [--rate 2000] [--seconds 5] [--running 64] [--unix]
 
 Starts `kvbank sidecar` as its own process and a follower rank as another. Rank 0 (this process)
 sends one report per decision on a fixed schedule (`--rate` per second): it submits a request,
 releases the one admitted before, and has the head admitted, over a ledger with `--running`
 requests admitted. Round trip: from sending the report to holding its decision. Follower lag:
 from rank 0 holding a decision to the follower process receiving it (both read the same
-monotonic clock). Prints p50/p99 of both; run it a few times and quote medians.
+monotonic clock). Prints p50/p99 of both; run it a few times and quote medians. `--unix` puts
+the sidecar on a Unix socket (`--listen unix:///PATH`), as an engine in the same pod reaches it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,22 +70,24 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=2000.0)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--running", type=int, default=64)
+    parser.add_argument("--unix", action="store_true", help="a Unix socket instead of TCP")
     args = parser.parse_args()
-    sidecar = subprocess.Popen(
-        [*SIDECAR, "--listen", "127.0.0.1:0", "--metrics-port", "-1"],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    assert sidecar.stdout is not None
-    match = re.search(r"serving on [\d.]+:(\d+)", sidecar.stdout.readline())
-    assert match, "the sidecar did not start"
-    address = f"127.0.0.1:{match.group(1)}"
-    try:
-        run(address, args)
-    finally:
-        sidecar.terminate()
-        sidecar.wait(10)
+    with tempfile.TemporaryDirectory() as folder:
+        listen = f"unix://{folder}/admission.sock" if args.unix else "127.0.0.1:0"
+        sidecar = subprocess.Popen(
+            [*SIDECAR, "--listen", listen, "--metrics-port", "-1"],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        assert sidecar.stdout is not None
+        match = re.search(r"serving on (\S+),", sidecar.stdout.readline())
+        assert match, "the sidecar did not start"
+        try:
+            run(match.group(1), args)
+        finally:
+            sidecar.terminate()
+            sidecar.wait(10)
 
 
 def run(address: str, args: argparse.Namespace) -> None:
