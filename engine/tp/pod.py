@@ -191,7 +191,7 @@ def serve_follower_http(host: str, port: int, rank: int, world: int, rank0_host:
             self.wfile.write(body)
 
         def do_GET(self) -> None:  # http.server's naming
-            if self.path.split("?", 1)[0] == "/health":
+            if self.path.split("?", 1)[0] in ("/health", "/health/live"):
                 self._answer(200, health)
             else:
                 self._answer(421, refusal)

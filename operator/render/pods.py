@@ -21,6 +21,7 @@ from kvbank.operator.render.engines import (
     api_key_mount,
     api_key_volume,
     engine_command,
+    is_vllm,
     pods_per_group,
     ranks_per_pod,
     sidecar_args,
@@ -42,6 +43,8 @@ from kvbank.operator.render.names import (
 )
 from kvbank.operator.render.scheduling import engine_resources, placement, shm_mount, shm_volume
 from kvbank.operator.render.security import (
+    LIVE_PATH,
+    READY_PATH,
     SIDECAR_RESOURCES,
     cache_env,
     cache_mount,
@@ -162,7 +165,7 @@ def pod_template(
             # Only rank 0's is listened on; every rank gets it so the pod template is one.
             {"name": "dist", "containerPort": settings.dist_port, "protocol": "TCP"},
         ],
-        engine_probes({"httpGet": {"path": "/health", "port": "http"}}),
+        engine_probes("http", READY_PATH if is_vllm(deployment) else LIVE_PATH),
         workload,
         settings,
     )

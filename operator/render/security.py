@@ -121,26 +121,35 @@ def harden(container: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def engine_probes(probe: dict[str, Any]) -> dict[str, Any]:
-    """`probe`: how to ask the engine whether it runs (GET /health on the HTTP port). /health is
-    the engine's cheap endpoint: it answers from the HTTP thread without touching the engine
-    and turns 503 only when the engine loop has stopped, which no wait repairs, so liveness
-    restarts the container then; a follower rank serves /health alone."""
+# The engine's two questions (engine/serve/http/app.py): whether it runs at all, and whether it
+# can admit now (a lost sidecar drains the pod but must not restart it: its running requests
+# keep their pages and finish).
+LIVE_PATH = "/health/live"
+READY_PATH = "/health"
+
+
+def engine_probes(port: str, live_path: str = LIVE_PATH) -> dict[str, Any]:
+    """Probes of the engine's HTTP `port`. Startup and liveness ask /health/live, which turns
+    503 only when the engine loop has stopped, which no wait repairs, so liveness restarts the
+    container then; readiness asks /health, which also fails while the engine cannot admit (its
+    sidecar is unreachable), so the Service drains the pod until the sidecar is back. A
+    follower rank answers both while it runs. vLLM serves /health alone (`live_path`)."""
+    live = {"httpGet": {"path": live_path, "port": port}}
     return {
         "startupProbe": {
-            **deepcopy(probe),
+            **deepcopy(live),
             "periodSeconds": STARTUP_PERIOD,
             "timeoutSeconds": PROBE_TIMEOUT,
             "failureThreshold": STARTUP_FAILURES,
         },
         "readinessProbe": {
-            **deepcopy(probe),
+            "httpGet": {"path": READY_PATH, "port": port},
             "periodSeconds": 5,
             "timeoutSeconds": PROBE_TIMEOUT,
             "failureThreshold": 3,
         },
         "livenessProbe": {
-            **deepcopy(probe),
+            **deepcopy(live),
             "periodSeconds": 10,
             "timeoutSeconds": PROBE_TIMEOUT,
             "failureThreshold": 6,

@@ -197,6 +197,8 @@ def test_a_sidecar_killed_under_load_drains_the_engine_and_a_restart_serves_agai
             health = httpx.get(url + "/health", timeout=5)
             assert health.status_code == 503, health.text
             assert address in health.json()["error"]["message"]
+            # Drained, not dead: the liveness probe's endpoint answers while the loop runs.
+            assert httpx.get(url + "/health/live", timeout=5).status_code == 200
             running_at_loss = sum(not s.done.is_set() for s in streams)
             assert running_at_loss > 0  # the load outlived the kill
 

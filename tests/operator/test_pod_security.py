@@ -118,19 +118,20 @@ class TestHarden:
 
 
 class TestProbes:
-    PROBE: ClassVar[dict[str, Any]] = {"httpGet": {"path": "/health", "port": "http"}}
+    LIVE: ClassVar[dict[str, Any]] = {"httpGet": {"path": "/health/live", "port": "http"}}
+    READY: ClassVar[dict[str, Any]] = {"httpGet": {"path": "/health", "port": "http"}}
 
     def test_the_engine_gets_thirty_minutes_to_load_then_a_minute_to_answer(self) -> None:
-        probes = engine_probes(self.PROBE)
+        probes = engine_probes("http")
         assert probes == {
             "startupProbe": {
-                **self.PROBE, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 360,
+                **self.LIVE, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 360,
             },
             "readinessProbe": {
-                **self.PROBE, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3,
+                **self.READY, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3,
             },
             "livenessProbe": {
-                **self.PROBE, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6,
+                **self.LIVE, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6,
             },
         }  # fmt: skip
         startup = probes["startupProbe"]
@@ -182,9 +183,7 @@ class TestRestrictedProfile:
 
     def test_the_engine_probes_and_the_sidecars(self) -> None:
         engine, sidecar = _template()["spec"]["containers"]
-        assert {k: v for k, v in engine.items() if k.endswith("Probe")} == engine_probes(
-            {"httpGet": {"path": "/health", "port": "http"}}
-        )
+        assert {k: v for k, v in engine.items() if k.endswith("Probe")} == engine_probes("http")
         assert {k: v for k, v in sidecar.items() if k.endswith("Probe")} == sidecar_probes(
             {"tcpSocket": {"port": "grpc"}}
         )

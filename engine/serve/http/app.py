@@ -127,6 +127,14 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
     async def request_failed(_: Request, exc: RequestFailed) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.get("/health/live")
+    async def live() -> Response:
+        # The liveness probe: only a stopped engine loop needs a restart; a lost sidecar does
+        # not (its running requests keep their pages and finish).
+        if not loop.alive:
+            return error(503, f"the engine loop stopped: {loop.error}", "server_error")
+        return JSONResponse({"status": "ok"})
+
     @app.get("/health")
     async def health() -> Response:
         # The readiness probe: a pod that cannot admit is drained until its sidecar is back.
