@@ -23,7 +23,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-$(shell cat pyproject.toml
 KVBANK_SOURCES := $(shell find kvbank engine sidecar proto -name '*.py' -o -name '*.proto')
 KVBANK_IN_VLLM := $(VLLM_VENV)/.kvbank-installed
 
-.PHONY: serve test test-vllm e2e-node node-packages lint format venv vllm-venv clean bench-tools
+.PHONY: serve test test-vllm e2e-node node-packages lint format venv vllm-venv clean bench-tools images
 venv: $(STAMP)
 vllm-venv: $(KVBANK_IN_VLLM)
 
@@ -68,6 +68,15 @@ test-vllm: vllm-venv
 
 e2e-node: venv node-packages
 	$(BIN)/python -m pytest tests/e2e/node -m e2e $(PYTEST_ARGS)
+
+# The images the one-node tests run, built the same way without a registry (root: debootstrap):
+# kvbank.local/{kvbank,kvbank-operator,pause,coredns} as OCI layouts under
+# ~/.cache/kvbank/images, one `NAME LAYOUT_DIR` line each; `ctr images import` or `skopeo copy
+# oci:DIR docker://REGISTRY/...` takes them. docs/deploy.md says what to push where. The vLLM
+# image is built from containers/vllm.Containerfile with a registry (it is not built here).
+images: venv node-packages
+	@node_bin="$$(bash tests/e2e/tools.sh ensure-node | tail -n 1)" && \
+	  bash tests/e2e/node/images.sh ensure "$$node_bin/coredns"
 
 # The one-node cluster's Debian packages (containerd, runc, the CNI plugins, iptables, conntrack,
 # debootstrap for the image's base), installed once when any is missing; the tests run as root.
