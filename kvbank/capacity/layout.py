@@ -3,15 +3,17 @@ makes, how many bytes one page (one block id) takes, and how many pages each gro
 one request. Each group becomes one label of `count_pages`, with the group's worst-case rule:
 
 - full attention and MLA: every position;
-- sliding window: at most ceil((window - 1 + step) / pageSize) + 1 pages, `step` being the
-  most tokens one step schedules (max_num_batched_tokens, or one decode row and its speculative
-  tokens if more) -- the window before the step's first token, the step, and one page the window
-  may start inside;
-- chunked local attention: the current chunk and the step, ceil((chunk + step) / pageSize)
-  pages, one more when chunks do not start on a page;
+- sliding window: at most ceil((window - 1 + inFlight) / pageSize) + 1 pages, `inFlight` being
+  the tokens scheduled but not yet processed: `batches_in_flight` steps (two under vLLM's async
+  scheduling, its default; one without) of at most max_num_batched_tokens each (or one decode row
+  and its speculative tokens if more) -- the window before the first of them, those tokens, and
+  one page the window may start inside (vLLM's SlidingWindowSpec.max_admission_blocks_per_request,
+  which both sizes its pool and caps each request's reservation);
+- chunked local attention: the current chunk and the tokens in flight,
+  ceil((chunk + inFlight) / pageSize) pages, one more when chunks do not start on a page;
 - Mamba and linear attention: a fixed state of 1 + speculativeTokens pages whatever the length.
 
-Pages follow vLLM's hybrid allocator (`vllm/v1/core/kv_cache_utils.py`, read, not copied): one
+Pages follow vLLM's hybrid allocator (`vllm/v1/core/kv_cache_planning.py`, read, not copied): one
 block pool for every group; layers of one kind form groups of `layers_per_group` layers (the
 fewest layers of any kind, or the most when within 1.5x), padding the last group of a kind; a
 page is `layers_per_group` layers' worth of one block. A state layer's page is padded up to an
@@ -54,11 +56,18 @@ class EngineSettings:
     kv_dtype: str = "bfloat16"
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     speculative_tokens: int = 0
+    batches_in_flight: int = 2  # vLLM's async scheduling (its default); 1 without
 
     @property
     def step_tokens(self) -> int:
         """The most tokens one step writes for one request."""
         return max(self.max_num_batched_tokens, 1 + self.speculative_tokens)
+
+    @property
+    def in_flight_tokens(self) -> int:
+        """The most tokens of one request scheduled but not yet processed, which a window or
+        a chunk keeps on top of itself (vLLM's max_in_flight_tokens)."""
+        return self.batches_in_flight * self.step_tokens
 
 
 @dataclass(frozen=True)
@@ -165,8 +174,9 @@ def pool_layout(layout: ModelLayout, settings: EngineSettings) -> PoolLayout:
         )
     tp = settings.tensor_parallel
     heads = heads_per_rank(layout, tp)
-    attention = [g for g in layout.groups if not g.kind.is_state]
-    states = [g for g in layout.groups if g.kind.is_state]
+    allocated = layout.groups
+    attention = [g for g in allocated if not g.kind.is_state]
+    states = [g for g in allocated if g.kind.is_state]
     if not attention:
         raise LayoutError("model_type", f"{layout.model_type} has no attention layers to pool")
     token_bytes = {_token_bytes(g, heads, settings.kv_dtype) for g in attention}
@@ -189,14 +199,14 @@ def pool_layout(layout: ModelLayout, settings: EngineSettings) -> PoolLayout:
         page_size = max(page_size, fits)
     layer_page = page_size * per_token
 
-    counts = {id(g): g.layers for g in layout.groups}
-    if len(layout.groups) == 1:
-        per_group = layout.groups[0].layers
+    counts = {id(g): g.layers for g in allocated}
+    if len(allocated) == 1:
+        per_group = allocated[0].layers
     else:
         fewest, most = min(counts.values()), max(counts.values())
         per_group = most if most < fewest * 1.5 else fewest
     groups: list[PoolGroup] = []
-    for group in layout.groups:
+    for group in allocated:
         pieces = _cdiv(group.layers, per_group)
         for index in range(pieces):
             label = group.kind.value if pieces == 1 else f"{group.kind.value}.{index}"
@@ -217,7 +227,7 @@ def pool_layout(layout: ModelLayout, settings: EngineSettings) -> PoolLayout:
 def _pool_group(
     group: LayerGroup, label: str, layers: int, page_size: int, settings: EngineSettings
 ) -> PoolGroup:
-    step = settings.step_tokens
+    step = settings.in_flight_tokens
     cap: int | None = None
     state = 0
     if group.kind is Kind.SLIDING:
