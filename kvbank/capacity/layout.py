@@ -10,7 +10,10 @@ one request. Each group becomes one label of `count_pages`, with the group's wor
   one page the window may start inside (vLLM's SlidingWindowSpec.max_admission_blocks_per_request,
   which both sizes its pool and caps each request's reservation);
 - chunked local attention: the current chunk and the tokens in flight,
-  ceil((chunk + inFlight) / pageSize) pages, one more when chunks do not start on a page;
+  ceil((chunk + inFlight) / pageSize) pages, one more when chunks do not start on a page. Only
+  with `hybrid_chunked_local` (VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1): by default
+  vLLM turns its hybrid allocator off for a model with an attention chunk, and then allocates
+  chunked and sliding layers as full attention, every layer in one group;
 - Mamba and linear attention: a fixed state of 1 + speculativeTokens pages whatever the length.
 
 Pages follow vLLM's hybrid allocator (`vllm/v1/core/kv_cache_planning.py`, read, not copied): one
@@ -24,7 +27,7 @@ without prefix caching).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvbank.capacity.count import CapacityModel
 from kvbank.capacity.modellayout import WEIGHT_DTYPES, Kind, LayerGroup, ModelLayout
@@ -57,6 +60,7 @@ class EngineSettings:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     speculative_tokens: int = 0
     batches_in_flight: int = 2  # vLLM's async scheduling (its default); 1 without
+    hybrid_chunked_local: bool = False  # VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1
 
     @property
     def step_tokens(self) -> int:
@@ -174,7 +178,7 @@ def pool_layout(layout: ModelLayout, settings: EngineSettings) -> PoolLayout:
         )
     tp = settings.tensor_parallel
     heads = heads_per_rank(layout, tp)
-    allocated = layout.groups
+    allocated = _allocated_groups(layout, settings)
     attention = [g for g in allocated if not g.kind.is_state]
     states = [g for g in allocated if g.kind.is_state]
     if not attention:
@@ -222,6 +226,28 @@ def pool_layout(layout: ModelLayout, settings: EngineSettings) -> PoolLayout:
         heads,
         settings,
     )
+
+
+def _allocated_groups(layout: ModelLayout, settings: EngineSettings) -> tuple[LayerGroup, ...]:
+    """The layer groups as vLLM allocates them. A model with an attention chunk runs without
+    the hybrid allocator unless `hybrid_chunked_local`; then, where it has full attention
+    layers, its chunked and sliding layers are allocated as full attention beside them (they
+    still compute over their chunk or window), all in one group of every position."""
+    kinds = {g.kind for g in layout.groups}
+    if settings.hybrid_chunked_local or Kind.CHUNKED not in kinds or Kind.FULL not in kinds:
+        return layout.groups
+    local = (Kind.FULL, Kind.SLIDING, Kind.CHUNKED)
+    merged = [g for g in layout.groups if g.kind in local]
+    if len({(g.kv_heads, g.head_dim_k, g.head_dim_v) for g in merged}) > 1:
+        return layout.groups  # vLLM cannot merge them either: pool_layout says why
+    full = replace(merged[0], kind=Kind.FULL, layers=sum(g.layers for g in merged), window=0)
+    allocated: list[LayerGroup] = []
+    for group in layout.groups:  # the merged group where its first layers were
+        if group.kind not in local:
+            allocated.append(group)
+        elif group is merged[0]:
+            allocated.append(full)
+    return tuple(allocated)
 
 
 def _pool_group(

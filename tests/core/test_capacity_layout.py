@@ -94,8 +94,17 @@ def test_mla_keeps_one_latent_per_token_whatever_the_tp() -> None:
         assert layout.kv_heads_per_rank == 1
 
 
-def test_llama4_chunks_count_the_chunk_and_the_step() -> None:
+def test_llama4_pools_its_chunked_layers_as_full_attention_by_default() -> None:
+    # vLLM turns its hybrid allocator off for a model with an attention chunk: every layer in
+    # one group of every position
     layout = pool_of("llama-4-scout", tensor_parallel=8)
+    assert [(g.label, g.layers, g.cap_pages) for g in layout.groups] == [("full", 48, None)]
+    assert layout.layers_per_group == 48
+    assert layout.page_bytes == 48 * 16 * 1 * 256 * 2
+
+
+def test_llama4_chunks_count_the_chunk_and_the_steps_with_the_hybrid_allocator() -> None:
+    layout = pool_of("llama-4-scout", tensor_parallel=8, hybrid_chunked_local=True)
     assert [g.label for g in layout.groups] == ["chunked.0", "chunked.1", "chunked.2", "full"]
     assert layout.groups[0].cap_pages == (8192 + 2 * 8192) // 16  # the chunk, two steps
 
