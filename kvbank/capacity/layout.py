@@ -21,8 +21,8 @@ block pool for every group; layers of one kind form groups of `layers_per_group`
 fewest layers of any kind, or the most when within 1.5x), padding the last group of a kind; a
 page is `layers_per_group` layers' worth of one block. A state layer's page is padded up to an
 attention layer's, and where the state is larger than an attention page at the given page size
-the page size is raised to the next multiple of 16 tokens that holds it (vLLM does the same
-without prefix caching).
+the page size is raised to the smallest multiple of max(16, the page size asked for) tokens
+that holds it (vLLM's Platform._align_hybrid_block_size, without prefix caching).
 """
 
 from __future__ import annotations
@@ -199,8 +199,10 @@ def pool_layout(layout: ModelLayout, settings: EngineSettings) -> PoolLayout:
             * WEIGHT_DTYPES[layout.weights_dtype]
             for g in states
         )
-        fits = PAGE_ALIGNMENT * _cdiv(state_bytes, PAGE_ALIGNMENT * per_token)
-        page_size = max(page_size, fits)
+        # vLLM raises the block in steps of the page size asked for (at least a kernel block)
+        step = max(PAGE_ALIGNMENT, page_size)
+        fits = step * _cdiv(state_bytes, step * per_token)
+        page_size = max(page_size, PAGE_ALIGNMENT * _cdiv(fits, PAGE_ALIGNMENT))
     layer_page = page_size * per_token
 
     counts = {id(g): g.layers for g in allocated}
