@@ -100,8 +100,8 @@ class KvPool:
     host_pages: int = 0  # per rank, in host memory: evicted prefix pages kept for reload
 
 
-# vLLM's default step budget for its API server on an 80 GiB-class GPU: what a sliding window
-# or an attention chunk holds on top of its window (kvbank/capacity/layout.py).
+# vLLM's default step budget for its API server on an 80 GiB-class GPU: a sliding window or an
+# attention chunk holds two steps of it on top of itself (kvbank/capacity/layout.py).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 

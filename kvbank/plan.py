@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        help="tokens one step schedules (what a window holds on top of itself)",
+        help="tokens one step schedules (a window holds two steps of them on top of itself)",
     )
     parser.add_argument(
         "--speculative-tokens", type=int, default=0, help="draft tokens per decode step"

@@ -3,26 +3,31 @@ makes, how many bytes one page (one block id) takes, and how many pages each gro
 one request. Each group becomes one label of `count_pages`, with the group's worst-case rule:
 
 - full attention and MLA: every position;
-- sliding window: at most ceil((window - 1 + step) / pageSize) + 1 pages, `step` being the
-  most tokens one step schedules (max_num_batched_tokens, or one decode row and its speculative
-  tokens if more) -- the window before the step's first token, the step, and one page the window
-  may start inside;
-- chunked local attention: the current chunk and the step, ceil((chunk + step) / pageSize)
-  pages, one more when chunks do not start on a page;
+- sliding window: at most ceil((window - 1 + inFlight) / pageSize) + 1 pages, `inFlight` being
+  the tokens scheduled but not yet processed: `batches_in_flight` steps (two under vLLM's async
+  scheduling, its default; one without) of at most max_num_batched_tokens each (or one decode row
+  and its speculative tokens if more) -- the window before the first of them, those tokens, and
+  one page the window may start inside (vLLM's SlidingWindowSpec.max_admission_blocks_per_request,
+  which both sizes its pool and caps each request's reservation);
+- chunked local attention: the current chunk and the tokens in flight,
+  ceil((chunk + inFlight) / pageSize) pages, one more when chunks do not start on a page. Only
+  with `hybrid_chunked_local` (VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1): by default
+  vLLM turns its hybrid allocator off for a model with an attention chunk, and then allocates
+  chunked and sliding layers as full attention, every layer in one group;
 - Mamba and linear attention: a fixed state of 1 + speculativeTokens pages whatever the length.
 
-Pages follow vLLM's hybrid allocator (`vllm/v1/core/kv_cache_utils.py`, read, not copied): one
+Pages follow vLLM's hybrid allocator (`vllm/v1/core/kv_cache_planning.py`, read, not copied): one
 block pool for every group; layers of one kind form groups of `layers_per_group` layers (the
 fewest layers of any kind, or the most when within 1.5x), padding the last group of a kind; a
 page is `layers_per_group` layers' worth of one block. A state layer's page is padded up to an
 attention layer's, and where the state is larger than an attention page at the given page size
-the page size is raised to the next multiple of 16 tokens that holds it (vLLM does the same
-without prefix caching).
+the page size is raised to the smallest multiple of max(16, the page size asked for) tokens
+that holds it (vLLM's Platform._align_hybrid_block_size, without prefix caching).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvbank.capacity.count import CapacityModel
 from kvbank.capacity.modellayout import WEIGHT_DTYPES, Kind, LayerGroup, ModelLayout
@@ -54,11 +59,19 @@ class EngineSettings:
     kv_dtype: str = "bfloat16"
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     speculative_tokens: int = 0
+    batches_in_flight: int = 2  # vLLM's async scheduling (its default); 1 without
+    hybrid_chunked_local: bool = False  # VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1
 
     @property
     def step_tokens(self) -> int:
         """The most tokens one step writes for one request."""
         return max(self.max_num_batched_tokens, 1 + self.speculative_tokens)
+
+    @property
+    def in_flight_tokens(self) -> int:
+        """The most tokens of one request scheduled but not yet processed, which a window or
+        a chunk keeps on top of itself (vLLM's max_in_flight_tokens)."""
+        return self.batches_in_flight * self.step_tokens
 
 
 @dataclass(frozen=True)
@@ -165,8 +178,9 @@ def pool_layout(layout: ModelLayout, settings: EngineSettings) -> PoolLayout:
         )
     tp = settings.tensor_parallel
     heads = heads_per_rank(layout, tp)
-    attention = [g for g in layout.groups if not g.kind.is_state]
-    states = [g for g in layout.groups if g.kind.is_state]
+    allocated = _allocated_groups(layout, settings)
+    attention = [g for g in allocated if not g.kind.is_state]
+    states = [g for g in allocated if g.kind.is_state]
     if not attention:
         raise LayoutError("model_type", f"{layout.model_type} has no attention layers to pool")
     token_bytes = {_token_bytes(g, heads, settings.kv_dtype) for g in attention}
@@ -185,18 +199,20 @@ def pool_layout(layout: ModelLayout, settings: EngineSettings) -> PoolLayout:
             * WEIGHT_DTYPES[layout.weights_dtype]
             for g in states
         )
-        fits = PAGE_ALIGNMENT * _cdiv(state_bytes, PAGE_ALIGNMENT * per_token)
-        page_size = max(page_size, fits)
+        # vLLM raises the block in steps of the page size asked for (at least a kernel block)
+        step = max(PAGE_ALIGNMENT, page_size)
+        fits = step * _cdiv(state_bytes, step * per_token)
+        page_size = max(page_size, PAGE_ALIGNMENT * _cdiv(fits, PAGE_ALIGNMENT))
     layer_page = page_size * per_token
 
-    counts = {id(g): g.layers for g in layout.groups}
-    if len(layout.groups) == 1:
-        per_group = layout.groups[0].layers
+    counts = {id(g): g.layers for g in allocated}
+    if len(allocated) == 1:
+        per_group = allocated[0].layers
     else:
         fewest, most = min(counts.values()), max(counts.values())
         per_group = most if most < fewest * 1.5 else fewest
     groups: list[PoolGroup] = []
-    for group in layout.groups:
+    for group in allocated:
         pieces = _cdiv(group.layers, per_group)
         for index in range(pieces):
             label = group.kind.value if pieces == 1 else f"{group.kind.value}.{index}"
@@ -214,10 +230,32 @@ def pool_layout(layout: ModelLayout, settings: EngineSettings) -> PoolLayout:
     )
 
 
+def _allocated_groups(layout: ModelLayout, settings: EngineSettings) -> tuple[LayerGroup, ...]:
+    """The layer groups as vLLM allocates them. A model with an attention chunk runs without
+    the hybrid allocator unless `hybrid_chunked_local`; then, where it has full attention
+    layers, its chunked and sliding layers are allocated as full attention beside them (they
+    still compute over their chunk or window), all in one group of every position."""
+    kinds = {g.kind for g in layout.groups}
+    if settings.hybrid_chunked_local or Kind.CHUNKED not in kinds or Kind.FULL not in kinds:
+        return layout.groups
+    local = (Kind.FULL, Kind.SLIDING, Kind.CHUNKED)
+    merged = [g for g in layout.groups if g.kind in local]
+    if len({(g.kv_heads, g.head_dim_k, g.head_dim_v) for g in merged}) > 1:
+        return layout.groups  # vLLM cannot merge them either: pool_layout says why
+    full = replace(merged[0], kind=Kind.FULL, layers=sum(g.layers for g in merged), window=0)
+    allocated: list[LayerGroup] = []
+    for group in layout.groups:  # the merged group where its first layers were
+        if group.kind not in local:
+            allocated.append(group)
+        elif group is merged[0]:
+            allocated.append(full)
+    return tuple(allocated)
+
+
 def _pool_group(
     group: LayerGroup, label: str, layers: int, page_size: int, settings: EngineSettings
 ) -> PoolGroup:
-    step = settings.step_tokens
+    step = settings.in_flight_tokens
     cap: int | None = None
     state = 0
     if group.kind is Kind.SLIDING:

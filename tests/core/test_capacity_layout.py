@@ -61,10 +61,14 @@ def test_gpt_oss_pools_two_groups_of_twelve_layers() -> None:
     assert (layout.layer_page_bytes, layout.layers_per_group) == (32768, 12)
     assert layout.page_bytes == 393216
     assert [(g.label, g.layers, g.cap_pages) for g in layout.groups] == [
-        ("sliding", 12, 521),  # ceil((128 - 1 + 8192) / 16) + 1
+        ("sliding", 12, 1033),  # ceil((128 - 1 + 2 x 8192) / 16) + 1: two steps in flight
         ("full", 12, None),
     ]
-    assert pool_of("gpt-oss-20b", max_num_batched_tokens=2048).groups[0].cap_pages == 137
+    assert pool_of("gpt-oss-20b", max_num_batched_tokens=2048).groups[0].cap_pages == 265
+    # without async scheduling one step is in flight
+    assert pool_of("gpt-oss-20b", batches_in_flight=1).groups[0].cap_pages == 521
+    one = pool_of("gpt-oss-20b", max_num_batched_tokens=2048, batches_in_flight=1)
+    assert one.groups[0].cap_pages == 137
 
 
 def test_gpt_oss_at_tp8_keeps_one_kv_head_a_rank_and_fp8_halves_the_page() -> None:
@@ -90,10 +94,19 @@ def test_mla_keeps_one_latent_per_token_whatever_the_tp() -> None:
         assert layout.kv_heads_per_rank == 1
 
 
-def test_llama4_chunks_count_the_chunk_and_the_step() -> None:
+def test_llama4_pools_its_chunked_layers_as_full_attention_by_default() -> None:
+    # vLLM turns its hybrid allocator off for a model with an attention chunk: every layer in
+    # one group of every position
     layout = pool_of("llama-4-scout", tensor_parallel=8)
+    assert [(g.label, g.layers, g.cap_pages) for g in layout.groups] == [("full", 48, None)]
+    assert layout.layers_per_group == 48
+    assert layout.page_bytes == 48 * 16 * 1 * 256 * 2
+
+
+def test_llama4_chunks_count_the_chunk_and_the_steps_with_the_hybrid_allocator() -> None:
+    layout = pool_of("llama-4-scout", tensor_parallel=8, hybrid_chunked_local=True)
     assert [g.label for g in layout.groups] == ["chunked.0", "chunked.1", "chunked.2", "full"]
-    assert layout.groups[0].cap_pages == (8192 + 8192) // 16
+    assert layout.groups[0].cap_pages == (8192 + 2 * 8192) // 16  # the chunk, two steps
 
 
 @pytest.mark.parametrize(
@@ -112,6 +125,8 @@ def test_qwen3_next_raises_the_page_so_a_state_fits_one(tp: int, page_size: int)
 def test_jamba_state_pages_and_speculative_blocks() -> None:
     layout = pool_of("jamba-v0.1", speculative_tokens=2)
     assert layout.page_size == 80  # 311296 state bytes over 4096 bytes a token, to 16s
+    # vLLM raises a block size asked for in steps of itself: 76 tokens to 32s
+    assert pool_of("jamba-v0.1", page_size=32).page_size == 96
     assert [g.state_pages for g in layout.groups] == [3] * 7 + [0]
 
 
@@ -138,13 +153,13 @@ def test_kv_heads_are_copied_when_tp_exceeds_them() -> None:
 # ---- count_pages over the groups -----------------------------------------------------------
 
 
-def test_a_sliding_group_holds_its_window_and_one_step_at_most() -> None:
+def test_a_sliding_group_holds_its_window_and_the_steps_in_flight_at_most() -> None:
     model = pool_of("gpt-oss-20b", max_num_batched_tokens=2048).capacity_model(8192, 2048)
     count = count_pages(model, RequestShape(6144, 2048))
-    assert count.per_label == {"sliding": 137, "full": 512}
+    assert count.per_label == {"sliding": 265, "full": 512}
     short = count_pages(model, RequestShape(100, 50))
     assert short.per_label == {"sliding": 10, "full": 10}  # below the window: every position
-    assert worst_case(model)[1].total == 649
+    assert worst_case(model)[1].total == 777
 
 
 def test_a_state_group_holds_its_pages_whatever_the_length() -> None:
@@ -159,9 +174,9 @@ def test_a_capped_label_grows_until_its_cap() -> None:
     request = RequestShape(1000, 4096)
     growth, count = label_growth(model, request)
     assert growth["sliding"].base == 1000
-    assert growth["sliding"].worst == 137 * 16
+    assert growth["sliding"].worst == 265 * 16
     assert growth["full"].base == 1000 and growth["full"].worst == 5096
-    assert count.per_label["sliding"] == 137
+    assert count.per_label["sliding"] == 265
 
 
 def test_sequences_share_nothing_where_a_window_drops_the_prompt() -> None:
