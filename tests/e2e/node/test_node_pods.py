@@ -51,6 +51,10 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="a node needs root (mounts, bridges, cgroups)"),
 ]
 
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+}
 SYSTEM = "kvbank-system"
 RELEASE = "kvbank"
 NAMESPACE = "serve"
@@ -140,7 +144,12 @@ def test_the_operator_runs_as_a_pod_under_its_service_account(session: Session) 
 def weights_volume(session: Session) -> None:
     """The built-in model on a hostPath PersistentVolume, claimed in the pools' namespace."""
     docs: list[dict[str, Any]] = [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            # Every pool runs where Pod Security "restricted" is enforced, as a platform's would.
+            "metadata": {"name": NAMESPACE, "labels": RESTRICTED},
+        },
         {
             "apiVersion": "v1",
             "kind": "PersistentVolume",
@@ -224,6 +233,23 @@ def test_a_pool_with_weights_on_a_claim_serves_a_completion_through_its_service(
     assert int(status["pool"]["totalPages"]) == 256
     # Idle again: every reservation the completion made is released.
     assert status["running"] == []
+
+
+def test_the_pools_namespace_refuses_what_pod_security_restricted_forbids(
+    session: Session,
+) -> None:
+    """The label is enforced here (the pools above passed it), not merely set: a pod with no
+    security settings of its own (root allowed, capabilities kept) is refused."""
+    plain = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "unhardened", "namespace": NAMESPACE},
+        "spec": {"containers": [{"name": "c", "image": "kvbank.local/pause:any"}]},
+    }
+    refused = session.tools.apply(plain)
+    assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
+    assert "restricted:latest" in refused.stderr, refused.stderr
+    assert session.tools.get("pod", "unhardened", NAMESPACE) is None
 
 
 def test_a_tensor_parallel_pool_spans_two_pods_and_finds_rank_0_by_dns(session: Session) -> None:
@@ -339,6 +365,35 @@ def test_a_deleted_statefulset_is_restored_by_the_operator(session: Session) -> 
     ready_pods(tools, NAMESPACE, POOL_SELECTOR.format("single"), 1)
     with port_forward(tools, NAMESPACE, "service/single", 80) as port:
         assert complete(port, "restored")["usage"]["completion_tokens"] > 0
+
+
+def test_with_the_operator_down_a_deleted_rank_pod_comes_back_and_serves(session: Session) -> None:
+    """The data plane stands alone: rank identity comes from what the workload controller
+    stamps, so a replaced pod serves through its Service with no operator to label it."""
+    tools = session.tools
+    operator = f"deployment/{RELEASE}-operator"
+    tools.ok("scale", operator, "-n", SYSTEM, "--replicas", "0")
+    try:
+        wait_for(
+            "no operator pod",
+            lambda: not tools.items("pods", SYSTEM, "app.kubernetes.io/component=operator"),
+            120,
+            every=1,
+        )
+        [pod] = ready_pods(tools, NAMESPACE, POOL_SELECTOR.format("single"), 1)
+        tools.ok("delete", "pod", pod["metadata"]["name"], "-n", NAMESPACE, "--wait=true")
+
+        def replaced() -> bool:
+            pods = tools.items("pods", NAMESPACE, POOL_SELECTOR.format("single"))
+            return any(p["metadata"]["uid"] != pod["metadata"]["uid"] for p in pods)
+
+        wait_for("the StatefulSet replacing the pod", replaced, 120, every=1)
+        ready_pods(tools, NAMESPACE, POOL_SELECTOR.format("single"), 1)
+        with port_forward(tools, NAMESPACE, "service/single", 80) as port:
+            assert complete(port, "served without an operator")["usage"]["completion_tokens"] > 0
+    finally:
+        tools.ok("scale", operator, "-n", SYSTEM, "--replicas", "2")
+    ready_pods(tools, SYSTEM, "app.kubernetes.io/component=operator", 2)
 
 
 def test_helm_upgrade_rolls_the_operator_and_the_pools_keep_serving(session: Session) -> None:
