@@ -122,18 +122,12 @@ async def _refuse_render(
 ) -> Outcome:
     """The apiserver refused a rendered object (an affinity it cannot read, say): the spec
     passed every rule the operator can check, so the apiserver's words are the message."""
-    generation = int(doc["metadata"].get("generation") or 0)
     text = (
         f"{owner.namespace}/{owner.name}: the apiserver refused the rendered {what}: {error}. "
         "Fix the spec.template field it names."
     )
-    current = (doc.get("status") or {}).get("conditions")
     update = Condition(ACCEPTED, False, "RenderRefused", text)
-    status = {
-        "observedGeneration": generation,
-        "conditions": conditions(current, [update], generation, now),
-    }
-    await patch_status(cluster, owner, status)
+    await patch_status(cluster, owner, status_patch(doc, [update], now))
     return Outcome(False, text)
 
 
@@ -142,15 +136,9 @@ async def _refuse_workload(
 ) -> Outcome:
     """The spec is holdable, but not by the workload kind this cluster gives it; what already
     runs is left alone."""
-    generation = int(doc["metadata"].get("generation") or 0)
     text = f"{owner.namespace}/{owner.name}: no pods rendered: {why}"
-    current = (doc.get("status") or {}).get("conditions")
     update = Condition(ACCEPTED, False, "NeedsLeaderWorkerSet", text)
-    status = {
-        "observedGeneration": generation,
-        "conditions": conditions(current, [update], generation, now),
-    }
-    await patch_status(cluster, owner, status)
+    await patch_status(cluster, owner, status_patch(doc, [update], now))
     return Outcome(False, text)
 
 
