@@ -8,9 +8,11 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvbank.fields import check_size, quote
+
+_C = TypeVar("_C", str, int)  # what a per-layer list may hold
 
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KiB; 1 MiB leaves room and bounds the read
 MAX_LAYERS = 1024
@@ -124,22 +126,8 @@ class ConfigFields:
             raise ModelConfigError(self.name(key), f"must be a string, got {quote(value)}")
         return value
 
-    def strings(self, key: str, length: int, choices: tuple[str, ...]) -> list[str] | None:
-        value = self.doc.get(key)
-        if value is None:
-            return None
-        if not isinstance(value, list) or len(value) != length:
-            got = f"{len(value)} entries" if isinstance(value, list) else quote(value)
-            raise ModelConfigError(self.name(key), f"must list {length} layers, got {got}")
-        for index, item in enumerate(value):
-            if item not in choices:
-                raise ModelConfigError(
-                    f"{self.name(key)}[{index}]",
-                    f"must be one of {', '.join(choices)}, got {quote(item)}",
-                )
-        return list(value)
-
-    def ints(self, key: str, length: int, choices: tuple[int, ...]) -> list[int] | None:
+    def per_layer(self, key: str, length: int, choices: tuple[_C, ...]) -> list[_C] | None:
+        """A list with one entry per layer, each one of `choices` (a bool is never one)."""
         value = self.doc.get(key)
         if value is None:
             return None

@@ -102,7 +102,7 @@ def _window(f: ConfigFields, key: str = "sliding_window") -> int:
 
 
 def _layer_types(f: ConfigFields, layers: int, names: dict[str, Kind]) -> list[Kind] | None:
-    listed = f.strings("layer_types", layers, tuple(names))
+    listed = f.per_layer("layer_types", layers, tuple(names))
     return None if listed is None else [names[name] for name in listed]
 
 
@@ -161,7 +161,7 @@ def _llama4(f: ConfigFields) -> tuple[Attention, tuple[LayerGroup, ...]]:
                 f.name("attention_chunk_size"), "is missing; layer_types lists chunked layers"
             )
         return att, _attention_groups(att, listed, chunk)
-    rope = f.ints("no_rope_layers", att.layers, (0, 1))
+    rope = f.per_layer("no_rope_layers", att.layers, (0, 1))
     if rope is None:
         interval = f.integer("no_rope_layer_interval", 1, MAX_LAYERS, default=4)
         rope = [int((i + 1) % interval != 0) for i in range(att.layers)]
@@ -208,7 +208,7 @@ def _jamba(f: ConfigFields) -> tuple[Attention, tuple[LayerGroup, ...]]:
     (or as `layers_block_type` lists)."""
     att = _attention(f)
     names = {"attention": Kind.FULL, "mamba": Kind.MAMBA}
-    listed = f.strings("layers_block_type", att.layers, tuple(names))
+    listed = f.per_layer("layers_block_type", att.layers, tuple(names))
     if listed is not None:
         kinds = [names[name] for name in listed]
     else:
@@ -228,7 +228,7 @@ def _granite_hybrid(f: ConfigFields) -> tuple[Attention, tuple[LayerGroup, ...]]
     """Mamba-2 layers with attention where `layer_types` says `attention`."""
     att = _attention(f)
     names = {"attention": Kind.FULL, "mamba": Kind.MAMBA2}
-    listed = f.strings("layer_types", att.layers, tuple(names))
+    listed = f.per_layer("layer_types", att.layers, tuple(names))
     if listed is None:
         raise ModelConfigError(f.name("layer_types"), "is missing; list each layer's type")
     kinds = [names[name] for name in listed]
