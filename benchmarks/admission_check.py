@@ -42,7 +42,7 @@ def build(running: int, seed: int) -> tuple[Ledger, PeakShape]:
     for i, shape in enumerate(shapes):
         rid = f"r{i}"
         ledger.submit(rid, shape.pages, shape=shape)
-        ledger.admit_head()
+        assert ledger.try_admit(rid) is not None
         produced = rng.randint(0, shape.output_budget - 1)
         pages = -(-(shape.base[0] + produced) // PAGE)
         ledger.take(rid, pages)

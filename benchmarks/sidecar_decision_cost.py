@@ -2,7 +2,7 @@
 
     python benchmarks/sidecar_decision_cost.py [--running 256] [--repeat 7]
 
-1. The ledger's decision: `admit_ready` admitting one head (can_admit_head + admit_head) on a
+1. The ledger's decision: `try_admit` admitting the head on a
    ledger with `--running` admitted requests (timed alone; a submit before and a release after
    keep the state steady).
 2. The sidecar's whole report handling (`AdmissionState.report`): protobuf in, copy of the ledger
@@ -28,14 +28,14 @@ def ledger_decision_s(running: int, decisions: int) -> float:
     ledger = Ledger(POOL)
     for i in range(running):
         ledger.submit(f"bg{i}", 10)
-    ledger.admit_ready()
+        ledger.try_admit(f"bg{i}")
     clock = time.perf_counter
     deciding = 0.0
     for i in range(decisions):
         rid = f"r{i}"
         ledger.submit(rid, 10)
         started = clock()
-        ledger.admit_ready()  # the decision: one comparison, then the admission's bookkeeping
+        ledger.try_admit(rid)  # the decision: one comparison, then the admission's bookkeeping
         deciding += clock() - started
         ledger.release(rid)
     return deciding / decisions

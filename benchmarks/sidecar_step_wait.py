@@ -5,7 +5,7 @@
 
 Runs one closed-loop scenario through the real engine (virtual runner, real scheduler, pool
 and ledger) three ways: the embedded ledger; a sidecar process the step waits on (the blocking,
-stepwise peak-fit pass `kvbank bench --sidecar` uses); and a sidecar the step never waits on
+in-step tries `kvbank bench --sidecar` uses); and a sidecar the step never waits on
 (what `kvbank serve --sidecar` runs). Each step sleeps `--step-ms` to stand in for the model's
 forward pass, so a reply has the time it would have on a GPU to arrive. Prints, per mode, the
 median and p99 of the wall time per step spent in the admission policy's calls (admit and the
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=8.0)
     parser.add_argument("--policy", default="peak+backfill")
     args = parser.parse_args()
-    from kvbank.engine.admission.backend import embedded
+    from kvbank.ledger.client import embedded
     from kvbank.sidecar.backend import connect
 
     sc = load_scenario(args.scenario)

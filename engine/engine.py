@@ -25,13 +25,13 @@ from kvbank.capacity import (
     shared_prompt_pages,
 )
 from kvbank.engine import sequences as groups
-from kvbank.engine.admission.backend import AdmissionBackend, embedded
 from kvbank.engine.admission.registry import make_policy
 from kvbank.engine.kv.cache import KVCache
 from kvbank.engine.request import FinishReason, Request, Status, build_request
 from kvbank.engine.runner import ModelRunner, SamplingParams, StepResult, TokenLogprob
 from kvbank.engine.safety import SafetyCheck
 from kvbank.engine.scheduler import Scheduler
+from kvbank.ledger.client import LedgerClient, embedded
 from kvbank.mode import LEDGER_MODE_NAMES, AdmissionMode
 from kvbank.service_class import ClassPolicy, ServiceClass, effective_class
 
@@ -80,7 +80,7 @@ class Engine:
         self,
         config: EngineConfig,
         runner: ModelRunner,
-        admission_backend: AdmissionBackend | None = None,
+        admission_backend: LedgerClient | None = None,
     ) -> None:
         if admission_backend is None and config.policy == "banker":
             admission_backend = embedded(config.total_pages, debug=config.debug)

@@ -128,17 +128,17 @@ class Event(_message.Message):
     give_back: GiveBack
     def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., take: _Optional[_Union[Take, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ..., advance: _Optional[_Union[Progress, _Mapping]] = ..., end_step: _Optional[_Union[EndStep, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., exclusive: _Optional[_Union[Exclusive, _Mapping]] = ..., give_back: _Optional[_Union[GiveBack, _Mapping]] = ...) -> None: ...
 
-class HeadHit(_message.Message):
-    __slots__ = ("rid", "hit", "stop", "prefill_chunks")
+class Try(_message.Message):
+    __slots__ = ("rid", "hit", "no_room", "prefill_chunks")
     RID_FIELD_NUMBER: _ClassVar[int]
     HIT_FIELD_NUMBER: _ClassVar[int]
-    STOP_FIELD_NUMBER: _ClassVar[int]
+    NO_ROOM_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     hit: Hit
-    stop: bool
+    no_room: bool
     prefill_chunks: int
-    def __init__(self, rid: _Optional[str] = ..., hit: _Optional[_Union[Hit, _Mapping]] = ..., stop: _Optional[bool] = ..., prefill_chunks: _Optional[int] = ...) -> None: ...
+    def __init__(self, rid: _Optional[str] = ..., hit: _Optional[_Union[Hit, _Mapping]] = ..., no_room: _Optional[bool] = ..., prefill_chunks: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("rid", "tokens_per_label", "produced", "chunks_left", "exclusive")
@@ -200,28 +200,26 @@ class OpenSessionReply(_message.Message):
     def __init__(self, session: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("session", "report_seq", "applied_seq", "events", "hits", "admit", "progress", "room", "stepwise", "resume")
+    __slots__ = ("session", "report_seq", "applied_seq", "events", "tries", "admit", "progress", "room", "in_step")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     REPORT_SEQ_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
-    HITS_FIELD_NUMBER: _ClassVar[int]
+    TRIES_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
-    STEPWISE_FIELD_NUMBER: _ClassVar[int]
-    RESUME_FIELD_NUMBER: _ClassVar[int]
+    IN_STEP_FIELD_NUMBER: _ClassVar[int]
     session: int
     report_seq: int
     applied_seq: int
     events: _containers.RepeatedCompositeFieldContainer[Event]
-    hits: _containers.RepeatedCompositeFieldContainer[HeadHit]
+    tries: _containers.RepeatedCompositeFieldContainer[Try]
     admit: bool
     progress: _containers.RepeatedCompositeFieldContainer[Progress]
     room: int
-    stepwise: bool
-    resume: bool
-    def __init__(self, session: _Optional[int] = ..., report_seq: _Optional[int] = ..., applied_seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., hits: _Optional[_Iterable[_Union[HeadHit, _Mapping]]] = ..., admit: _Optional[bool] = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., room: _Optional[int] = ..., stepwise: _Optional[bool] = ..., resume: _Optional[bool] = ...) -> None: ...
+    in_step: bool
+    def __init__(self, session: _Optional[int] = ..., report_seq: _Optional[int] = ..., applied_seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., tries: _Optional[_Iterable[_Union[Try, _Mapping]]] = ..., admit: _Optional[bool] = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., room: _Optional[int] = ..., in_step: _Optional[bool] = ...) -> None: ...
 
 class LedgerPace(_message.Message):
     __slots__ = ("page_size", "speculative_tokens", "backfill_depth", "max_advance")
@@ -294,20 +292,20 @@ class PoolFigures(_message.Message):
     def __init__(self, total_pages: _Optional[int] = ..., usable_pages: _Optional[int] = ..., free: _Optional[int] = ..., evictable: _Optional[int] = ..., reserved: _Optional[int] = ..., held: _Optional[int] = ..., outstanding: _Optional[int] = ..., headroom: _Optional[int] = ...) -> None: ...
 
 class ReportReply(_message.Message):
-    __slots__ = ("decisions", "waiting", "pool", "peek", "stalled", "stalled_steps")
+    __slots__ = ("decisions", "waiting", "pool", "stalled", "stalled_steps", "backfilling")
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
-    PEEK_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
     STALLED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BACKFILLING_FIELD_NUMBER: _ClassVar[int]
     decisions: _containers.RepeatedCompositeFieldContainer[Decision]
     waiting: int
     pool: PoolFigures
-    peek: str
     stalled: _containers.RepeatedScalarFieldContainer[str]
     stalled_steps: int
-    def __init__(self, decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., waiting: _Optional[int] = ..., pool: _Optional[_Union[PoolFigures, _Mapping]] = ..., peek: _Optional[str] = ..., stalled: _Optional[_Iterable[str]] = ..., stalled_steps: _Optional[int] = ...) -> None: ...
+    backfilling: bool
+    def __init__(self, decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., waiting: _Optional[int] = ..., pool: _Optional[_Union[PoolFigures, _Mapping]] = ..., stalled: _Optional[_Iterable[str]] = ..., stalled_steps: _Optional[int] = ..., backfilling: _Optional[bool] = ...) -> None: ...
 
 class FollowRequest(_message.Message):
     __slots__ = ("follower_id", "from_seq")

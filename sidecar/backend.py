@@ -1,9 +1,10 @@
-"""The engine's `AdmissionBackend` (kvbank.engine.admission.backend) over gRPC: the same events the
+"""The engine's `LedgerClient` (kvbank.ledger.client) over gRPC: the same events the
 embedded ledger gets, sent to the sidecar as one report per `poll`.
 
-Two modes. Blocking (`kvbank bench --sidecar`, virtual time): `poll` sends what happened since
-the last poll and waits for this step's answer, so the sidecar's ledger sees exactly the calls
-the embedded one would, in the same order, and the run is identical. Non-blocking (serving,
+Two modes. Blocking (`kvbank bench --sidecar`, virtual time): `try_admit` (peak-fit) and `poll`
+(the banker) send what happened since the last report and wait for the answer, so the sidecar's
+ledger sees exactly the calls the embedded one would, in the same order, and the run is
+identical. Non-blocking (serving,
 every policy): at the start of a step `collect` reads the reply in flight if it arrived, the
 engine applies its decisions and, with nothing in flight (`settled`), pins the head's hit; then
 `poll` sends the next report and returns at once. Decisions are applied a step or more after
@@ -27,7 +28,7 @@ Races, and why they are safe:
 - The sidecar restarts (SIGKILL) or drops the session: the backend opens a new session that
   re-registers what runs and resubmits what waits, counting nothing twice (how: see
   sidecar/backend_wire.py, which keeps the session, the registry of running requests and
-  the wire; this module is the `AdmissionBackend` API the engine calls).
+  the wire; this module is the `LedgerClient` API the engine calls).
 - The sidecar does not answer at all: non-blocking, the step still never waits; `outage` says
   so (the serving loop answers 503 and fails /health meanwhile), what runs keeps its pages,
   and the next session opens when the sidecar answers again.
@@ -36,7 +37,7 @@ Races, and why they are safe:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 
 from kvbank.ledger import (
     Admitted,
@@ -51,7 +52,7 @@ from kvbank.ledger import (
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.backend_wire import BackendBooks, Outage, ReportWire, submit_to_wire
 from kvbank.sidecar.client import SidecarClient, SidecarError
-from kvbank.sidecar.peakpass import hit_to_wire, pace_of, shape_to_wire
+from kvbank.sidecar.wire_forms import hit_to_wire, pace_of, shape_to_wire
 
 # A report on loopback takes a millisecond; a sidecar that has not answered one in half a
 # second (its retries against a refused connection included) is gone, not slow.
@@ -76,6 +77,7 @@ class SidecarBackend:
         self.blocking = blocking
         self.books = BackendBooks()
         self.wire = ReportWire(client, self.books, total_pages, engine_id, lease_s, unanswered_s)
+        self._backfilling = False  # the last in-step answer's
 
     @property
     def sessions_opened(self) -> int:
@@ -94,7 +96,7 @@ class SidecarBackend:
         """Whether decisions reach the engine a report later (the engine does not wait)."""
         return not self.blocking
 
-    # ---- events (AdmissionBackend) -------------------------------------------------------------
+    # ---- events (LedgerClient) -------------------------------------------------------------
 
     def submit(
         self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None
@@ -105,7 +107,6 @@ class SidecarBackend:
 
     def cancel(self, rid: str) -> None:
         self.books.hits.pop(rid, None)
-        self.books.chunks.pop(rid, None)
         if self.books.waiting.pop(rid, None) is not None:
             self.books.events.append(pb.Event(cancel=pb.Cancel(rid=rid)))
 
@@ -174,7 +175,7 @@ class SidecarBackend:
         """A pin took `cost` pages of headroom (idle pages, and pages one request held alone)."""
         self.books.pin_cost_pending += cost
 
-    # ---- the peak-fit ledger (kvbank.engine.admission.backend.PeakBackend) ------------------
+    # ---- the peak-fit ledger (kvbank.ledger.client.LedgerClient) ------------------
 
     def configure(self, policy: str, peak: PeakPolicy) -> None:
         """The session this backend opens asks the sidecar for `policy`; a sidecar whose ledger
@@ -183,46 +184,41 @@ class SidecarBackend:
             raise InvariantBreach(f"a session is open already; {policy} cannot apply to it")
         self.books.policy, self.books.pace = policy, pace_of(peak)
 
-    def set_prefill_chunks(self, rid: str, chunks: int) -> None:
-        self.books.chunks[rid] = chunks
-        entry = self.books.waiting.get(rid)
-        if entry is not None and entry[2] is not None:
-            entry[2].prefill_chunks = chunks  # a resubmission after a reconnect sends it
-
-    def admissions(self, peek: Callable[[str], Hit | None]) -> Iterator[Admitted]:
-        """A stepwise pass (sidecar/peakpass.py): the sidecar names each candidate, this engine
-        acts on each admission yielded and then answers. Blocking only: the answer depends on
-        the engine's state at the question, which a later step no longer has."""
+    def try_admit(
+        self, rid: str, hit: Hit | None, prefill_chunks: int | None = None
+    ) -> Admitted | None:
+        """Blocking: one report carrying what happened since the last one and this one try;
+        the answer is the reply's. The engine starts an admission before it asks again, and
+        its takes go with the next question. A non-blocking backend never asks in step: its
+        engine pins, reports and polls (`defers`)."""
         if not self.blocking:
             raise InvariantBreach(
                 "a non-blocking backend defers its decisions (`defers`): the engine admits "
-                "through collect and poll, never through a stepwise pass"
+                "through collect and poll, never by asking in step"
             )
-        books, wire = self.books, self.wire
-        request = wire.build(0, admit=True)
-        request.stepwise = True
-        while True:
-            reply = wire.send(request)
-            books.absorb(reply)
-            ready, books.ready = books.ready, []
-            for decision in sorted(ready, key=lambda d: d.seq):
-                books.applied_seq = max(books.applied_seq, decision.seq)
-                if not isinstance(decision, Admitted):
-                    raise InvariantBreach(f"the sidecar refused {decision.rid!r}: {decision}")
-                yield decision
-            if not reply.peek:
-                return
-            hit = peek(reply.peek)
-            head = pb.HeadHit(rid=reply.peek, stop=hit is None)
-            if hit is not None:
-                head.hit.CopyFrom(hit_to_wire(hit))
-            chunks = books.chunks.pop(reply.peek, None)
-            if chunks is not None:
-                head.prefill_chunks = chunks
-            books.hits.clear()
-            request = wire.build(0, admit=True)
-            request.stepwise = request.resume = True
-            request.hits.append(head)
+        question = pb.Try(rid=rid, no_room=hit is None)
+        if hit is not None:
+            question.hit.CopyFrom(hit_to_wire(hit))
+        if prefill_chunks is not None:
+            question.prefill_chunks = prefill_chunks
+        books = self.books
+        reply = self.wire.send(self.wire.build(0, admit=True, tries=[question]))
+        books.absorb(reply)
+        self._backfilling = reply.backfilling
+        ready, books.ready = books.ready, []
+        answer = None
+        for decision in sorted(ready, key=lambda d: d.seq):
+            books.applied_seq = max(books.applied_seq, decision.seq)
+            if not isinstance(decision, Admitted) or decision.rid != rid:
+                raise InvariantBreach(
+                    f"asked about {rid!r}, the sidecar answered {decision}: an engine that "
+                    f"asks in step refuses what the pool can never hold itself"
+                )
+            answer = decision
+        return answer
+
+    def backfilling(self) -> bool:
+        return self._backfilling
 
     def start(self, rid: str, prefill_chunks: int) -> None:
         """The engine started a request this backend's sidecar admitted (non-blocking peak)."""

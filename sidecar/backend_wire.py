@@ -19,6 +19,7 @@ The registry of running requests (reserved, held) is what a restore needs; it al
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -37,7 +38,7 @@ from kvbank.ledger import (
 )
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.client import SessionLost, SidecarClient, SidecarError, SidecarUnavailable
-from kvbank.sidecar.peakpass import hit_to_wire
+from kvbank.sidecar.wire_forms import hit_to_wire
 
 log = logging.getLogger("kvbank.sidecar")
 
@@ -60,7 +61,6 @@ class BackendBooks:
     )
     policy: str = "banker"
     pace: pb.LedgerPace | None = None
-    chunks: dict[str, int] = field(default_factory=dict)  # prefill bounds for the next answer
     stalled: list[str] = field(default_factory=list)
     stalled_steps: int = 0
     running: dict[str, list[int]] = field(default_factory=dict)  # rid -> [reserved, held]
@@ -170,16 +170,18 @@ class ReportWire:
         self.retry_s = self.RETRY_FIRST_S
         self.last_report_at = 0.0
 
-    def build(self, room: int, admit: bool) -> pb.ReportRequest:
+    def build(self, room: int, admit: bool, tries: list[pb.Try] | None = None) -> pb.ReportRequest:
+        """The next report: the queued events and, to `admit`, the tries (given: an engine
+        asking in step, which waits for the answer and starts each admission first; else the
+        first waiting requests in FIFO order, each with the hit its engine pinned, as many as
+        `room` admissions and a backfill window behind a refused head can use)."""
         if not self.session:
             self.open()
         books = self.books
         self.report_seq += 1
-        hits = [
-            pb.HeadHit(rid=rid, hit=hit_to_wire(h))
-            for rid, h in books.hits.items()
-            if rid in books.waiting
-        ]
+        in_step = tries is not None
+        if tries is None:
+            tries = self._tries(room) if admit else []
         books.pin_cost_inflight += books.pin_cost_pending
         books.pin_cost_pending = 0
         self.last_report_at = time.monotonic()
@@ -188,19 +190,34 @@ class ReportWire:
             report_seq=self.report_seq,
             applied_seq=books.applied_seq,
             events=books.events,
-            hits=hits,
+            tries=tries,
             admit=admit,
-            room=room,
+            in_step=in_step,
         )
+        if not in_step:
+            request.room = room
         books.events = []
         return request
+
+    def _tries(self, room: int) -> list[pb.Try]:
+        books = self.books
+        depth = 1 + books.pace.backfill_depth if books.pace is not None else 0
+        tries = []
+        for rid in itertools.islice(books.waiting, room + depth):
+            question = pb.Try(rid=rid)
+            hit = books.hits.get(rid)
+            if hit is not None:
+                question.hit.CopyFrom(hit_to_wire(hit))
+            tries.append(question)
+        return tries
 
     def send(self, request: pb.ReportRequest) -> pb.ReportReply:
         try:
             return self.client.report(request)
         except SessionLost:
             self.open()
-            return self.send(self.build(request.room, request.admit))
+            tries = list(request.tries) if request.in_step else None
+            return self.send(self.build(request.room, request.admit, tries))
         except SidecarError as exc:
             raise as_ledger_error(exc) from exc
 

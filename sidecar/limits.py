@@ -60,10 +60,10 @@ def check_report(req: pb.ReportRequest) -> None:
             _check_labels(list(body.tokens_per_label), f"{where}.tokens_per_label")
         elif kind == "start":
             _check_chunks(body.prefill_chunks, f"{where}.prefill_chunks")
-    for i, head in enumerate(req.hits):
-        check_id(head.rid, f"hits[{i}].rid")
-        if head.HasField("prefill_chunks"):
-            _check_chunks(head.prefill_chunks, f"hits[{i}].prefill_chunks")
+    for i, question in enumerate(req.tries):
+        check_id(question.rid, f"tries[{i}].rid")
+        if question.HasField("prefill_chunks"):
+            _check_chunks(question.prefill_chunks, f"tries[{i}].prefill_chunks")
     for i, step in enumerate(req.progress):
         check_id(step.rid, f"progress[{i}].rid")
         _check_labels(list(step.tokens_per_label), f"progress[{i}].tokens_per_label")

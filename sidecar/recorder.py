@@ -1,6 +1,6 @@
 """How every report of the sidecar ends: its decisions go to the log and the metrics, and the
 figures every reply carries are filled in and kept as the answer to a retry (`Recorder`, a part
-of `AdmissionState` in sidecar/state.py, which also runs the rounds of a stepwise pass)."""
+of `AdmissionState` in sidecar/state.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from kvbank.ledger import Admitted, Ledger, Refused
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.decision_log import DecisionLog
 from kvbank.sidecar.metrics import SidecarMetrics
-from kvbank.sidecar.peakpass import hit_to_wire
 from kvbank.sidecar.reports import fill_pool
 from kvbank.sidecar.session import Session
+from kvbank.sidecar.wire_forms import hit_to_wire
 
 
 class Recorder:

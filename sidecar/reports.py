@@ -1,17 +1,17 @@
-"""What one report does to a ledger: its events applied in order (`apply_events`), the peek an
-admission pass uses within the engine's room (`peek_within_room`), and the pool figures a reply
+"""What one report does to a ledger: its events applied in order (`apply_events`), its tries
+answered in order within the engine's room (`answer_tries`), and the pool figures a reply
 carries (`fill_pool`). Pure functions over a `Ledger`: the caller (kvbank.sidecar.state) hands
 them a copy, so a report that fails part way leaves the real ledger as it was."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvbank.fields import quote
-from kvbank.ledger import NO_HIT, Admitted, Hit, InvalidPages, Ledger, Refused, give_back
+from kvbank.ledger import Admitted, InvalidPages, Ledger, Refused, give_back
 from kvbank.proto import admission_pb2 as pb
-from kvbank.sidecar.peakpass import shape_from_wire
+from kvbank.sidecar.wire_forms import hit_from_wire, shape_from_wire
 
 # Requests the ledger queues at most (`kvbank sidecar --max-waiting`). Every report copies the
 # ledger (all-or-nothing), so an unbounded queue makes every report slower; an engine keeps its
@@ -176,23 +176,31 @@ def advance(ledger: Ledger, step: pb.Progress) -> None:
     )
 
 
-def peek_within_room(
-    hits: dict[str, Hit], room: int | None
-) -> tuple[Callable[[str], Hit | None], Callable[[Admitted], None]]:
-    """The reported hit of each request tried (none reported: no hit), and None (stop) once
-    `room` requests were admitted; the second function counts the admissions."""
-    admitted = 0
-
-    def peek(rid: str) -> Hit | None:
-        if room is not None and admitted >= room:
-            return None
-        return hits.get(rid, NO_HIT)
-
-    def started(decision: Admitted) -> None:
-        nonlocal admitted
-        admitted += 1
-
-    return peek, started
+def answer_tries(ledger: Ledger, req: pb.ReportRequest) -> tuple[list[Admitted], bool]:
+    """Answer a report's tries in order (`Ledger.try_admit`), each against the ledger the ones
+    before it left, admitting at most `room`; a try past the room is asked with no room (a head
+    still gets its promise). A try for a request that is not waiting (refused at submit in this
+    same report) is answered None. Returns the admissions and whether the head was refused for
+    lack of pages. A report with no tries asks about every waiting request in FIFO order with
+    no hit (a client that pins nothing)."""
+    room = req.room if req.HasField("room") else None
+    admitted: list[Admitted] = []
+    head_waits = False
+    questions = req.tries or [pb.Try(rid=rid) for rid in ledger.waiting_rids()]
+    for i, question in enumerate(questions):
+        if not ledger.is_waiting(question.rid):
+            continue
+        with _at(f"tries[{i}]"):
+            no_room = question.no_room or (room is not None and len(admitted) >= room)
+            hit = None if no_room else hit_from_wire(question.rid, question.hit)
+            chunks = question.prefill_chunks if question.HasField("prefill_chunks") else None
+            is_head = question.rid == ledger.head
+            decision = ledger.try_admit(question.rid, hit, chunks, deferred=not req.in_step)
+        if decision is not None:
+            admitted.append(decision)
+        elif is_head and hit is not None:
+            head_waits = True
+    return admitted, head_waits
 
 
 def fill_pool(pool: pb.PoolFigures, ledger: Ledger, totals: bool = True) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbank.proto import admission_pb2 as pb
-from kvbank.sidecar.peakpass import OpenPass
 
 
 class SessionGone(Exception):
@@ -37,4 +36,3 @@ class Session:
     last_reply: pb.ReportReply | None = None
     last_request: bytes = b""  # to tell a retry from a different report under the same number
     unapplied_idle: dict[int, int] = field(default_factory=dict)  # admission seq -> idle pages
-    open_pass: OpenPass | None = None  # a stepwise admission pass waiting for an answer

@@ -11,11 +11,12 @@ Races between deciding (here) and applying (in the engine, one step later when i
   decision the engine applied, and the idle pages of later admissions are taken off the
   reported evictable count before `set_supply`. Nothing else differs between a decided and an
   applied admission: the engine allocates nothing for a request before applying it.
-- A hit reported for a waiting head must still be there when the admission is applied: the
-  engine pins the pages of the hits it reports until the next report.
+- A hit a try reports must still be there when the admission is applied: the engine pins the
+  pages of the hits it reports until the next report.
 - A peak-fit admission starts when the engine reads it, a step or more after it was decided:
-  every admission of a report is deferred (`Ledger.admit_ready(deferred=True)`), open-ended
-  until the engine's `start` event, so no start is ever late for the ledger.
+  every admission of a report not marked `in_step` is deferred (`Ledger.try_admit(deferred=
+  True)`), open-ended until the engine's `start` event, so no start is ever late for the ledger.
+  An engine that waits for the reply (`in_step`) starts what it admits before its next report.
 - A cancel for a request already admitted (decided while the cancel was on its way) is the
   engine's to turn into a release: the engine sends one report at a time and reads every
   decision before it builds the next, so it knows what was admitted.
@@ -25,10 +26,9 @@ Races between deciding (here) and applying (in the engine, one step later when i
 A report is all-or-nothing: it is applied to a copy of the ledger, which replaces the ledger
 only when every event succeeded, so bad input leaves the ledger as it was.
 
-This module keeps the session's life (open, expire), a report's checks and commit, the rounds of
-a stepwise pass, and status. The session record and its errors are in sidecar/session.py, what
-the events do to a ledger in sidecar/reports.py, and how a report's decisions are recorded in
-sidecar/recorder.py.
+This module keeps the session's life (open, expire), a report's checks and commit, and status.
+The session record and its errors are in sidecar/session.py, what the events and tries do to a
+ledger in sidecar/reports.py, and how a report's decisions are recorded in sidecar/recorder.py.
 """
 
 from __future__ import annotations
@@ -37,26 +37,21 @@ import itertools
 import time
 from collections.abc import Callable
 
-from kvbank.ledger import Admitted, InvalidPages, Ledger, Refused
+from kvbank.ledger import InvalidPages, Ledger
 from kvbank.mode import AdmissionMode
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.decision_log import DecisionLog
 from kvbank.sidecar.limits import check_open, check_report
 from kvbank.sidecar.metrics import SidecarMetrics
-from kvbank.sidecar.peakpass import (
-    OpenPass,
-    check_answer,
-    hit_from_wire,
-    peak_policy,
-)
 from kvbank.sidecar.recorder import Recorder
 from kvbank.sidecar.reports import (
     DEFAULT_MAX_WAITING,
+    answer_tries,
     apply_events,
     fill_pool,
-    peek_within_room,
 )
 from kvbank.sidecar.session import OutOfOrder, PolicyMismatch, PoolMismatch, Session, SessionGone
+from kvbank.sidecar.wire_forms import peak_policy
 
 __all__ = [
     "AdmissionState",
@@ -181,7 +176,7 @@ class AdmissionState:
                 f"report {req.report_seq} arrived after report {s.report_seq}; reports must "
                 f"be numbered {s.report_seq + 1}, {s.report_seq + 2}, ..."
             )
-        last_decided = self.log.next_seq - 1 if s.open_pass else self.ledger.next_seq - 1
+        last_decided = self.ledger.next_seq - 1
         if not s.applied_seq <= req.applied_seq <= last_decided:
             raise OutOfOrder(
                 f"applied_seq {req.applied_seq} must lie between the last applied "
@@ -189,99 +184,27 @@ class AdmissionState:
             )
         if req.HasField("room") and req.room < 0:
             raise InvalidPages(f"room must not be negative, got {req.room}")
-        if s.open_pass is not None or req.resume:
-            return self._resume(req, s)
-        hits = {head.rid: hit_from_wire(head.rid, head.hit) for head in req.hits}
 
         unapplied = {q: i for q, i in s.unapplied_idle.items() if q > req.applied_seq}
         ledger = self.ledger.copy()
         now = self._clock()
         decisions, arrived, stalled = apply_events(ledger, req, unapplied, self.max_waiting)
-        if req.admit and req.stepwise:
-            kept_idle = s.unapplied_idle
-            s.open_pass, s.unapplied_idle = OpenPass(ledger), unapplied
-            try:
-                return self._resume(req, s, committed=(ledger, decisions, arrived, stalled))
-            except BaseException:
-                s.open_pass, s.unapplied_idle = None, kept_idle
-                raise
+        waited = False
         if req.admit:
-            room = req.room if req.HasField("room") else None
-            # The engine applies these when the reply reaches it: a peak-fit ledger keeps them
-            # open-ended until it reports their start.
-            peek, started = peek_within_room(hits, room)
-            admitted = ledger.admit_ready(peek, started, deferred=True)
-            out_of_room = room is not None and len(admitted) >= room
-            waited = ledger.head is not None and not out_of_room  # the head lacks pages
+            admitted, waited = answer_tries(ledger, req)
             decisions.extend(admitted)
-        else:
-            waited = False
-        if self.debug:
+        if self.debug and not (req.admit and req.in_step):  # mid-step, a pass is still open
             ledger.check_integrity()
 
         # Every event succeeded: commit.
         self._commit(ledger)
         s.report_seq, s.applied_seq, s.last_report = req.report_seq, req.applied_seq, now
         self.recorder.arrive(arrived, now)
-        reply = pb.ReportReply(waiting=ledger.waiting_count())
+        reply = pb.ReportReply(waiting=ledger.waiting_count(), backfilling=ledger.backfilling())
         self.recorder.record_all(reply, decisions, s, now, unapplied)
         s.unapplied_idle = unapplied
         if waited:
             self.metrics.waits.inc()
-        return self.recorder.close(reply, req, s, ledger, stalled)
-
-    # ---- a stepwise pass ----------------------------------------------------------------------
-
-    def _resume(
-        self,
-        req: pb.ReportRequest,
-        s: Session,
-        committed: tuple[Ledger, list[Admitted | Refused], list[str], list[str]] | None = None,
-    ) -> pb.ReportReply:
-        """One round of a stepwise pass (see sidecar/peakpass.py). `committed`: the round
-        that opens it, with the ledger after that report's events and what they decided."""
-        open_pass = s.open_pass
-        assert open_pass is not None or committed is None
-        if open_pass is None:
-            raise OutOfOrder("no admission pass is open; send an admit report to open one")
-        if committed is None:
-            if not (req.resume and req.admit and req.stepwise):
-                raise OutOfOrder(
-                    f"an admission pass waits for the hit of {open_pass.asked!r}; answer it "
-                    f"with a stepwise admit report with resume set before anything else"
-                )
-            answer = check_answer(req, open_pass.asked)
-            open_pass.answers.append(answer)
-            try:
-                ledger, admitted, asked = open_pass.replay()
-            except BaseException:
-                open_pass.answers.pop()
-                raise
-            decided: list[Admitted | Refused] = []
-            arrived: list[str] = []
-            stalled: list[str] = []
-        else:
-            ledger, decided, arrived, stalled = committed
-            ledger, admitted, asked = open_pass.replay()
-            # The events before the pass stand on their own: a later round replays from here.
-            open_pass.base = committed[0]
-            self._commit(committed[0])
-        if self.debug and not asked:
-            ledger.check_integrity()
-        now = self._clock()
-        s.report_seq, s.applied_seq, s.last_report = req.report_seq, req.applied_seq, now
-        self.recorder.arrive(arrived, now)
-        reply = pb.ReportReply(peek=asked)
-        self.recorder.record_all(
-            reply, [*decided, *admitted[open_pass.told :]], s, now, s.unapplied_idle
-        )
-        open_pass.told, open_pass.asked = len(admitted), asked
-        if not asked:  # the pass is over: its ledger is the ledger
-            self._commit(ledger)
-            s.open_pass = None
-            if ledger.head is not None and ledger.promised is None:
-                self.metrics.waits.inc()
-        reply.waiting = ledger.waiting_count()
         return self.recorder.close(reply, req, s, ledger, stalled)
 
     def _commit(self, ledger: Ledger) -> None:

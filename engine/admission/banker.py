@@ -1,4 +1,4 @@
-"""The banker policy: admission through the ledger (`AdmissionBackend`), never a preemption.
+"""The banker policy: admission through the ledger (`LedgerClient`), never a preemption.
 
 Each step, before asking for decisions, the engine pins the cached hit of the first waiting
 requests and reports it. Why pin rather than only protect: a remote backend may decide a step
@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 
 from kvbank.engine.admission.actions import Action, Preempt, Reject, Start
-from kvbank.engine.admission.backend import AdmissionBackend
 from kvbank.engine.admission.besteffort import BestEffort
 from kvbank.engine.admission.decisions import LedgerParts
 from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.request import Request
 from kvbank.ledger import Decision
+from kvbank.ledger.client import LedgerClient
 from kvbank.service_class import ClassPolicy
 
 
@@ -40,7 +40,7 @@ class BankerPolicy(AdmissionPolicy):
     honours_classes = True  # best-effort requests beside strict ones (besteffort.py)
     spares_head = True
 
-    def __init__(self, backend: AdmissionBackend, classes: ClassPolicy | None = None) -> None:
+    def __init__(self, backend: LedgerClient, classes: ClassPolicy | None = None) -> None:
         self.classes = classes or ClassPolicy()
         self._parts = LedgerParts()
         self._reader, self._pin = self._parts.reader, self._parts.pin

@@ -18,12 +18,12 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 from kvbank.engine.admission.actions import Action, Pin, Preempt, Reject
-from kvbank.engine.admission.backend import AdmissionBackend
 from kvbank.engine.admission.besteffort import BestEffort
 from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
 from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, UnknownRequest
+from kvbank.ledger.client import LedgerClient
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class DecisionReader:
     def admissions(
         self,
         view: AdmissionView,
-        backend: AdmissionBackend,
+        backend: LedgerClient,
         decisions: list[Decision],
         forget: Callable[[str], None],
     ) -> Iterator[Admission | Reject]:
@@ -94,7 +94,7 @@ class HeadPin:
     def grow(
         self,
         view: AdmissionView,
-        backend: AdmissionBackend,
+        backend: LedgerClient,
         budget: Callable[[], int],
         head: Request | None,
         sole_costs: bool = False,
@@ -130,7 +130,7 @@ class LedgerParts:
         self.reader = DecisionReader()
         self.pin = HeadPin()
 
-    def cancel(self, backend: AdmissionBackend, best_effort: BestEffort, req: Request) -> None:
+    def cancel(self, backend: LedgerClient, best_effort: BestEffort, req: Request) -> None:
         """A waiting request left: a best-effort one only the engine's queue knew of."""
         best_effort.leave_queue(req)
         if req.best_effort:
@@ -144,7 +144,7 @@ class LedgerParts:
     def shortage(
         name: str,
         view: AdmissionView,
-        backend: AdmissionBackend,
+        backend: LedgerClient,
         best_effort: BestEffort,
         req: Request,
         spared: bool,
@@ -163,5 +163,5 @@ class LedgerParts:
         )
 
     @staticmethod
-    def check(view: AdmissionView, backend: AdmissionBackend) -> None:
+    def check(view: AdmissionView, backend: LedgerClient) -> None:
         backend.check_integrity(*view.kv.ledger_supply())

@@ -1,7 +1,7 @@
 """Peak-fit admission in the engine: `peak`, `peak+backfill` and `banker+backfill` (the
 conservative reading with EASY backfill).
 
-The ledger (kvbank.ledger's `Ledger` with a `PeakPolicy`) sits behind a `PeakBackend`,
+The ledger (kvbank.ledger's `Ledger` with a `PeakPolicy`) sits behind a `LedgerClient`,
 reached one of two ways.
 
 - In step (the embedded ledger, and `kvbank bench --sidecar`'s blocking sidecar): one pass asks
@@ -13,7 +13,7 @@ reached one of two ways.
   then the ledger keeps the admission open-ended (it may start at any later step; see
   kvbank.ledger.open_ended), so the delay cannot break a promise. A pin takes pages off
   the supply (its idle pages) and off the returns of a request that held a page alone, so it
-  spends at most the ledger's headroom (`PeakBackend.headroom`), and the holders' exact
+  spends at most the ledger's headroom (`LedgerClient.headroom`), and the holders' exact
   exclusive counts go with the same report as the hit. Requests admitted behind the head (a
   second head, backfill) come with no hit and start without a lease, as the banker's do.
 
@@ -35,7 +35,6 @@ from dataclasses import replace
 
 from kvbank.engine import sequences as groups
 from kvbank.engine.admission.actions import Action, Preempt, Reject, Start
-from kvbank.engine.admission.backend import PeakBackend, embedded
 from kvbank.engine.admission.besteffort import BestEffort
 from kvbank.engine.admission.decisions import LedgerParts
 from kvbank.engine.admission.policy import AdmissionPolicy
@@ -43,6 +42,8 @@ from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
 from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, PeakPolicy
+from kvbank.ledger.client import LedgerClient, ask_in_order, embedded
+from kvbank.ledger.policy import PrefillPace
 from kvbank.mode import AdmissionMode
 from kvbank.service_class import ClassPolicy
 
@@ -56,7 +57,7 @@ class PeakFitPolicy(AdmissionPolicy):
     def __init__(
         self,
         mode: AdmissionMode,
-        backend: PeakBackend | None = None,
+        backend: LedgerClient | None = None,
         classes: ClassPolicy | None = None,
     ) -> None:
         self.classes = classes or ClassPolicy()
@@ -85,16 +86,16 @@ class PeakFitPolicy(AdmissionPolicy):
             backfill_depth=32,
             max_advance=1,
         )
+        self.backfill_depth = policy.backfill_depth
         if self._given is None:
-            self.backend: PeakBackend = embedded(view.kv.total_pages, policy=policy)
+            self.backend: LedgerClient = embedded(view.kv.total_pages, policy=policy)
         else:
             self.backend = self._given
             self.backend.configure(self.name, policy)
         # Decode rows take the budget first; capping the running set below the budget leaves
         # every step at least `prefill_rate` tokens for prefill, which bounds a prefill.
-        budget = view.max_batch_tokens
-        self.running_cap = max(1, min(view.max_running, budget - 1))
-        self.prefill_rate = max(1, budget - self.running_cap)
+        self.pace = PrefillPace.of(view.max_running, view.max_batch_tokens)
+        self.running_cap = self.pace.running_cap
         self.best_effort = BestEffort(self.classes, view, self.running_cap)
 
     # ---- arrivals and admission ----------------------------------------------------------------
@@ -132,26 +133,26 @@ class PeakFitPolicy(AdmissionPolicy):
             if r.num_tokens - r.num_computed > 1
         )
         own = req.num_tokens if req.group is None else groups.prefill_tokens(req)
-        later = 0 if req.group is None else 1
-        return -(-(ahead + own) // self.prefill_rate) + 1 + later
+        return self.pace.bound(ahead, own, later=0 if req.group is None else 1)
 
-    def _peek(self, rid: str) -> Hit | None:
+    def _try(self, req: Request) -> tuple[Hit | None, int | None]:
+        """What the ledger is asked for `req`: its cached hit (None: it cannot start this step,
+        for lack of budget or rows) and its prefill bound if admitted now."""
         view = self.view
-        req = view.waiting_by_rid.get(rid)
-        if req is None or not view.can_start() or self._rows(req) > self.running_cap:
-            return None
+        if not view.can_start() or self._rows(req) > self.running_cap:
+            return None, None
         chunks = self._prefill_bound(req)
         if req.peak_shape.prefill_chunks != chunks:
             req.peak_shape = replace(req.peak_shape, prefill_chunks=chunks)
-            self.backend.set_prefill_chunks(rid, chunks)
         kv = view.kv
         chains = kv.peek(req)
-        self._chains[rid] = chains
-        return Hit(
+        self._chains[req.rid] = chains
+        hit = Hit(
             sum(len(c) for c in chains.values()),
             kv.strict_idle_pages(chains),
             kv.strict_sole_pages(chains),
         )
+        return hit, chunks
 
     def _admitted(self, decision: Admitted) -> tuple[Request, int]:
         """The request an in-step admission starts, checked, with its prefill bound."""
@@ -177,7 +178,9 @@ class PeakFitPolicy(AdmissionPolicy):
             yield from self._apply(backend.poll(max(0, self.running_cap - rows)))
             yield from self.best_effort.admit()
             return
-        for decision in backend.admissions(self._peek):
+        queue = list(self.best_effort.strict)
+        passed = ask_in_order(backend, queue, _rid, self._try, self.backfill_depth)
+        for _, decision in passed:
             req, chunks = self._admitted(decision)
             chains = self._chains.pop(decision.rid)
             yield from self.best_effort.make_room(req, chains)
@@ -315,3 +318,7 @@ class PeakFitPolicy(AdmissionPolicy):
 
     def check_integrity(self) -> None:
         self._parts.check(self.view, self.backend)
+
+
+def _rid(req: Request) -> str:
+    return req.rid

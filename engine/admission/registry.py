@@ -5,26 +5,25 @@ is imported, so nothing depends on which policy module was imported first."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
 
-from kvbank.engine.admission.backend import AdmissionBackend, PeakBackend
 from kvbank.engine.admission.banker import BankerPolicy
 from kvbank.engine.admission.baselines import BASELINES
 from kvbank.engine.admission.peak import PeakFitPolicy
 from kvbank.engine.admission.policy import AdmissionPolicy
+from kvbank.ledger.client import LedgerClient
 from kvbank.mode import BANKER, LEDGER_MODES, AdmissionMode
 from kvbank.service_class import ClassPolicy
 
-PolicyFactory = Callable[[AdmissionBackend | None, ClassPolicy], AdmissionPolicy]
+PolicyFactory = Callable[[LedgerClient | None, ClassPolicy], AdmissionPolicy]
 
 
 def _ledger(mode: AdmissionMode) -> PolicyFactory:
-    def make(backend: AdmissionBackend | None, classes: ClassPolicy) -> AdmissionPolicy:
+    def make(backend: LedgerClient | None, classes: ClassPolicy) -> AdmissionPolicy:
         if mode == BANKER:
             if backend is None:
                 raise ValueError("the banker policy needs an admission backend")
             return BankerPolicy(backend, classes)
-        return PeakFitPolicy(mode, cast("PeakBackend | None", backend), classes)
+        return PeakFitPolicy(mode, backend, classes)
 
     return make
 
@@ -42,7 +41,7 @@ POLICIES: dict[str, PolicyFactory] = {
 
 
 def make_policy(
-    name: str, backend: AdmissionBackend | None = None, classes: ClassPolicy | None = None
+    name: str, backend: LedgerClient | None = None, classes: ClassPolicy | None = None
 ) -> AdmissionPolicy:
     """The policy `name`; `classes` are the pool's class settings, for the policies that honour
     classes (engine/admission/besteffort.py)."""

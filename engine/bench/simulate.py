@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbank.engine.admission.backend import AdmissionBackend
 from kvbank.engine.bench.outcomes import Outcome, RowObserver, admission_by_class, class_metrics
 from kvbank.engine.bench.scenario import Scenario
 from kvbank.engine.bench.virtual import VirtualRunner
@@ -22,6 +21,7 @@ from kvbank.engine.bench.workload import Arrivals, RequestSpec
 from kvbank.engine.engine import Engine, EngineConfig, RequestRejected
 from kvbank.engine.request import FinishReason
 from kvbank.ledger import InvariantBreach, LedgerError
+from kvbank.ledger.client import LedgerClient
 from kvbank.service_class import ClassPolicy
 
 DEADLOCK_S = 30.0
@@ -51,7 +51,7 @@ def run_policy(
     policy: str,
     debug: bool = False,
     progress: bool = False,
-    backend: AdmissionBackend | None = None,
+    backend: LedgerClient | None = None,
     prepare: Callable[[Engine], None] | None = None,
     after_step: Callable[[], None] | None = None,
     classes: ClassPolicy | None = None,

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from kvbank.capacity import CapacityModel
-from kvbank.engine.admission.backend import AdmissionBackend
 from kvbank.engine.engine import Engine, EngineConfig
 from kvbank.engine.model.attention import default_attention
 from kvbank.engine.model.builtin import builtin_model_dir
@@ -23,6 +22,7 @@ from kvbank.engine.model.llama import Parallel
 from kvbank.engine.model.loader import DTYPES, load_model
 from kvbank.engine.model.runner import TorchRunner
 from kvbank.engine.model.tokenizer import Tokenizer
+from kvbank.ledger.client import LedgerClient
 from kvbank.modelpool import DEFAULT_POLICY, KvSlot
 from kvbank.service_class import (
     DEFAULT_MAX_PREEMPTIONS,
@@ -119,7 +119,7 @@ def sidecar_backend(
     token: str | None = None,
     tls_ca: bytes | None = None,
     tls_server_name: str | None = None,
-) -> AdmissionBackend:
+) -> LedgerClient:
     """The gRPC backend of `kvbank.sidecar.backend`, non-blocking under every policy: the step
     loop never waits on the sidecar; its decisions are applied at a later step. The sidecar is
     asked once here, so a wrong token, certificate or address ends start-up with a message
@@ -133,7 +133,7 @@ def sidecar_backend(
             f"reach a sidecar with ({exc}); run without --sidecar to admit with the embedded "
             f"ledger"
         ) from exc
-    backend: AdmissionBackend = connect(
+    backend: LedgerClient = connect(
         address,
         total_pages,
         blocking=False,
@@ -145,7 +145,7 @@ def sidecar_backend(
     return backend
 
 
-def options_sidecar_backend(options: ServeOptions) -> AdmissionBackend:
+def options_sidecar_backend(options: ServeOptions) -> LedgerClient:
     """The sidecar backend `--sidecar` (with its token and CA files) asks for."""
     assert options.sidecar is not None
     token, ca = None, None
@@ -175,7 +175,7 @@ def check_sidecar(options: ServeOptions) -> None:
 def build_stack(
     options: ServeOptions,
     parallel: Parallel | None = None,
-    backend: AdmissionBackend | None = None,
+    backend: LedgerClient | None = None,
     model_dir: Path | None = None,
     device_index: int | None = None,
 ) -> Stack:

@@ -41,6 +41,7 @@ from kvbank.engine.tp.sync import (
     Plan,
     RecordingBackend,
 )
+from kvbank.mode import LEDGER_MODE_NAMES
 
 log = logging.getLogger("kvbank.tp")
 
@@ -172,14 +173,14 @@ def _leader(
     port: int,
     device_index: int | None,
 ) -> int:
-    from kvbank.engine.admission.backend import embedded
     from kvbank.engine.serve.command import serve_stack
     from kvbank.engine.serve.stack import build_stack, options_sidecar_backend
+    from kvbank.ledger.client import embedded
 
-    # The followers replay rank 0's backend: the banker's always, a peak-fit one when it is in
-    # the sidecar (deferred). An embedded peak-fit ledger runs on every rank alike instead.
+    # The followers replay rank 0's backend, under every ledger policy, its own or its
+    # sidecar's: each answer it gave is recorded for the step's plan.
     recording = None
-    if options.policy == "banker" or options.sidecar:
+    if options.policy in LEDGER_MODE_NAMES:
         inner = (options_sidecar_backend(options) if options.sidecar
                  else embedded(options.pages, debug=options.debug))  # fmt: skip
         recording = RecordingBackend(inner)
@@ -265,8 +266,8 @@ def _follower(
     backend: Any = None
     if options.policy == "banker":
         backend = FollowerBackend(options.pages, options.debug)
-    elif options.sidecar:
-        backend = PeakFollowerBackend()
+    elif options.policy in LEDGER_MODE_NAMES:
+        backend = PeakFollowerBackend(defers=bool(options.sidecar))
     # Decisions come from rank 0's plans over the process group, not from a sidecar: a pod's
     # own sidecar, rendered beside every rank, is not asked (see docs/operator.md).
     follower_options = dataclasses.replace(options, sidecar=None)

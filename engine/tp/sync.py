@@ -7,6 +7,9 @@ Every engine step is one exchange over the process group, in the same order on e
    step. A follower applies the same adds and aborts, then steps its own engine with a
    `FollowerBackend` that hands its banker policy exactly those decisions, poll by poll, after
    checking them against its own ledger (same head, same sequence order, admissible).
+   Under peak-fit a follower's `PeakFollowerBackend` replays the answers rank 0's backend gave
+   (to each in-step question, each poll, the pin budget), in order: one strategy whether rank
+   0's ledger is its own or its sidecar's.
 2. every rank all-gathers a digest of the batch it scheduled (or of the error it hit). Any
    difference raises `TPDiverged` on every rank at once, with each rank's digest in the message:
    no rank asserts alone and none is left waiting in a collective.
@@ -26,9 +29,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from kvbank.engine.admission.backend import AdmissionBackend, EmbeddedBackend
 from kvbank.engine.runner import SamplingParams, StepBatch, StepResult
 from kvbank.ledger import Admitted, Decision, Hit, Ledger, PeakShape
+from kvbank.ledger.client import EmbeddedClient, LedgerClient
 from kvbank.service_class import ServiceClass
 
 IDLE = "idle"
@@ -104,8 +107,18 @@ class Headroom:
     pages: int
 
 
-# One answer of rank 0's backend, in call order: decisions (poll, collect), settled(), headroom().
-Answer = list[Decision] | bool | Headroom
+@dataclass(frozen=True)
+class Tried:
+    """Rank 0's answer to one in-step question (`try_admit`), and whether backfilling went on."""
+
+    rid: str
+    decision: Admitted | None
+    backfilling: bool
+
+
+# One answer of rank 0's backend, in call order: decisions (poll, collect), settled(),
+# headroom(), and the answers to the questions it asked in step.
+Answer = list[Decision] | bool | Headroom | Tried
 
 
 class RecordingBackend:
@@ -113,7 +126,7 @@ class RecordingBackend:
     follower must replay recorded for the step's plan: decisions, whether admission was
     settled, and (peak-fit over a sidecar) the pin budget. The peak-fit events pass through."""
 
-    def __init__(self, inner: AdmissionBackend) -> None:
+    def __init__(self, inner: LedgerClient) -> None:
         self.inner = inner
         self.polls: list[Answer] = []
 
@@ -130,6 +143,17 @@ class RecordingBackend:
         pages = int(self.inner.headroom())  # type: ignore[attr-defined]
         self.polls.append(Headroom(pages))
         return pages
+
+    def try_admit(
+        self, rid: str, hit: Hit | None, prefill_chunks: int | None = None
+    ) -> Admitted | None:
+        decision = self.inner.try_admit(rid, hit, prefill_chunks)
+        self.polls.append(Tried(rid, decision, self.inner.backfilling()))
+        return decision
+
+    def backfilling(self) -> bool:
+        last = self.polls[-1] if self.polls else None
+        return isinstance(last, Tried) and last.backfilling
 
     def take_polls(self) -> list[Answer]:
         polls, self.polls = self.polls, []
@@ -195,7 +219,7 @@ class FollowerBackend:
     be applied here."""
 
     def __init__(self, total_pages: int, debug: bool = False) -> None:
-        self.embedded = EmbeddedBackend(Ledger(total_pages, debug=debug))
+        self.embedded = EmbeddedClient(Ledger(total_pages, debug=debug))
         self.ledger = self.embedded.ledger
         self._planned: list[Answer] = []
         self._last_seq = -1
@@ -248,7 +272,8 @@ class FollowerBackend:
                     ledger.cancel(decision.rid)
                 continue
             head = ledger.head
-            if head != decision.rid or not ledger.can_admit_head(decision.hit):
+            admitted = ledger.try_admit(head, decision.hit) if head == decision.rid else None
+            if admitted is None:
                 snap = ledger.snapshot()
                 raise TPDiverged(
                     f"this follower cannot apply rank 0's admission {decision.seq} of "
@@ -256,20 +281,20 @@ class FollowerBackend:
                     f"its head is {head!r}, outstanding {snap.outstanding}, supply "
                     f"{snap.supply}"
                 )
-            ledger.admit_head(decision.hit)
         return decisions
 
 
 class PeakFollowerBackend:
-    """A follower's backend under a peak-fit ledger in rank 0's sidecar: it decides nothing and
-    keeps no ledger. It replays rank 0's answers in order (decisions, settled, the pin budget),
-    so the follower's policy pins, starts and reports exactly as rank 0's did; its events go
+    """A follower's backend under a peak-fit ledger, rank 0's own or its sidecar's (`defers`:
+    as rank 0's backend does): it decides nothing and keeps no ledger. It replays rank 0's
+    answers in order (the answers to its questions, decisions, settled, the pin budget), so
+    the follower's policy asks, pins, starts and reports exactly as rank 0's did; its events go
     nowhere. A follower asking what rank 0 did not ask has diverged."""
 
-    defers = True
-
-    def __init__(self) -> None:
+    def __init__(self, defers: bool) -> None:
+        self.defers = defers
         self._planned: list[Answer] = []
+        self._backfilling = False
 
     def expect(self, polls: list[Answer]) -> None:
         left = [d for batch in self._planned if isinstance(batch, list) for d in batch]
@@ -285,6 +310,19 @@ class PeakFollowerBackend:
             )
         assert answer is not None
         return answer
+
+    def try_admit(
+        self, rid: str, hit: Hit | None, prefill_chunks: int | None = None
+    ) -> Admitted | None:
+        answer = self._next(Tried)
+        assert isinstance(answer, Tried)
+        if answer.rid != rid:
+            raise TPDiverged(f"this rank asked about {rid!r} where rank 0 asked {answer.rid!r}")
+        self._backfilling = answer.backfilling
+        return answer.decision
+
+    def backfilling(self) -> bool:
+        return self._backfilling
 
     def poll(self, room: int) -> list[Decision]:
         return self._next(list) if self._planned else []  # type: ignore[return-value]
@@ -308,7 +346,6 @@ class PeakFollowerBackend:
     def release(self, rid: str) -> None: ...
     def give_back(self, *args: Any) -> None: ...
     def set_supply(self, free: int, evictable: int) -> None: ...
-    def set_prefill_chunks(self, rid: str, chunks: int) -> None: ...
     def advance(self, *args: Any) -> None: ...
     def start(self, rid: str, prefill_chunks: int) -> None: ...
     def set_exclusive(self, rid: str, pages: int) -> None: ...
@@ -323,9 +360,6 @@ class PeakFollowerBackend:
 
     def outstanding(self) -> int:
         return 0
-
-    def admit_pass(self, peek: Any, started: Any) -> None:
-        raise TPDiverged("a peak-fit follower replays rank 0's deferred decisions; it runs no pass")
 
 
 class LeaderRunner:

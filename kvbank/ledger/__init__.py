@@ -9,7 +9,7 @@ records and errors callers pass, get back and catch).
 
 from kvbank.ledger.books import pool_usable_pages
 from kvbank.ledger.giveback import give_back
-from kvbank.ledger.ledger import Ledger, Peek
+from kvbank.ledger.ledger import Ledger
 from kvbank.ledger.policy import PeakPolicy
 from kvbank.ledger.shape import NEVER, PeakShape, peak_shape
 from kvbank.ledger.timeline import Timeline, open_ended
@@ -44,7 +44,6 @@ __all__ = [
     "NotAdmissible",
     "PeakPolicy",
     "PeakShape",
-    "Peek",
     "Refused",
     "Reservation",
     "Timeline",

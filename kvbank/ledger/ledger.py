@@ -21,7 +21,8 @@ else the trivial kvbank/ledger/conservative.py); backfill is a function over bot
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import TypeVar
 
 from kvbank.capacity import SINK_PAGES, refusal_message
@@ -37,13 +38,11 @@ from kvbank.ledger.types import (
     Hit,
     InvalidPages,
     LedgerSnapshot,
-    NotAdmissible,
     Refused,
     Reservation,
 )
 
 AnyTimeline = Timeline | ConservativeTimeline
-Peek = Callable[[str], Hit | None]
 _D = TypeVar("_D", Admitted, Refused)
 
 
@@ -65,15 +64,16 @@ class Ledger:
         self.timeline: AnyTimeline = ConservativeTimeline() if policy is None else Timeline(policy)
         self.books = Books(total_pages, free, evictable, next_seq)
         self.debug = debug
-        # The last backfill promise: (head, steps from the pass that made it), None when none holds.
+        # The refused head's promise while it holds: (head, steps from when it was made).
         self.promised: tuple[str, int] | None = None
+        self._backfill: backfill.Promise | None = None
 
     def copy(self) -> Ledger:
         """An independent ledger in the same state: a caller that applies a batch of changes
         all-or-nothing keeps one to go back to. Costs O(waiting + running)."""
         twin = Ledger.__new__(Ledger)
         twin.books, twin.timeline = self.books.copy(), self.timeline.copy()
-        twin.debug, twin.promised = self.debug, self.promised
+        twin.debug, twin.promised, twin._backfill = self.debug, self.promised, self._backfill
         return twin
 
     # ---- reading -------------------------------------------------------------------------------
@@ -116,6 +116,10 @@ class Ledger:
 
     def waiting_count(self) -> int:
         return len(self.books.waiting)
+
+    def waiting_rids(self) -> list[str]:
+        """The waiting requests, FIFO."""
+        return list(self.books.waiting)
 
     def is_waiting(self, rid: str) -> bool:
         return rid in self.books.waiting
@@ -178,29 +182,73 @@ class Ledger:
         """The shape a waiting request was submitted with (None: none was given)."""
         return self.books.waiting_entry(rid).shape
 
-    def set_shape(self, rid: str, shape: PeakShape) -> None:
-        """Replace a waiting request's shape (its prefill bound depends on the queue ahead of
-        it when it is admitted). The worst-case pages must stay the same."""
-        waiting = self.books.waiting_entry(rid)
-        if shape.pages != waiting.pages:
-            raise InvalidPages(
-                f"request {rid!r}: the new shape counts {shape.pages} worst-case pages but it "
-                f"was submitted with {waiting.pages}"
-            )
-        waiting.shape = shape
-
     def cancel(self, rid: str) -> None:
         """Drop a waiting request (its client went away before admission)."""
         self.books.waiting_entry(rid)
+        if rid == self.books.head:
+            self._forget_promise()
         del self.books.waiting[rid]
 
     # ---- admission -----------------------------------------------------------------------------
 
-    def can_admit_head(self, hit: Hit = NO_HIT, deferred: bool = False) -> bool:
-        rid = self.head
-        if rid is None:
-            return False
-        return self._fits(self.books.waiting[rid], hit, deferred)
+    def try_admit(
+        self,
+        rid: str,
+        hit: Hit | None = NO_HIT,
+        prefill_chunks: int | None = None,
+        deferred: bool = False,
+    ) -> Admitted | None:
+        """Admit the waiting request `rid` if it may start now, leasing its cached `hit`; None
+        is an answer too: it waits, and is asked again at a later step. The caller asks in its
+        queue's order (which is the ledger's, FIFO) and acts on each admission (leases its hit,
+        takes its pages) before the next question.
+
+        - The head is admitted when it fits. A refused head (with backfill) gets a promise: the
+          earliest step at which it surely fits. It holds until the step ends or the head
+          changes.
+        - A request behind the head is admitted only while a promise holds, among the
+          `backfill_depth` requests that followed the head when it was made, and only when it
+          cannot delay that step (kvbank/ledger/backfill.py). A stale hit there is an answer
+          of None, not an error: the request waits for its turn.
+
+        `hit=None`: the caller cannot start the request this step (no room); it is not
+        admitted, but a head asked so still gets its promise. `prefill_chunks`: its worst-case
+        prefill steps if admitted now (they depend on the prefill queued ahead of it), kept in
+        its shape. `deferred`: the engine reads this decision later (a sidecar's engine that
+        does not wait) and starts it at a step the ledger cannot know; with a policy, it is
+        kept open-ended (kvbank/ledger/timeline.py `open_ended`) until the engine reports
+        `start`."""
+        books = self.books
+        waiting = books.waiting_entry(rid)
+        if prefill_chunks is not None:
+            books.check_pages(prefill_chunks, "prefill_chunks", bounded=False)
+            if waiting.shape is not None and waiting.shape.prefill_chunks != prefill_chunks:
+                waiting.shape = replace(waiting.shape, prefill_chunks=prefill_chunks)
+        if rid == books.head:
+            self._forget_promise()
+            if hit is not None:
+                books.check_hit(hit, waiting.pages)
+                if self._fits(waiting, hit, deferred):
+                    return self._admit(rid, hit, deferred)
+            self._promise(rid, deferred)
+            return None
+        held = self._backfill
+        if hit is None or held is None or rid not in held.window:
+            return None
+        try:
+            books.check_hit(hit, waiting.pages)
+        except InvalidPages:
+            return None
+        timeline = self.timeline
+        shape = timeline.shape_of(waiting, deferred)
+        if not timeline.fits_behind(held.shape, held.start, shape, hit, books.supply):
+            return None
+        return self._admit(rid, hit, deferred)
+
+    def backfilling(self) -> bool:
+        """Whether a refused head's promise holds, so a request behind it may still be admitted
+        this step (`try_admit`)."""
+        return self._backfill is not None
 
     def _fits(self, waiting: Waiting, hit: Hit, deferred: bool) -> bool:
         books, timeline = self.books, self.timeline
@@ -210,22 +258,15 @@ class Ledger:
             return False
         return timeline.fits(timeline.shape_of(waiting, deferred), hit, books.supply)
 
-    def admit_head(self, hit: Hit = NO_HIT, deferred: bool = False) -> Admitted:
-        """Admit the head, leasing its cached hit. Raises NotAdmissible when it does not fit.
-        `deferred`: see `admissions`."""
-        books = self.books
-        rid = books.head
-        if rid is None:
-            raise NotAdmissible("no request is waiting")
-        pages = books.waiting[rid].pages
-        books.check_hit(hit, pages)
-        if not self.can_admit_head(hit, deferred):
-            raise NotAdmissible(
-                f"request {rid!r} needs {pages - hit.pages} pages beyond its {hit.pages}-page "
-                f"hit; outstanding {books.outstanding} + that exceeds supply {books.supply} - "
-                f"{hit.idle_pages} leased idle pages"
-            )
-        return self._admit(rid, hit, deferred)
+    def _promise(self, head: str, deferred: bool) -> None:
+        if not self.timeline.backfill:
+            return
+        made = backfill.promise(self.books, self.timeline, head, deferred)
+        if made is not None:
+            self._backfill, self.promised = made, (head, made.start)
+
+    def _forget_promise(self) -> None:
+        self._backfill, self.promised = None, None
 
     def _admit(self, rid: str, hit: Hit, deferred: bool) -> Admitted:
         books = self.books
@@ -236,51 +277,6 @@ class Ledger:
         books.evictable -= hit.idle_pages  # the lease takes idle cached pages off the supply
         self.timeline.add(rid, waiting.shape, pages, hit, deferred=deferred)
         return self._decide(Admitted(rid, books.next_seq, pages, hit))
-
-    def admissions(self, peek: Peek, deferred: bool = False) -> Iterator[Admitted]:
-        """Admit heads in FIFO order while they fit, then (with backfill) the requests behind a
-        blocked head that cannot delay it, yielding each admission. `peek(rid)` gives the hit
-        of the request tried, computed afresh each time without touching the prefix index's
-        LRU; None when the caller cannot tell it (a remote engine reported hits for the first
-        few waiting requests only), which stops admission there. The caller acts on each
-        admission (leases its hit, takes its pages) before asking for the next.
-
-        `deferred`: the engine reads these decisions later (a sidecar's engine that does not
-        wait) and starts each at a step the ledger cannot know; with a policy, each is tested
-        and kept open-ended (kvbank/ledger/timeline.py `open_ended`) until the engine reports
-        `start`."""
-        while (rid := self.head) is not None:
-            hit = peek(rid)
-            if hit is None or not self.can_admit_head(hit, deferred):
-                break
-            yield self.admit_head(hit, deferred)
-        self.promised = None
-        timeline = self.timeline
-        if rid is None or not timeline.backfill:
-            return
-        promised = backfill.promise(self.books, timeline, rid, deferred)
-        if promised is None:
-            return
-        head, start = promised
-        self.promised = (rid, start)
-        depth = timeline.backfill_depth
-        for later, hit in backfill.behind(self.books, timeline, head, start, peek, depth, deferred):
-            yield self._admit(later, hit, deferred)
-
-    def admit_ready(
-        self,
-        peek: Peek = lambda rid: NO_HIT,
-        started: Callable[[Admitted], None] | None = None,
-        deferred: bool = False,
-    ) -> list[Admitted]:
-        """Every admission `admissions` makes, as a list; `started(decision)` runs after each,
-        before the next peek."""
-        admitted = []
-        for decision in self.admissions(peek, deferred):
-            admitted.append(decision)
-            if started is not None:
-                started(decision)
-        return admitted
 
     def restore(self, rid: str, reserved: int, held: int) -> Reservation:
         """Re-register a request that was admitted before this ledger existed (a sidecar that
@@ -387,6 +383,7 @@ class Ledger:
         """Close a step; returns the running requests that did not advance in it (then the
         ledger admits conservatively until a step in which all of them advance)."""
         stalled = self.timeline.end_step()
+        self._forget_promise()  # made for this step's admissions
         if self.debug:
             self.check_integrity()
         return stalled

@@ -4,8 +4,9 @@ ledger must be told as vLLM's blocks move.
 vLLM's waiting queue holds only requests the ledger admitted; the others wait here, in arrival
 order (FIFO, as the ledger decides). Each step, before vLLM schedules:
 
-1. The admission pass asks the ledger for the head (and, with backfill, later requests) with
-   each candidate's cached hit, read from vLLM's prefix cache without touching it.
+1. The admission pass (`ask_in_order`, kvbank/ledger/client.py, the one kvbank's own engine
+   runs) asks the ledger about the head (and, with backfill, later requests) with each one's
+   cached hit, read from vLLM's prefix cache without touching it, and its prefill bound.
 2. An admitted request's hit blocks are pinned (their reference count raised) at once, so
    nothing vLLM allocates before the request is scheduled can evict them; the pin is dropped
    once vLLM has given the request its own reference. Blocks only the cache held (idle) leave
@@ -35,6 +36,8 @@ from typing import Any
 
 from kvbank.capacity import CapacityModel, RequestShape, count_pages, refusal
 from kvbank.ledger import Admitted, Hit, InvariantBreach, UnknownRequest, peak_shape
+from kvbank.ledger.client import LedgerClient, ask_in_order
+from kvbank.ledger.policy import PrefillPace
 from kvbank.vllm.layout import LABEL
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,9 @@ class Admission:
     """The ledger's side of `KvbankScheduler`; it holds the backend and the waiting requests,
     and reads vLLM's scheduler state (`sched`) without changing its logic."""
 
-    def __init__(self, sched: Any, model: CapacityModel, backend: Any, policy: str) -> None:
+    def __init__(
+        self, sched: Any, model: CapacityModel, backend: LedgerClient, policy: str, depth: int
+    ) -> None:
         self.sched = sched
         self.model = model
         self.backend = backend
@@ -67,9 +72,8 @@ class Admission:
         self.refused: list[tuple[str, str]] = []  # (rid, why), for the caller to finish
         self.preemptions = 0  # of admitted requests: must stay 0
         self.stalled_steps = 0
-        budget = sched.max_num_scheduled_tokens
-        self.running_cap = max(1, min(sched.max_num_running_reqs, budget - 1))
-        self.prefill_rate = max(1, budget - self.running_cap)
+        self.pace = PrefillPace.of(sched.max_num_running_reqs, sched.max_num_scheduled_tokens)
+        self.depth = depth
         self._peeked: dict[str, list[Any]] = {}
         self._sharing_changed = False
 
@@ -114,7 +118,8 @@ class Admission:
         sched.running.sort(key=lambda r: r.num_tokens_with_spec - r.num_computed_tokens > 1)
         self._sync_supply()
         if self.waiting:
-            for admitted in self.backend.admissions(self._peek):
+            queue = list(self.waiting.values())
+            for _, admitted in ask_in_order(self.backend, queue, _rid, self._ask, self.depth):
                 self._started(admitted)
         self._peeked.clear()
 
@@ -129,17 +134,16 @@ class Admission:
             if e.chunks is not None
         )
 
-    def _peek(self, rid: str) -> Hit | None:
-        request = self.waiting.get(rid)
-        if request is None or self._in_flight() >= self.running_cap:
-            return None
-        if self.peak:
-            chunks = -(-(self._prefill_ahead() + request.num_tokens) // self.prefill_rate) + 1
-            self.backend.set_prefill_chunks(rid, chunks)
+    def _ask(self, request: Any) -> tuple[Hit | None, int | None]:
+        """The ledger's question for `request`: its shared cached hit (None: the running cap
+        is reached) and its prefill bound if admitted now."""
+        if self._in_flight() >= self.pace.running_cap:
+            return None, None
+        chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens) if self.peak else None
         blocks = list(self.sched.kv_cache_manager.get_computed_blocks(request)[0].blocks[0])
-        self._peeked[rid] = blocks
+        self._peeked[request.request_id] = blocks
         shared = [b for b in blocks if b.ref_cnt > 0]
-        return Hit(len(shared), 0, sum(1 for b in shared if b.ref_cnt == 1))
+        return Hit(len(shared), 0, sum(1 for b in shared if b.ref_cnt == 1)), chunks
 
     def _started(self, decision: Admitted) -> None:
         rid = decision.rid
@@ -150,7 +154,7 @@ class Admission:
         idle = sum(1 for b in pin if b.ref_cnt == 0)
         chunks = None
         if self.peak:
-            chunks = -(-(self._prefill_ahead() + request.num_tokens) // self.prefill_rate) + 1
+            chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens)
         self.pool.touch(pin)
         self.admitted[rid] = Entry(request, decision.hit.pages, pin, chunks)
         if idle:
@@ -271,3 +275,7 @@ def _running() -> Any:
     from vllm.v1.request import RequestStatus
 
     return RequestStatus.RUNNING
+
+
+def _rid(request: Any) -> str:
+    return str(request.request_id)

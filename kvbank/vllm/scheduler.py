@@ -28,6 +28,8 @@ from kvbank.vllm.layout import GroupSpec, UnsupportedLayout, capacity_model, che
 from kvbank.vllm.settings import Settings, from_env
 
 log = logging.getLogger(__name__)
+# Requests tried behind a refused head each step, as kvbank's own engine tries.
+BACKFILL_DEPTH = 32
 
 
 def kv_groups(kv_cache_config: Any) -> list[GroupSpec]:
@@ -51,9 +53,11 @@ def make_backend(
     one loopback round trip, so the sidecar decides on the state vLLM has at that moment)."""
     peak = None
     if settings.policy != "banker":
-        peak = PeakPolicy(page_size, lookahead, settings.peak, settings.backfill, backfill_depth=32)
+        peak = PeakPolicy(
+            page_size, lookahead, settings.peak, settings.backfill, backfill_depth=BACKFILL_DEPTH
+        )
     if settings.sidecar is None:
-        from kvbank.engine.admission.backend import embedded
+        from kvbank.ledger.client import embedded
 
         return embedded(total_pages, policy=peak)
     from kvbank.sidecar.backend import connect
@@ -99,7 +103,7 @@ class KvbankScheduler(Scheduler):
         total = self.kv_cache_manager.block_pool.num_gpu_blocks
         if backend is None:
             backend = make_backend(settings, total, self.block_size, lookahead)
-        self.kvbank = Admission(self, model, backend, settings.policy)
+        self.kvbank = Admission(self, model, backend, settings.policy, BACKFILL_DEPTH)
         self._kvbank_refusing: set[str] = set()  # refused, finished by the next step
         log.info(
             "kvbank admission: %s, %s ledger, %d pages of %d tokens",

@@ -62,7 +62,7 @@ def test_the_core_install_runs_the_sidecar_check_and_the_ledger(core_venv: Path)
         "import kvbank.sidecar.server\n"
         "from kvbank.ledger import Ledger, PeakPolicy\n"
         "ledger = Ledger(64, policy=PeakPolicy(16))\n"
-        "assert ledger.submit('r', 8) is None and ledger.admit_ready()[0].rid == 'r'\n"
+        "assert ledger.submit('r', 8) is None and ledger.try_admit('r').rid == 'r'\n"
         "print('ok')"
     )
     imported = run(core_venv, "python", "-c", code)

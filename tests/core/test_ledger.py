@@ -1,6 +1,7 @@
 """The banker's ledger with exact numbers: admission, leases, growth, release, refusals."""
 
 import pytest
+from ledger_pass import admit_all
 
 from kvbank.capacity import CapacityModel, RequestShape, count_pages
 from kvbank.ledger import (
@@ -11,7 +12,6 @@ from kvbank.ledger import (
     InvalidPages,
     InvariantBreach,
     Ledger,
-    NotAdmissible,
     Refused,
     UnknownRequest,
 )
@@ -32,7 +32,7 @@ class TestSeedRepro:
         ledger = make_ledger()
         for i in range(32):
             assert ledger.submit(f"r{i}", self.worst) is None
-        assert [a.rid for a in ledger.admit_ready()] == ["r0"]
+        assert [a.rid for a in admit_all(ledger)] == ["r0"]
 
     def test_with_the_hit_leased_three_run_at_once(self) -> None:
         ledger = make_ledger()
@@ -46,8 +46,10 @@ class TestSeedRepro:
             return Hit(59, 0 if holders else 59)
 
         admitted = []
-        while ledger.can_admit_head(peek(ledger.head or "")):
-            admitted.append(ledger.admit_head(peek(ledger.head or "")))
+        while (
+            decision := ledger.try_admit(ledger.head or "", peek(ledger.head or ""))
+        ) is not None:
+            admitted.append(decision)
             holders += 1
         # r0 leases the 59 idle pages (supply 95 - 59 = 36) and still needs 11; each later
         # request shares the leased prefix and needs 11 more: 3 x 11 = 33 <= 36 < 44.
@@ -62,7 +64,7 @@ class TestSeedRepro:
             ledger.submit(f"r{i}", self.worst)
         order = []
         while ledger.waiting_count():
-            for decision in ledger.admit_ready():
+            for decision in admit_all(ledger):
                 order.append(decision.rid)
                 ledger.take(decision.rid, self.worst)  # grows to its full reservation
             for res in ledger.running():
@@ -75,30 +77,29 @@ class TestAdmission:
     def test_head_only_fifo_a_small_request_waits_behind_a_big_one(self) -> None:
         ledger = make_ledger(101)  # 100 usable
         ledger.submit("big-running", 60)
-        ledger.admit_ready()
+        admit_all(ledger)
         ledger.submit("big", 60)
         ledger.submit("small", 5)
-        assert ledger.admit_ready() == []
+        assert admit_all(ledger) == []
         assert ledger.head == "big"
 
     def test_admission_is_outstanding_plus_need_against_supply_minus_idle_hit(self) -> None:
         ledger = make_ledger(101, free=50, evictable=50)
         ledger.submit("x", 15)
-        ledger.admit_ready()
+        admit_all(ledger)
         ledger.submit("a", 90)
         # An idle hit saves nothing: its pages leave the supply as they are leased.
         # 15 + (90 - 40) = 65 > 100 - 40
-        assert not ledger.can_admit_head(Hit(40, 40))
+        assert ledger.try_admit("a", Hit(40, 40)) is None
         # A hit a running request already holds is shared: 65 <= 100
-        assert ledger.can_admit_head(Hit(40, 0))
-        admitted = ledger.admit_head(Hit(40, 0))
+        admitted = ledger.try_admit("a", Hit(40, 0))
         assert admitted == Admitted("a", 1, 90, Hit(40, 0))
         assert (ledger.outstanding, ledger.free, ledger.evictable) == (65, 50, 50)
 
     def test_leasing_an_idle_hit_takes_it_off_the_evictable_supply(self) -> None:
         ledger = make_ledger(101, free=50, evictable=50)
         ledger.submit("a", 90)
-        ledger.admit_head(Hit(40, 40))
+        assert ledger.try_admit("a", Hit(40, 40)) is not None
         assert (ledger.outstanding, ledger.free, ledger.evictable) == (50, 50, 10)
 
     def test_a_request_the_pool_can_never_hold_is_refused_at_once(self) -> None:
@@ -117,30 +118,43 @@ class TestAdmission:
     def test_a_full_pool_request_fits_exactly(self) -> None:
         ledger = make_ledger(96)
         assert ledger.submit("exact", 95) is None
-        assert [a.rid for a in ledger.admit_ready()] == ["exact"]
+        assert [a.rid for a in admit_all(ledger)] == ["exact"]
 
     def test_decisions_carry_increasing_sequence_numbers(self) -> None:
         ledger = make_ledger(100)
         for rid in "abc":
             ledger.submit(rid, 10)
-        assert [a.seq for a in ledger.admit_ready()] == [0, 1, 2]
+        assert [a.seq for a in admit_all(ledger)] == [0, 1, 2]
 
-    def test_admit_head_when_it_does_not_fit_raises_and_changes_nothing(self) -> None:
+    def test_a_head_that_does_not_fit_is_answered_none_and_nothing_changes(self) -> None:
         ledger = make_ledger(20)
         ledger.submit("a", 15)
-        ledger.admit_ready()
+        admit_all(ledger)
         ledger.submit("b", 15)
         before = ledger.snapshot()
-        with pytest.raises(NotAdmissible, match="outstanding 15"):
-            ledger.admit_head()
+        assert ledger.try_admit("b", NO_HIT) is None
         assert ledger.snapshot() == before
+
+    def test_a_try_for_a_request_that_is_not_waiting_raises(self) -> None:
+        ledger = make_ledger(20)
+        ledger.submit("a", 5)
+        with pytest.raises(UnknownRequest):
+            ledger.try_admit("zz", NO_HIT)
+
+    def test_a_request_behind_the_head_is_not_admitted_without_a_promise(self) -> None:
+        ledger = make_ledger(20)
+        ledger.submit("a", 15)
+        ledger.submit("b", 2)
+        # Behind the head, before the head was asked (no promise): not now, even though it fits.
+        assert ledger.try_admit("b", NO_HIT) is None
+        assert ledger.try_admit("a", NO_HIT) is not None
 
 
 class TestRunning:
     def test_take_and_release(self) -> None:
         ledger = make_ledger(101)
         ledger.submit("a", 30)
-        ledger.admit_ready()
+        admit_all(ledger)
         ledger.take("a", 10)
         assert (ledger.outstanding, ledger.supply) == (20, 90)
         res = ledger.release("a")
@@ -152,14 +166,14 @@ class TestRunning:
     def test_take_evicts_after_free_runs_out(self) -> None:
         ledger = make_ledger(101, free=5, evictable=95)
         ledger.submit("a", 30)
-        ledger.admit_ready()
+        admit_all(ledger)
         ledger.take("a", 8)
         assert (ledger.free, ledger.evictable) == (0, 92)
 
     def test_taking_more_than_reserved_is_refused_and_changes_nothing(self) -> None:
         ledger = make_ledger(101)
         ledger.submit("a", 30)
-        ledger.admit_ready()
+        admit_all(ledger)
         ledger.take("a", 25)
         before = ledger.snapshot()
         with pytest.raises(InvalidPages, match="may take at most 5 more"):
@@ -190,7 +204,7 @@ class TestBadInput:
     def test_absurd_growth_is_refused(self) -> None:
         ledger = make_ledger()
         ledger.submit("a", 10)
-        ledger.admit_ready()
+        admit_all(ledger)
         with pytest.raises(InvalidPages, match="exceeds the pool's 96 pages"):
             ledger.take("a", 10**9)
 
@@ -212,9 +226,9 @@ class TestBadInput:
         ledger = make_ledger(101, free=90, evictable=10)
         ledger.submit("a", 20)
         with pytest.raises(InvalidPages):
-            ledger.admit_head(Hit(30, 0))
+            ledger.try_admit("a", Hit(30, 0))
         with pytest.raises(InvalidPages):
-            ledger.admit_head(Hit(15, 12))
+            ledger.try_admit("a", Hit(15, 12))
 
     def test_supply_beyond_the_pool(self) -> None:
         with pytest.raises(InvalidPages, match="exceeds"):
@@ -229,14 +243,14 @@ class TestIntegrity:
     def test_a_supply_report_below_outstanding_is_a_breach_with_numbers(self) -> None:
         ledger = make_ledger(101)
         ledger.submit("a", 60)
-        ledger.admit_ready()
+        admit_all(ledger)
         with pytest.raises(InvariantBreach, match=r"outstanding 60 pages exceed supply 50"):
             ledger.set_supply(50, 0)
 
     def test_without_debug_the_breach_is_found_by_check_integrity(self) -> None:
         ledger = Ledger(101)
         ledger.submit("a", 60)
-        ledger.admit_ready()
+        admit_all(ledger)
         ledger.set_supply(50, 0)
         with pytest.raises(InvariantBreach, match="'a' with 60 pages still to take"):
             ledger.check_integrity()

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from kvbank.capacity import CapacityModel, RequestShape, count_pages
-from kvbank.ledger import InvalidPages, Ledger, PeakPolicy, give_back, peak_shape
+from kvbank.ledger import NO_HIT, InvalidPages, Ledger, PeakPolicy, give_back, peak_shape
 from kvbank.modelpool import KvSlot
 
 MODEL = CapacityModel({"main": KvSlot(1, 1)}, 16, 4096, 64, 0)
@@ -19,7 +19,7 @@ def running(peak: bool) -> Ledger:
     policy = PeakPolicy(16, 0, peak=peak, backfill=True, max_advance=1)
     ledger = Ledger(101, debug=True, policy=policy)
     ledger.submit("g", 22, shape=peak_shape(MODEL, SHAPE))
-    ledger.admit_head()
+    assert ledger.try_admit("g", NO_HIT) is not None
     ledger.take("g", 10)  # 6 shared + 4 x 1: the prompt
     return ledger
 

@@ -72,9 +72,11 @@ class PoolModel(RuleBasedStateMachine):
 
     @rule()
     def admit(self) -> None:
-        while (rid := self.ledger.head) is not None and self.ledger.can_admit_head(self.peek(rid)):
+        while (rid := self.ledger.head) is not None:
             hit = self.peek(rid)
-            decision = self.ledger.admit_head(hit)
+            decision = self.ledger.try_admit(rid, hit)
+            if decision is None:
+                break
             group = self.group_of[rid]
             if hit.pages:
                 self.holders[group] += 1

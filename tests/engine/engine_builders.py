@@ -4,11 +4,11 @@ runner, and a loop that drives it to the end with integrity checks after every s
 from __future__ import annotations
 
 from kvbank.capacity import CapacityModel
-from kvbank.engine.admission.backend import AdmissionBackend
 from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig, RequestOutput
 from kvbank.engine.request import Request
 from kvbank.engine.request import make_request as _make_request
+from kvbank.ledger.client import LedgerClient
 from kvbank.modelpool import KvSlot
 
 TEXT = {"main": KvSlot(prompt=1, output=1)}
@@ -34,7 +34,7 @@ def make_engine(
     pages: int,
     policy: str = "banker",
     model: CapacityModel | None = None,
-    backend: AdmissionBackend | None = None,
+    backend: LedgerClient | None = None,
     **config: int,
 ) -> tuple[Engine, VirtualRunner]:
     runner = VirtualRunner()

@@ -9,13 +9,13 @@ import pytest
 from engine_builders import drain, make_engine, tiny_model
 
 from kvbank.capacity import RequestShape, count_pages, refusal
-from kvbank.engine.admission.backend import EmbeddedBackend, embedded
 from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig, RequestRejected
 from kvbank.engine.kv.pages import SINK_PAGE
 from kvbank.engine.request import FinishReason
 from kvbank.engine.runner import RowFailure, StepBatch, StepResult
 from kvbank.ledger import Decision, InvalidPages
+from kvbank.ledger.client import EmbeddedClient, embedded
 from kvbank.modelpool import KvSlot
 
 
@@ -142,7 +142,7 @@ def test_abort_frees_a_running_request_and_cancels_a_waiting_one() -> None:
     assert not engine.abort("a")
 
 
-class ResendingBackend(EmbeddedBackend):
+class ResendingBackend(EmbeddedClient):
     """Delivers every decision twice, as a backend that retries would."""
 
     def poll(self, room: int) -> list[Decision]:
@@ -167,7 +167,7 @@ def test_taking_past_the_reservation_raises() -> None:
         engine.policy.on_take(req, 2)
 
 
-class OneStepLateBackend(EmbeddedBackend):
+class OneStepLateBackend(EmbeddedClient):
     """Decides like the embedded ledger but hands each decision over one poll later, as a
     sidecar answering over the network would."""
 

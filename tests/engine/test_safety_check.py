@@ -120,7 +120,7 @@ def _two_strict_requests(policy: str, forge: bool) -> Engine:
     b = engine.add_request("b", [5, 6, 7, 8], 28)
     if forge:
         b.peak_shape = replace(b.peak_shape, per_output=(0,))
-        engine.policy.backend.ledger.set_shape("b", b.peak_shape)  # type: ignore[attr-defined]
+        engine.policy.backend.ledger.books.waiting["b"].shape = b.peak_shape  # type: ignore[attr-defined]
     engine.step()
     return engine
 

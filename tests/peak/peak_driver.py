@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from ledger_pass import admit_all
+
 from kvbank.capacity import CapacityModel, RequestShape, label_growth, pages_for
 from kvbank.ledger import Hit, Ledger, PeakPolicy, peak_shape
 
@@ -186,7 +188,7 @@ class Driver:
 
     def run_step(self) -> list[str]:
         """Admit, run one step, settle. Returns the requests that finished."""
-        self.ledger.admit_ready(self.peek)
+        admit_all(self.ledger, self.peek)
         self.start_admitted()
         if self.ledger.promised is not None:
             head, start = self.ledger.promised

@@ -5,6 +5,7 @@ so however late it starts, nothing promised can break. Exact numbers on a small 
 from __future__ import annotations
 
 import pytest
+from ledger_pass import admit_all
 
 from kvbank.ledger import NO_HIT, Hit, InvalidPages, Ledger, PeakPolicy, PeakShape, UnknownRequest
 
@@ -19,7 +20,7 @@ def ledger_with_a(supply: int, deferred: bool) -> Ledger:
     ledger = Ledger(20, policy=POLICY, free=supply)
     ledger.submit("a", 2, shape=A)
     ledger.submit("b", 5, shape=B)
-    admitted = ledger.admit_ready(lambda rid: NO_HIT if rid == "a" else None, deferred=deferred)
+    admitted = admit_all(ledger, lambda rid: NO_HIT if rid == "a" else None, deferred=deferred)
     assert [d.rid for d in admitted] == ["a"]
     return ledger
 
@@ -29,7 +30,7 @@ def smallest_supply_admitting_b(deferred: bool, start: bool) -> int:
         ledger = ledger_with_a(supply, deferred)
         if start:
             ledger.start("a", 1)
-        if ledger.can_admit_head(NO_HIT):
+        if ledger.try_admit("b", NO_HIT) is not None:
             return supply
     raise AssertionError("b never fits")
 
@@ -90,10 +91,10 @@ def test_exclusive_pages_between_reports_are_bounded_by_what_the_request_holds()
 def test_headroom_is_what_a_pin_may_take_with_every_promise_kept() -> None:
     conservative = Ledger(20, policy=PeakPolicy(4, peak=False), free=9)
     conservative.submit("a", 2, shape=A)
-    conservative.admit_head()
+    assert conservative.try_admit("a", NO_HIT) is not None
     assert conservative.headroom == 7  # 9 - 2 outstanding
     ledger = ledger_with_a(9, deferred=True)
-    ledger.admit_head(Hit(0, 0))  # b: 5 more pages at worst
+    assert ledger.try_admit("b", Hit(0, 0), deferred=True) is not None  # 5 more pages at worst
     # a may take 2 and b 5 at once (a open-ended), so 2 of the 9 pages are slack.
     assert ledger.headroom == 2
     ledger.start("a", 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ledger_pass import admit_all
 
 from kvbank.capacity import CapacityModel, RequestShape, label_growth
 from kvbank.ledger import (
@@ -121,7 +122,7 @@ def two_running(policy: PeakPolicy) -> tuple[Ledger, PeakShape]:
     ledger = Ledger(9, debug=True, policy=policy)
     for rid in ("r0", "r1"):
         ledger.submit(rid, shape.pages, shape=shape)
-    assert [a.rid for a in ledger.admit_ready()] == ["r0", "r1"]
+    assert [a.rid for a in admit_all(ledger)] == ["r0", "r1"]
     ledger.take("r0", 3)
     ledger.advance("r0", 6)
     ledger.take("r1", 1)
@@ -137,7 +138,7 @@ def test_peak_admits_what_the_sum_of_worst_cases_refuses() -> None:
     assert (ledger.supply, ledger.outstanding) == (4, 2)
     for rid in ("r2", "r3"):
         ledger.submit(rid, shape.pages, shape=shape)
-    assert [a.rid for a in ledger.admit_ready()] == ["r2"]
+    assert [a.rid for a in admit_all(ledger)] == ["r2"]
     assert ledger.head == "r3"
     assert ledger.timeline is not None and ledger.timeline.peak() == (3, 1)
     ledger.check_integrity()
@@ -147,7 +148,7 @@ def test_the_conservative_ledger_is_unchanged_by_progress_reports() -> None:
     shape = peak_shape(text_model(4), RequestShape(4, 8))
     ledger = Ledger(9, debug=True)
     ledger.submit("r0", 3, shape=shape)
-    ledger.admit_ready()
+    admit_all(ledger)
     ledger.advance("r0", 5)  # accepted, ignored
     assert ledger.end_step() == [] and ledger.stalled_steps == 0
     assert ledger.outstanding == 3
@@ -160,11 +161,11 @@ def test_a_stalled_step_admits_conservatively_until_every_request_advances() -> 
     assert ledger.end_step() == ["r1"]
     assert ledger.stalled_steps == 1
     ledger.submit("r2", shape.pages, shape=shape)
-    assert ledger.admit_ready() == []  # 2 + 3 > 4: conservative refuses
+    assert admit_all(ledger) == []  # 2 + 3 > 4: conservative refuses
     ledger.advance("r0", 8)
     ledger.advance("r1", 1)
     assert ledger.end_step() == []
-    assert [a.rid for a in ledger.admit_ready()] == ["r2"]
+    assert [a.rid for a in admit_all(ledger)] == ["r2"]
 
 
 def test_backfill_starts_what_cannot_delay_the_head_and_holds_back_what_would() -> None:
@@ -177,14 +178,14 @@ def test_backfill_starts_what_cannot_delay_the_head_and_holds_back_what_would() 
     ledger = Ledger(11, debug=True, policy=PeakPolicy(4, backfill=True))
     r0 = peak_shape(model, RequestShape(16, 8))
     ledger.submit("r0", r0.pages, shape=r0)
-    ledger.admit_ready()
+    admit_all(ledger)
     ledger.take("r0", 6)
     ledger.advance("r0", 6)
     for rid, prompt, output in (("H", 20, 8), ("B", 8, 16), ("S", 4, 4)):
         shape = peak_shape(model, RequestShape(prompt, output))
         ledger.submit(rid, shape.pages, shape=shape)
     assert ledger.supply == 4
-    assert [a.rid for a in ledger.admit_ready()] == ["S"]
+    assert [a.rid for a in admit_all(ledger)] == ["S"]
     assert ledger.promised == ("H", 2)
     assert list(ledger.snapshot().waiting) == [("H", 7), ("B", 6)]
 
@@ -196,13 +197,13 @@ def test_backfill_on_the_conservative_reading_uses_worst_cases() -> None:
     ledger = Ledger(11, debug=True, policy=PeakPolicy(4, peak=False, backfill=True))
     r0 = peak_shape(model, RequestShape(16, 8))
     ledger.submit("r0", r0.pages, shape=r0)
-    ledger.admit_ready()
+    admit_all(ledger)
     ledger.take("r0", 6)
     ledger.advance("r0", 6)
     for rid, prompt, output in (("H", 20, 8), ("B", 8, 16), ("S", 4, 4)):
         shape = peak_shape(model, RequestShape(prompt, output))
         ledger.submit(rid, shape.pages, shape=shape)
-    assert [a.rid for a in ledger.admit_ready()] == ["S"]
+    assert [a.rid for a in admit_all(ledger)] == ["S"]
     assert ledger.promised == ("H", 2)
 
 
@@ -248,7 +249,7 @@ def test_a_request_without_a_shape_counts_at_its_worst_case() -> None:
     ledger = Ledger(9, debug=True, policy=PeakPolicy(4))
     ledger.submit("opaque", 5)
     ledger.submit("next", 4)
-    assert [a.rid for a in ledger.admit_ready(lambda rid: Hit())] == ["opaque"]
+    assert [a.rid for a in admit_all(ledger, lambda rid: Hit())] == ["opaque"]
     assert ledger.head == "next"  # 5 + 4 > 8 at every step: the opaque one never finishes
 
 
@@ -265,7 +266,7 @@ def test_a_newcomer_leasing_pages_one_request_holds_alone_cannot_count_them_retu
         ledger.set_supply(1, 2)
         a = peak_shape(model, RequestShape(8, 4))
         ledger.submit("A", a.pages, shape=a)
-        assert [d.rid for d in ledger.admit_ready(lambda rid: Hit(2, 2))] == ["A"]
+        assert [d.rid for d in admit_all(ledger, lambda rid: Hit(2, 2))] == ["A"]
         ledger.take("A", 1)
         ledger.advance("A", 3)
         b = peak_shape(model, RequestShape(8, 8))
@@ -273,5 +274,5 @@ def test_a_newcomer_leasing_pages_one_request_holds_alone_cannot_count_them_retu
         assert ledger.supply == 0
         return ledger
 
-    assert ledger_with_a().admit_ready(lambda rid: Hit(2, 0, sole_pages=2)) == []
-    assert [d.rid for d in ledger_with_a().admit_ready(lambda rid: Hit(2, 0, 0))] == ["B"]
+    assert admit_all(ledger_with_a(), lambda rid: Hit(2, 0, sole_pages=2)) == []
+    assert [d.rid for d in admit_all(ledger_with_a(), lambda rid: Hit(2, 0, 0))] == ["B"]

@@ -3,6 +3,8 @@ applies every report to a copy and keeps the original when one event fails)."""
 
 from __future__ import annotations
 
+from ledger_pass import admit_all
+
 from kvbank.capacity import CapacityModel, RequestShape
 from kvbank.ledger import Ledger, PeakPolicy, peak_shape
 from kvbank.modelpool import KvSlot
@@ -14,7 +16,7 @@ def test_a_copy_of_a_peak_ledger_moves_without_the_original() -> None:
     ledger = Ledger(12, debug=True, policy=PeakPolicy(4))
     for rid in ("r0", "r1"):
         ledger.submit(rid, shape.pages, shape=shape)
-    assert [a.rid for a in ledger.admit_ready()] == ["r0", "r1"]
+    assert [a.rid for a in admit_all(ledger)] == ["r0", "r1"]
     ledger.take("r0", 1)
     peak_before = ledger.timeline.peak() if ledger.timeline else None
     twin = ledger.copy()

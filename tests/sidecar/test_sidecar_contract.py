@@ -79,7 +79,7 @@ def test_unapplied_admissions_keep_their_idle_hit_off_the_reported_supply(
             report_seq=1,
             applied_seq=-1,
             events=[submit("a", 30), submit("b", 75)],
-            hits=[pb.HeadHit(rid="a", hit=pb.Hit(pages=10, idle_pages=10))],
+            tries=[pb.Try(rid="a", hit=pb.Hit(pages=10, idle_pages=10))],
             admit=True,
         )
     )
@@ -94,7 +94,7 @@ def test_unapplied_admissions_keep_their_idle_hit_off_the_reported_supply(
             report_seq=2,
             applied_seq=-1,
             events=[supply(60, 40)],
-            hits=[pb.HeadHit(rid="b", hit=pb.Hit())],
+            tries=[pb.Try(rid="b", hit=pb.Hit())],
             admit=True,
         )
     )

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from engine_run import SCENARIOS, run, scenario
 from sidecar_harness import bench_both_ways, spawn_sidecar, stop_process
 
-from kvbank.engine.admission.backend import embedded
+from kvbank.ledger.client import embedded
 from kvbank.sidecar.backend import SidecarBackend
 from kvbank.sidecar.client import SidecarClient, SidecarError
 
@@ -44,7 +43,7 @@ def test_a_scenario_admits_and_completes_the_same_way_embedded_and_over_grpc(
 
 
 class StartOrder:
-    """Wraps a peak backend's pass to record admissions in the order the engine starts them."""
+    """Wraps a peak backend to record admissions in the order the engine starts them."""
 
     def __init__(self, backend: Any, record: list[str]) -> None:
         self._backend = backend
@@ -53,10 +52,11 @@ class StartOrder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
 
-    def admissions(self, peek: Any) -> Iterator[Any]:
-        for decision in self._backend.admissions(peek):
+    def try_admit(self, rid: str, hit: Any, prefill_chunks: int | None = None) -> Any:
+        decision = self._backend.try_admit(rid, hit, prefill_chunks)
+        if decision is not None:
             self._record.append(decision.rid)
-            yield decision
+        return decision
 
 
 @pytest.mark.timeout(180)

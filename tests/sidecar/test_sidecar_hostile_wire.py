@@ -147,15 +147,11 @@ def test_a_start_or_an_answer_with_prefill_chunks_past_int64_is_refused(
     error = refused(client, lambda: client.report(report(session, 2, start, applied=0)))
     assert error.code == "INVALID_ARGUMENT"
     assert f"prefill_chunks {INT64_MAX}" in error.message
-    # A stepwise pass asks for `b`'s hit; an answer with such a prefill bound is refused too.
-    stepwise = report(session, 2, shaped("b", 100, *HONEST_B), applied=0)
-    stepwise.stepwise = True
-    assert client.report(stepwise).peek == "b"
-    answer = pb.ReportRequest(
-        session=session, report_seq=3, applied_seq=0, admit=True, stepwise=True, resume=True
-    )
-    answer.hits.add(rid="b", hit=pb.Hit(), prefill_chunks=INT64_MAX)
-    error = refused(client, lambda: client.report(answer))
+    # A try with such a prefill bound is refused too, and the submit before it with it.
+    ask = report(session, 2, shaped("b", 100, *HONEST_B), applied=0)
+    ask.in_step = True
+    ask.tries.add(rid="b", hit=pb.Hit(), prefill_chunks=INT64_MAX)
+    error = refused(client, lambda: client.report(ask))
     assert error.code == "INVALID_ARGUMENT"
     assert f"prefill_chunks {INT64_MAX}" in error.message
 
@@ -226,11 +222,11 @@ LONG_FIELDS: dict[str, tuple[Callable[[int], pb.ReportRequest], str]] = {
         ),
         "progress[1].rid",
     ),
-    "a head's hit": (
+    "a try": (
         lambda s: pb.ReportRequest(
-            session=s, report_seq=1, applied_seq=-1, hits=[pb.HeadHit(rid=LONG)], admit=True
+            session=s, report_seq=1, applied_seq=-1, tries=[pb.Try(rid=LONG)], admit=True
         ),
-        "hits[0].rid",
+        "tries[0].rid",
     ),
     "a refusal message": (
         lambda s: report(s, 1, pb.Event(submit=pb.Submit(rid="a", pages=3, refusal=LONG))),

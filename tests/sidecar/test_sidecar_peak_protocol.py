@@ -1,5 +1,6 @@
 """The peak-fit ledger over the wire: the session's policy and pace, shapes, progress, sole
-pages and the stepwise pass; every bad field gets its status and leaves the ledger as it was."""
+pages and the tries a report carries, answered in order; every bad field gets its status and
+leaves the ledger as it was."""
 
 from __future__ import annotations
 
@@ -50,48 +51,68 @@ def open_peak(client: SidecarClient) -> int:
     return client.open_session(request).session
 
 
-def stepwise(session: int, seq: int, applied: int, *events: pb.Event) -> pb.ReportRequest:
+def ask(
+    session: int, seq: int, applied: int, question: pb.Try, *events: pb.Event
+) -> pb.ReportRequest:
+    """An engine asking in step: the events, then one try, answered in the reply."""
     return pb.ReportRequest(
         session=session, report_seq=seq, applied_seq=applied, events=list(events), admit=True,
-        stepwise=True,
+        in_step=True, tries=[question],
     )  # fmt: skip
 
 
-def answer(
-    session: int, seq: int, applied: int, head: pb.HeadHit, *takes: pb.Event
-) -> pb.ReportRequest:
-    request = stepwise(session, seq, applied, *takes)
-    request.resume = True
-    request.hits.append(head)
-    return request
-
-
-def test_a_stepwise_pass_asks_for_each_head_and_admits_with_the_answers(
+def test_each_try_is_answered_in_order_on_the_ledger_the_events_left(
     peak_client: SidecarClient,
 ) -> None:
     session = open_peak(peak_client)
     supply = pb.Event(supply=pb.Supply(free=98, evictable=2))  # `a`'s two cached pages
     events = [supply, submit("a", 10, shape()), submit("b", 10)]
-    reply = peak_client.report(stepwise(session, 1, -1, *events))
-    assert (reply.peek, list(reply.decisions)) == ("a", [])
     hit = pb.Hit(pages=2, idle_pages=2, sole_pages=0)
-    reply = peak_client.report(answer(session, 2, -1, pb.HeadHit(rid="a", hit=hit)))
+    reply = peak_client.report(ask(session, 1, -1, pb.Try(rid="a", hit=hit), *events))
     assert [(d.rid, d.seq, d.admit.reserved, d.admit.hit.pages) for d in reply.decisions] == [
         ("a", 0, 10, 2)
     ]
-    assert reply.peek == "b"
     take = pb.Event(take=pb.Take(rid="a", pages=2))
-    reply = peak_client.report(answer(session, 3, 0, pb.HeadHit(rid="b", stop=True), take))
-    assert (reply.peek, list(reply.decisions), reply.waiting) == ("", [], 1)
+    reply = peak_client.report(ask(session, 2, 0, pb.Try(rid="b", no_room=True), take))
+    assert (list(reply.decisions), reply.waiting, reply.backfilling) == ([], 1, False)
     status = peak_client.status_reply()
     assert [(r.rid, r.reserved, r.held) for r in status.running] == [("a", 10, 4)]
     assert (status.pool.free, status.pool.evictable, status.pool.outstanding) == (96, 0, 6)
     progress = pb.Progress(rid="a", tokens_per_label={"full": 33}, produced=1, chunks_left=0)
     events = [pb.Event(advance=progress), pb.Event(end_step=pb.EndStep())]
     reply = peak_client.report(
-        pb.ReportRequest(session=session, report_seq=4, applied_seq=0, events=events)
+        pb.ReportRequest(session=session, report_seq=3, applied_seq=0, events=events)
     )
     assert (list(reply.stalled), reply.stalled_steps) == ([], 0)
+
+
+def test_tries_in_one_report_see_the_admissions_before_them_and_the_room(
+    peak_client: SidecarClient,
+) -> None:
+    session = open_peak(peak_client)
+    events = [submit(rid, 40, shape(worst=640, budget=600)) for rid in "abc"]
+    tries = [pb.Try(rid=rid) for rid in "abc"]
+    request = pb.ReportRequest(
+        session=session, report_seq=1, applied_seq=-1, events=events, admit=True, tries=tries,
+        room=5,
+    )  # fmt: skip
+    reply = peak_client.report(request)
+    # 40 + 40 of 100 pages: the third does not fit beside the first two.
+    assert [d.rid for d in reply.decisions] == ["a", "b"]
+    request = pb.ReportRequest(
+        session=session, report_seq=2, applied_seq=1, events=[submit("d", 5)], admit=True,
+        tries=[pb.Try(rid="c"), pb.Try(rid="d")], room=0,
+    )  # fmt: skip
+    assert list(peak_client.report(request).decisions) == []  # no room: nothing admitted
+
+
+def test_a_try_for_a_request_that_is_not_waiting_admits_nothing(
+    peak_client: SidecarClient,
+) -> None:
+    session = open_peak(peak_client)
+    reply = peak_client.report(ask(session, 1, -1, pb.Try(rid="x", hit=pb.Hit())))
+    assert (list(reply.decisions), reply.waiting) == ([], 0)
+    assert peak_client.status_reply().pool.outstanding == 0
 
 
 def test_a_stalled_step_is_reported_and_counted_in_the_sidecar_metrics() -> None:
@@ -99,15 +120,16 @@ def test_a_stalled_step_is_reported_and_counted_in_the_sidecar_metrics() -> None
     try:
         with SidecarClient(f"127.0.0.1:{port}", retry_budget_s=2.0) as client:
             session = open_peak(client)
-            client.report(stepwise(session, 1, -1, submit("a", 10, shape())))
-            client.report(answer(session, 2, -1, pb.HeadHit(rid="a", hit=pb.Hit())))
+            client.report(
+                ask(session, 1, -1, pb.Try(rid="a", hit=pb.Hit()), submit("a", 10, shape()))
+            )
             end = pb.Event(end_step=pb.EndStep())
             steps = [
                 ([progress("a", 1, 33), end], [], 0),
                 ([end], ["a"], 1),  # a step closed with no progress from `a`
                 ([progress("a", 2, 34), end], [], 1),
             ]
-            for seq, (events, stalled, count) in enumerate(steps, start=3):
+            for seq, (events, stalled, count) in enumerate(steps, start=2):
                 reply = client.report(
                     pb.ReportRequest(session=session, report_seq=seq, applied_seq=0, events=events)
                 )
@@ -146,10 +168,11 @@ def test_an_engine_asking_for_another_policy_or_no_pace_is_refused(
 
 @pytest.fixture
 def mid_pass(peak_client: SidecarClient) -> tuple[SidecarClient, int]:
-    """A peak session with `a` running (10 reserved, 2 held) and a pass waiting on `b`."""
+    """A peak session with `a` running (10 reserved, admitted in step) and `b` waiting."""
     session = open_peak(peak_client)
-    peak_client.report(stepwise(session, 1, -1, submit("a", 10, shape()), submit("b", 10)))
-    peak_client.report(answer(session, 2, -1, pb.HeadHit(rid="a", hit=pb.Hit())))
+    events = (submit("a", 10, shape()), submit("b", 10))
+    peak_client.report(ask(session, 1, -1, pb.Try(rid="a", hit=pb.Hit()), *events))
+    peak_client.report(ask(session, 2, 0, pb.Try(rid="b", no_room=True)))
     return peak_client, session
 
 
@@ -160,36 +183,24 @@ def progress(rid: str, produced: int, tokens: int) -> pb.Event:
 
 
 BAD: dict[str, tuple[Callable[[int], pb.ReportRequest], str, str]] = {
-    "a report that does not answer the open pass": (
-        lambda s: stepwise(s, 3, 0, submit("c", 3)),
-        "FAILED_PRECONDITION",
-        "waits for the hit of 'b'",
-    ),
-    "an answer for another request": (
-        lambda s: answer(s, 3, 0, pb.HeadHit(rid="a", hit=pb.Hit())),
-        "INVALID_ARGUMENT",
-        "answers the pass's question 'b'",
-    ),
-    "an answer carrying a submit": (
-        lambda s: answer(s, 3, 0, pb.HeadHit(rid="b", hit=pb.Hit()), submit("c", 3)),
-        "INVALID_ARGUMENT",
-        "only the takes",
-    ),
     "sole pages beyond the held part": (
-        lambda s: answer(
-            s, 3, 0, pb.HeadHit(rid="b", hit=pb.Hit(pages=4, idle_pages=2, sole_pages=3))
-        ),
+        lambda s: ask(s, 3, 0, pb.Try(rid="b", hit=pb.Hit(pages=4, idle_pages=2, sole_pages=3))),
         "INVALID_ARGUMENT",
         "sole_pages 3 <= pages - idle_pages 2",
     ),
-    "negative prefill chunks": (
-        lambda s: answer(s, 3, 0, pb.HeadHit(rid="b", hit=pb.Hit(), prefill_chunks=-1)),
+    "a hit larger than the request": (
+        lambda s: ask(s, 3, 0, pb.Try(rid="b", hit=pb.Hit(pages=11))),
         "INVALID_ARGUMENT",
-        "prefill_chunks of 'b' must be >= 0",
+        "<= the request's 10 pages",
     ),
-    "a take past the reservation in an answer": (
-        lambda s: answer(
-            s, 3, 0, pb.HeadHit(rid="b", hit=pb.Hit()), pb.Event(take=pb.Take(rid="a", pages=11))
+    "negative prefill chunks": (
+        lambda s: ask(s, 3, 0, pb.Try(rid="b", hit=pb.Hit(), prefill_chunks=-1)),
+        "INVALID_ARGUMENT",
+        "prefill_chunks must be a non-negative integer, got -1",
+    ),
+    "a take past the reservation before a try": (
+        lambda s: ask(
+            s, 3, 0, pb.Try(rid="b", hit=pb.Hit()), pb.Event(take=pb.Take(rid="a", pages=11))
         ),
         "INVALID_ARGUMENT",
         "may take at most 10 more",
@@ -198,7 +209,7 @@ BAD: dict[str, tuple[Callable[[int], pb.ReportRequest], str, str]] = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_a_bad_answer_fails_and_leaves_the_pass_and_ledger_unchanged(
+def test_a_bad_try_fails_and_leaves_the_ledger_unchanged(
     mid_pass: tuple[SidecarClient, int], case: str
 ) -> None:
     client, session = mid_pass
@@ -208,8 +219,8 @@ def test_a_bad_answer_fails_and_leaves_the_pass_and_ledger_unchanged(
         client.report(make(session))
     assert (caught.value.code, words in caught.value.message) == (code, True), caught.value
     assert client.status_reply() == before
-    reply = client.report(answer(session, 3, 0, pb.HeadHit(rid="b", stop=True)))
-    assert (reply.peek, reply.waiting) == ("", 1)  # the pass goes on from where it was
+    reply = client.report(ask(session, 3, 0, pb.Try(rid="b", no_room=True)))
+    assert (list(reply.decisions), reply.waiting) == ([], 1)  # the same report, done right
 
 
 BAD_FIELDS: dict[str, tuple[pb.Event, str, str]] = {
@@ -258,12 +269,11 @@ def test_a_bad_peak_field_fails_and_leaves_the_ledger_unchanged(
     mid_pass: tuple[SidecarClient, int], case: str
 ) -> None:
     client, session = mid_pass
-    client.report(answer(session, 3, 0, pb.HeadHit(rid="b", stop=True)))  # close the pass
     event, code, words = BAD_FIELDS[case]
     before = client.status_reply()
     with pytest.raises(SidecarError) as caught:
         client.report(
-            pb.ReportRequest(session=session, report_seq=4, applied_seq=0, events=[event])
+            pb.ReportRequest(session=session, report_seq=3, applied_seq=0, events=[event])
         )
     assert (caught.value.code, words in caught.value.message) == (code, True), caught.value
     assert client.status_reply() == before
@@ -294,13 +304,3 @@ def test_the_pool_s_admission_chooses_the_ledger_unless_policy_is_given(tmp_path
     assert policy("--pool", str(pools["peak+backfill"]), "--policy", "banker") == "banker"
     assert policy("--pool", str(pools["conservative"])) == "banker"
     assert policy() is None  # no pool, no --policy: each session runs what its engine asks
-
-
-def test_resume_without_an_open_pass_is_out_of_order(peak_client: SidecarClient) -> None:
-    session = open_peak(peak_client)
-    before = peak_client.status_reply()
-    with pytest.raises(SidecarError) as caught:
-        peak_client.report(answer(session, 1, -1, pb.HeadHit(rid="x", hit=pb.Hit())))
-    assert caught.value.code == "FAILED_PRECONDITION"
-    assert "no admission pass is open" in caught.value.message
-    assert peak_client.status_reply() == before

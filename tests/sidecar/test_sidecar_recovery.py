@@ -14,7 +14,7 @@ import pytest
 from engine_run import run, scenario
 from sidecar_harness import ROOT, spawn_sidecar, stop_process
 
-from kvbank.engine.admission.backend import embedded
+from kvbank.ledger.client import embedded
 from kvbank.sidecar.backend import SidecarBackend
 from kvbank.sidecar.client import SidecarClient
 

@@ -15,9 +15,9 @@ from inprocess import InProcessSidecar
 from sidecar_harness import spawn_sidecar, stop_process
 
 from kvbank.capacity import CapacityModel
-from kvbank.engine.admission.backend import embedded
 from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import EngineConfig, RequestRejected
+from kvbank.ledger.client import embedded
 from kvbank.modelpool import KvSlot
 from kvbank.sidecar.backend import SidecarBackend
 from kvbank.sidecar.client import SidecarClient

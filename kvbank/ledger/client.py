@@ -1,20 +1,25 @@
-"""How the engine talks to the banker's ledger: events in, ordered decisions out.
+"""The one protocol between a host engine and the reservation ledger (`LedgerClient`): the
+engine asks, the ledger answers.
 
-The engine never reads or changes a `Ledger` directly; it sends events to an `AdmissionBackend`
-and applies the decisions the backend has ready. Two implementations sit behind the protocol: the
-embedded one here, which wraps kvbank.ledger's `Ledger` in-process and decides synchronously, and a
-gRPC one that forwards the same events to a sidecar and may answer a step later. The step loop
-never blocks on either: `poll()` returns what is decided now, possibly nothing.
+The engine reports what its pool did (events: submit, take, release, supply, progress) and, for
+each waiting request in its queue's order, asks `try_admit(rid, hit, prefill_chunks)`; an
+`Admitted` is started before the next question, and None is an answer too: the request is asked
+again at a later step. Two implementations: `EmbeddedClient` here, the ledger in-process, which
+answers at once; and the sidecar's client (kvbank/sidecar/backend.py), which sends the same
+events and tries over gRPC. A blocking sidecar client answers each try in its round trip; one the
+step never waits on answers None, sends the tries with the next report, and hands the decisions
+over through `collect` and `poll` a step or more later. Until then the engine pins the head's
+hit (engine/admission/decisions.py): pins exist only where an answer comes later.
 
+kvbank's own engine (engine/admission/) and the vLLM plug-in (kvbank/vllm/) import only this.
 Events carry only numbers the engine computed itself: a request's page need comes from
 `count_pages` (kvbank/capacity/count.py) over the server's own token counts, never from a client.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Protocol, TypeVar
 
 from kvbank.ledger import (
     NO_HIT,
@@ -29,14 +34,33 @@ from kvbank.ledger import (
     give_back,
 )
 
-# A peak-fit admission pass asks the engine for each candidate's hit in turn (None: that
-# request cannot start now); the engine acts on each admission before the next question.
-Peek = Callable[[str], Hit | None]
 
+class LedgerClient(Protocol):
+    # ---- arrivals and admission ----------------------------------------------------------------
 
-class AdmissionBackend(Protocol):
-    def submit(self, rid: str, pages: int, refusal: str | None = None) -> None:
-        """A request arrived; `pages` is its worst case from count_pages. FIFO from here."""
+    def configure(self, policy: str, peak: PeakPolicy) -> None:
+        """Run the ledger as `policy` (peak, peak+backfill, banker+backfill) with `peak`'s
+        pace; before any request is submitted. Without a call: the banker."""
+        ...
+
+    def submit(
+        self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None
+    ) -> None:
+        """A request arrived; `pages` is its worst case from count_pages, `shape` its growth
+        per label (kvbank.ledger.peak_shape, from the engine's own count) for a peak-fit
+        ledger. FIFO from here."""
+        ...
+
+    def try_admit(
+        self, rid: str, hit: Hit | None, prefill_chunks: int | None = None
+    ) -> Admitted | None:
+        """May the waiting `rid` start now with `hit` (`Ledger.try_admit`)? None: not now, or
+        (a client that does not wait) the answer comes later, through `collect` and `poll`."""
+        ...
+
+    def backfilling(self) -> bool:
+        """Whether the head just refused has a promise, so the requests behind it are worth
+        asking this step."""
         ...
 
     def cancel(self, rid: str) -> None:
@@ -94,34 +118,7 @@ class AdmissionBackend(Protocol):
         """Raise InvariantBreach unless the ledger is safe and agrees with the pool's supply."""
         ...
 
-
-class PeakBackend(AdmissionBackend, Protocol):
-    """What the peak-fit policies (engine/admission/peak.py) need beyond the banker's
-    events: the ledger's mode, a step-by-step admission pass, and each running request's
-    progress."""
-
-    def submit(
-        self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None
-    ) -> None:
-        """As AdmissionBackend.submit, with `shape` the request's growth per label
-        (kvbank.ledger.peak_shape, from the engine's own count) for a peak-fit ledger."""
-        ...
-
-    def configure(self, policy: str, peak: PeakPolicy) -> None:
-        """Run the ledger as `policy` (peak, peak+backfill, banker+backfill) with `peak`'s
-        pace; before any request is submitted."""
-        ...
-
-    def set_prefill_chunks(self, rid: str, chunks: int) -> None:
-        """A waiting request's worst-case prefill chunks if admitted now (they depend on the
-        prefill queued ahead of it)."""
-        ...
-
-    def admissions(self, peek: Peek) -> Iterator[Admitted]:
-        """Admit heads (and backfill) as `Ledger.admissions` does, asking `peek` for each
-        candidate's hit and yielding each admission; the engine starts it before the next
-        question. Only for a backend that does not defer."""
-        ...
+    # ---- a client that answers later -------------------------------------------------------
 
     @property
     def defers(self) -> bool:
@@ -169,9 +166,52 @@ class PeakBackend(AdmissionBackend, Protocol):
         ...
 
 
-class EmbeddedBackend:
-    """The ledger in-process. Decides during `poll`, admitting at most `room` heads, each with
-    the hit last reported for it (no hit when none was reported)."""
+T = TypeVar("T")
+
+
+class Answers(Protocol):
+    """What an admission pass asks: a `LedgerClient`, or a `Ledger` itself."""
+
+    def try_admit(
+        self, rid: str, hit: Hit | None, prefill_chunks: int | None = None
+    ) -> Admitted | None: ...
+
+    def backfilling(self) -> bool: ...
+
+
+def ask_in_order(
+    client: Answers,
+    queue: Iterable[T],
+    rid: Callable[[T], str],
+    ask: Callable[[T], tuple[Hit | None, int | None]],
+    depth: int,
+) -> Iterator[tuple[T, Admitted]]:
+    """One admission pass, for every host: ask the ledger about each waiting request in queue
+    order (the ledger's own), heads while they are admitted, then, behind a refused head whose
+    promise holds (`backfilling`), the next `depth`. `ask(item)` gives its hit (None: it
+    cannot start this step, which ends the pass behind the head) and its prefill bound. Each
+    admission is yielded before the next question: the host starts it first, so the next
+    question sees its lease and its pages."""
+    refused_at = None
+    for i, item in enumerate(queue):
+        if refused_at is not None and i - refused_at > depth:
+            return
+        hit, chunks = ask(item)
+        decision = client.try_admit(rid(item), hit, chunks)
+        if decision is not None:
+            yield item, decision
+        elif refused_at is None:  # the head
+            if not client.backfilling():
+                return
+            refused_at = i
+        elif hit is None:
+            return
+
+
+class EmbeddedClient:
+    """The ledger in-process: `try_admit` answers at once. A host that pins and polls (the
+    banker) gets its decisions from `poll`, at most `room` heads, each with the hit last
+    reported for it (no hit when none was reported)."""
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
@@ -198,16 +238,15 @@ class EmbeddedBackend:
         self.ledger = Ledger(ledger.total_pages, debug=ledger.debug, policy=peak)
         self.take = self.ledger.take  # type: ignore[method-assign]
 
-    def set_prefill_chunks(self, rid: str, chunks: int) -> None:
-        ledger = self.ledger
-        shape = ledger.shape(rid)
-        if shape is not None and shape.prefill_chunks != chunks:
-            ledger.set_shape(rid, replace(shape, prefill_chunks=chunks))
-
-    def admissions(self, peek: Peek) -> Iterator[Admitted]:
+    def try_admit(
+        self, rid: str, hit: Hit | None, prefill_chunks: int | None = None
+    ) -> Admitted | None:
         if self._refused:  # the engine refuses a request the pool can never hold before this
             raise InvariantBreach(f"the ledger refused requests: {self._refused}")
-        return self.ledger.admissions(peek)
+        return self.ledger.try_admit(rid, hit, prefill_chunks)
+
+    def backfilling(self) -> bool:
+        return self.ledger.backfilling()
 
     defers = False  # decides during the engine's own calls
 
@@ -278,10 +317,10 @@ class EmbeddedBackend:
         self._refused.clear()
         ledger = self.ledger
         while room > 0 and (rid := ledger.head) is not None:
-            hit = self._hits.get(rid, NO_HIT)
-            if not ledger.can_admit_head(hit):
+            admitted = ledger.try_admit(rid, self._hits.get(rid, NO_HIT))
+            if admitted is None:
                 break
-            decisions.append(ledger.admit_head(hit))
+            decisions.append(admitted)
             self._hits.pop(rid, None)
             room -= 1
         return decisions
@@ -300,16 +339,8 @@ class EmbeddedBackend:
 
 def embedded(
     total_pages: int, debug: bool = False, policy: PeakPolicy | None = None
-) -> EmbeddedBackend:
-    return EmbeddedBackend(Ledger(total_pages, debug=debug, policy=policy))
+) -> EmbeddedClient:
+    return EmbeddedClient(Ledger(total_pages, debug=debug, policy=policy))
 
 
-__all__ = [
-    "AdmissionBackend",
-    "Admitted",
-    "Decision",
-    "EmbeddedBackend",
-    "Hit",
-    "PeakBackend",
-    "Refused",
-]
+__all__ = ["EmbeddedClient", "LedgerClient", "ask_in_order", "embedded"]

@@ -1,0 +1,39 @@
+"""An admission pass over a bare `Ledger` for the tests that drive one directly: ask about every
+waiting request in the ledger's own order (`ask_in_order`, the pass every host runs), each with
+the hit `peek` gives it (None: it cannot start now), and return the admissions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvbank.ledger import NO_HIT, Admitted, Hit, Ledger
+from kvbank.ledger.client import ask_in_order
+
+
+def admit_all(
+    ledger: Ledger,
+    peek: Callable[[str], Hit | None] = lambda rid: NO_HIT,
+    started: Callable[[Admitted], None] | None = None,
+    deferred: bool = False,
+) -> list[Admitted]:
+    """Every admission one pass makes; `started(decision)` runs after each, before the next
+    question."""
+
+    class Deferred:
+        def try_admit(
+            self, rid: str, hit: Hit | None, prefill_chunks: int | None = None
+        ) -> Admitted | None:
+            return ledger.try_admit(rid, hit, prefill_chunks, deferred=deferred)
+
+        def backfilling(self) -> bool:
+            return ledger.backfilling()
+
+    depth = ledger.policy.backfill_depth if ledger.policy is not None else 0
+    admitted = []
+    for _, decision in ask_in_order(
+        Deferred(), list(ledger.books.waiting), str, lambda rid: (peek(rid), None), depth
+    ):
+        admitted.append(decision)
+        if started is not None:
+            started(decision)
+    return admitted
