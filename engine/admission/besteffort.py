@@ -1,5 +1,5 @@
-"""Best-effort requests beside strict ones, for kvbank's ledger policies (`PeakFitPolicy` in
-engine/admission/peak.py and `BankerPolicy` in engine/admission/banker.py each hold one
+"""Best-effort requests beside strict ones, for kvbank's ledger policies (`LedgerPolicy` in
+engine/admission/ledger_policy.py holds one
 `BestEffort`).
 
 Strict requests go through the ledger as they always did; best-effort requests are never in

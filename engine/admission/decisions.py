@@ -1,15 +1,13 @@
-"""What the two ledger policies share (`LedgerParts`): reading a backend's decisions in the
-engine, once each, in sequence order; and pinning the waiting head's hit for a backend that
-decides later.
+"""The ledger policy's parts for a backend that decides later (`LedgerParts`): reading its
+decisions in the engine, once each, in sequence order; and pinning the waiting head's hit.
 
-Both ledger policies (engine/admission/banker.py, and engine/admission/peak.py when its backend
-defers) read decisions that may arrive late, twice, or for a request that left meanwhile. What
-they share is here: a decision at or below the last applied sequence number is skipped (a
-backend that resends is harmless); an admission of a request that is gone is released at once; a
-refusal becomes a `Reject`; an admission must reserve what the engine counts and lease no more
-than is pinned for it, and it leases the pins up to its hit (the scheduler drops the rest).
-Starting the request is the caller's (the policies start it differently), one admission at a
-time, in order."""
+The ledger policy (engine/admission/ledger_policy.py), when its backend defers, reads decisions
+that may arrive late, twice, or for a request that left meanwhile. Here: a
+decision at or below the last applied sequence number is skipped (a backend that resends is
+harmless); an admission of a request that is gone is released at once; a refusal becomes a
+`Reject`; an admission must reserve what the engine counts and lease no more than is pinned for
+it, and it leases the pins up to its hit (the scheduler drops the rest). Starting the request is
+the caller's, one admission at a time, in order."""
 
 from __future__ import annotations
 
@@ -78,8 +76,22 @@ class DecisionReader:
 
 
 class HeadPin:
-    """The waiting head's cached hit, pinned for a backend that may decide later and reported to
-    it (engine/admission/banker.py explains why only the head). A pin only grows while its
+    """The waiting head's cached hit, pinned for a backend that decides later and reported to it.
+
+    Why pin rather than only protect: the decision comes a step later, and a page reported as a
+    hit must still be there when the `Admitted` is applied, or the request would need more pages
+    than it reserved. A pinned page is held, so it leaves the evictable supply at once (the pool
+    reports the lower supply) and the hit is reported with no idle part. That changes no
+    decision for the head: leasing an idle page saves it one page of need and costs the supply
+    one page. To keep the ledger safe while a pin waits, pages are pinned only within the
+    ledger's headroom.
+
+    Only the head is pinned. A pin behind the head would not be neutral: a page a running
+    request holds today would stay held by the pin after that request finishes, never returning
+    to the supply the head is waiting for, and a head that needs the whole pool would wait
+    forever (the property test found exactly that).
+
+    A pin only grows while its
     request waits, within the budget the caller gives; with the head, the index and the budget
     as they were at the last pin, it cannot grow, so the busy step costs one comparison, not a
     peek."""
@@ -122,9 +134,9 @@ class HeadPin:
 
 
 class LedgerParts:
-    """What the two ledger policies (engine/admission/banker.py, engine/admission/peak.py) hold
-    alike and do alike: the decision reader, the head's pin, and what they do as a request
-    leaves the queue, cannot grow, or the pool is checked. Each policy holds one."""
+    """What the ledger policy (engine/admission/ledger_policy.py) holds for its decisions: the
+    decision reader, the head's pin, and what it does as a request leaves the queue, cannot
+    grow, or the pool is checked."""
 
     def __init__(self) -> None:
         self.reader = DecisionReader()

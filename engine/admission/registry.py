@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvbank.engine.admission.banker import BankerPolicy
 from kvbank.engine.admission.baselines import BASELINES
-from kvbank.engine.admission.peak import PeakFitPolicy
+from kvbank.engine.admission.ledger_policy import LedgerPolicy
 from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.ledger.client import LedgerClient
 from kvbank.mode import BANKER, LEDGER_MODES, AdmissionMode
@@ -19,11 +18,7 @@ PolicyFactory = Callable[[LedgerClient | None, ClassPolicy], AdmissionPolicy]
 
 def _ledger(mode: AdmissionMode) -> PolicyFactory:
     def make(backend: LedgerClient | None, classes: ClassPolicy) -> AdmissionPolicy:
-        if mode == BANKER:
-            if backend is None:
-                raise ValueError("the banker policy needs an admission backend")
-            return BankerPolicy(backend, classes)
-        return PeakFitPolicy(mode, backend, classes)
+        return LedgerPolicy(mode, backend, classes)
 
     return make
 

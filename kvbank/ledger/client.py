@@ -69,7 +69,7 @@ class LedgerClient(Protocol):
 
     def report_hits(self, hits: Mapping[str, Hit]) -> None:
         """The cached hit of the waiting head, computed by peek. The engine has pinned these
-        pages (see engine/admission/banker.py), so they hold until a decision is
+        pages (engine/admission/decisions.py `HeadPin`), so they hold until a decision is
         applied; a hit reported again for the same request only grows, and has no idle part
         (pinned pages are held)."""
         ...

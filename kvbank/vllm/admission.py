@@ -21,9 +21,9 @@ knows and the difference is reported as taken; after each model step finishes, r
 vLLM's free block count: free and evictable cached blocks together, as vLLM allocates from both.
 
 The prefill bound a peak-fit admission is promised with is the one kvbank's engine keeps
-(kvbank.engine.admission.peak): the scheduler puts decode rows before prefill chunks and keeps
-the running set below the token budget, so a prompt admitted behind `T` prefill tokens finishes
-its prefill within ceil(T / (budget - running cap)) + 1 steps.
+(`PrefillPace`, kvbank/ledger/policy.py): the scheduler puts decode rows before prefill chunks
+and keeps the running set below the token budget, so a prompt admitted behind `T` prefill tokens
+finishes its prefill within ceil(T / (budget - running cap)) + 1 steps.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvbank.capacity import CapacityModel
-from kvbank.engine.admission.peak import PeakFitPolicy
+from kvbank.engine.admission.ledger_policy import LedgerPolicy
 from kvbank.engine.bench.scenario import load_scenario
 from kvbank.engine.bench.simulate import run_policy
 from kvbank.engine.bench.virtual import VirtualRunner
@@ -25,7 +25,7 @@ def test_a_step_in_which_a_running_request_did_not_advance_is_counted() -> None:
     metrics.observe_step(engine, engine.step())
     assert metrics.registry.get_sample_value(STALLED) == 0.0
     policy = engine.policy
-    assert isinstance(policy, PeakFitPolicy) and isinstance(policy.backend, EmbeddedClient)
+    assert isinstance(policy, LedgerPolicy) and isinstance(policy.backend, EmbeddedClient)
     # A step closed with no progress reported: the ledger's bound broke for r0.
     assert policy.backend.end_step() == ["r0"]
     metrics.observe_step(engine, engine.step())

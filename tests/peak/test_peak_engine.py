@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from random_workload import SLOTS, drive, request
 
 from kvbank.capacity import CapacityModel
-from kvbank.engine.admission.peak import PeakFitPolicy
+from kvbank.engine.admission.ledger_policy import LedgerPolicy
 from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig
 from kvbank.modelpool import KvSlot
@@ -52,7 +52,7 @@ def test_no_breach_no_preemption_no_stall_and_everything_finishes(
     assert engine.kv.pool.held == 0
     assert engine.sched.stats.preemptions == 0
     policy_obj = engine.policy
-    assert isinstance(policy_obj, PeakFitPolicy)
+    assert isinstance(policy_obj, LedgerPolicy)
     assert policy_obj.stalled_steps == 0
 
 

@@ -1,12 +1,14 @@
-"""Peak-fit admission in the engine: `peak`, `peak+backfill` and `banker+backfill` (the
-conservative reading with EASY backfill).
+"""Admission through the reservation ledger, one policy for every mode the ledger runs (kvbank/
+mode.py): `banker` (the conservative sum of worst cases), `peak`, `peak+backfill` and
+`banker+backfill`. The modes differ only inside the ledger, where the mode picks the timeline;
+under `banker` the ledger follows no progress, so no shape, prefill bound or progress is sent.
 
-The ledger (kvbank.ledger's `Ledger` with a `PeakPolicy`) sits behind a `LedgerClient`,
-reached one of two ways.
+The ledger sits behind a `LedgerClient` (kvbank/ledger/client.py), reached one of two ways.
 
-- In step (the embedded ledger, and `kvbank bench --sidecar`'s blocking sidecar): one pass asks
-  for each candidate's hit in turn and the engine starts each admission before the next
-  question; a head's hit is peeked and leased in the same pass, nothing is pinned.
+- In step (the embedded ledger, and `kvbank bench --sidecar`'s blocking sidecar): one pass
+  (`ask_in_order`) asks about each candidate in turn with its hit and the engine starts each
+  admission before the next question; a hit is peeked and leased in the same pass, nothing is
+  pinned.
 - Deferred (a served engine over its sidecar): the step never waits. As the banker does, the
   engine pins the head's cached hit and reports it; the sidecar decides when the report reaches
   it and the engine applies the decisions a step or more later, reporting each `start`. Until
@@ -50,7 +52,7 @@ from kvbank.service_class import ClassPolicy
 log = logging.getLogger(__name__)
 
 
-class PeakFitPolicy(AdmissionPolicy):
+class LedgerPolicy(AdmissionPolicy):
     honours_classes = True  # best-effort requests run beside strict ones (besteffort.py)
     spares_head = True
 
@@ -77,25 +79,30 @@ class PeakFitPolicy(AdmissionPolicy):
     def bind(self, view: AdmissionView) -> None:
         super().bind(view)
         model = view.model
+        self.follows = self.mode.follows_progress
         # A decode row writes one token and allocates speculative_tokens positions past it.
-        policy = PeakPolicy(
-            model.page_size,
-            model.speculative_tokens,
-            self.mode.peak,
-            self.mode.backfill,
-            backfill_depth=32,
-            max_advance=1,
-        )
-        self.backfill_depth = policy.backfill_depth
+        policy = None
+        if self.follows:
+            policy = PeakPolicy(
+                model.page_size,
+                model.speculative_tokens,
+                self.mode.peak,
+                self.mode.backfill,
+                backfill_depth=32,
+                max_advance=1,
+            )
+        self.backfill_depth = policy.backfill_depth if policy is not None else 0
         if self._given is None:
             self.backend: LedgerClient = embedded(view.kv.total_pages, policy=policy)
         else:
             self.backend = self._given
-            self.backend.configure(self.name, policy)
+            if policy is not None:
+                self.backend.configure(self.name, policy)
         # Decode rows take the budget first; capping the running set below the budget leaves
-        # every step at least `prefill_rate` tokens for prefill, which bounds a prefill.
+        # every step at least the pace's rate of tokens for prefill, which bounds a prefill.
+        # The banker's promise rests on no bound: it runs as many as the engine does.
         self.pace = PrefillPace.of(view.max_running, view.max_batch_tokens)
-        self.running_cap = self.pace.running_cap
+        self.running_cap = self.pace.running_cap if self.follows else view.max_running
         self.best_effort = BestEffort(self.classes, view, self.running_cap)
 
     # ---- arrivals and admission ----------------------------------------------------------------
@@ -104,10 +111,15 @@ class PeakFitPolicy(AdmissionPolicy):
         if self.best_effort.arrive(req):
             return  # best-effort: never in the ledger's books
         # The shape is the engine's own count, made once at ingest (kvbank.engine.request).
-        self.backend.submit(req.rid, req.count.total, shape=req.peak_shape)
+        self.backend.submit(
+            req.rid, req.count.total, shape=req.peak_shape if self.follows else None
+        )
 
     def on_requeue(self, req: Request) -> None:
         if self.best_effort.requeue(req):
+            if not self.follows:
+                self.backend.submit(req.rid, req.count.total)  # promoted: strict from now on
+                return
             # Promoted to strict for the rest of its life. The shape made at ingest would start
             # its curve below the output it already has: it is re-made from where it is (its
             # output counted as prompt, progress reported from there), or left out.
@@ -139,11 +151,15 @@ class PeakFitPolicy(AdmissionPolicy):
         """What the ledger is asked for `req`: its cached hit (None: it cannot start this step,
         for lack of budget or rows) and its prefill bound if admitted now."""
         view = self.view
-        if not view.can_start() or self._rows(req) > self.running_cap:
+        if not view.can_start():
             return None, None
-        chunks = self._prefill_bound(req)
-        if req.peak_shape.prefill_chunks != chunks:
-            req.peak_shape = replace(req.peak_shape, prefill_chunks=chunks)
+        chunks = None
+        if self.follows:
+            if self._rows(req) > self.running_cap:
+                return None, None
+            chunks = self._prefill_bound(req)
+            if req.peak_shape.prefill_chunks != chunks:
+                req.peak_shape = replace(req.peak_shape, prefill_chunks=chunks)
         kv = view.kv
         chains = kv.peek(req)
         self._chains[req.rid] = chains
@@ -154,8 +170,9 @@ class PeakFitPolicy(AdmissionPolicy):
         )
         return hit, chunks
 
-    def _admitted(self, decision: Admitted) -> tuple[Request, int]:
-        """The request an in-step admission starts, checked, with its prefill bound."""
+    def _admitted(self, decision: Admitted) -> tuple[Request, int | None]:
+        """The request an in-step admission starts, checked, with its prefill bound (None:
+        the ledger follows no progress)."""
         req = self.view.waiting_by_rid.get(decision.rid)
         if req is None:
             raise InvariantBreach(f"request {decision.rid!r} was admitted but is not waiting")
@@ -164,7 +181,7 @@ class PeakFitPolicy(AdmissionPolicy):
                 f"request {req.rid!r} was admitted for {decision.reserved} pages but the "
                 f"engine counts {req.count.total}"
             )
-        return req, self._prefill_bound(req)
+        return req, self._prefill_bound(req) if self.follows else None
 
     def admit(self) -> Iterator[Action]:
         self._sync_supply()
@@ -186,7 +203,8 @@ class PeakFitPolicy(AdmissionPolicy):
             yield from self.best_effort.make_room(req, chains)
             self.best_effort.leave_queue(req)
             yield Start(req, chains)
-            self._chunks[req.rid] = chunks
+            if chunks is not None:
+                self._chunks[req.rid] = chunks
             if decision.hit.pages > decision.hit.idle_pages:
                 self._sharing_changed = True
         self._chains.clear()
@@ -197,9 +215,9 @@ class PeakFitPolicy(AdmissionPolicy):
     def _pin_head(self) -> Generator[Action, None, None]:
         backend, view = self.backend, self.view
         new = yield from self._pin.grow(
-            view, backend, backend.headroom, self.best_effort.head(), sole_costs=True
+            view, backend, backend.headroom, self.best_effort.head(), sole_costs=self.follows
         )
-        if not new:
+        if not new or not self.follows:
             return
         # What the new pins cost: idle pages left the supply, and a page one running request
         # held alone no longer returns when that request finishes (now shared with the pin).
@@ -223,10 +241,11 @@ class PeakFitPolicy(AdmissionPolicy):
                     f"{len(view.running)} run, the cap is {self.running_cap}"
                 )
             yield from self.best_effort.make_room(req, item.lease)
-            chunks = self._prefill_bound(req)
-            self.backend.start(req.rid, chunks)  # before the prompt's pages are taken
+            if self.follows:
+                chunks = self._prefill_bound(req)
+                self.backend.start(req.rid, chunks)  # before the prompt's pages are taken
+                self._chunks[req.rid] = chunks
             yield Start(req, item.lease)
-            self._chunks[req.rid] = chunks
             if item.decision.hit.pages:
                 self._sharing_changed = True
 
@@ -246,11 +265,15 @@ class PeakFitPolicy(AdmissionPolicy):
 
     def on_give_back(self, req: Request, held: int, reserved: int) -> None:
         # What still runs of it grows as its live sequences do (their own pages only).
-        shape = groups.live_shape(self.view.model, req)
+        shape = groups.live_shape(self.view.model, req) if self.follows else None
         self.backend.give_back(req.rid, held, reserved, shape)
 
     def end_step(self) -> None:
         """Report every running request's progress, then close the step in the ledger."""
+        if not self.follows:  # the banker counts worst cases until release: nothing to report
+            self._sync_supply()
+            self.best_effort.end_step()
+            return
         view, backend = self.view, self.backend
         recount, self._sharing_changed = self._sharing_changed, False
         best_effort = self.best_effort.running
