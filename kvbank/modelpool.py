@@ -6,12 +6,14 @@ what was wrong and what to write instead, so a user fixes a manifest in one pass
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvbank.fields import FieldError, FieldReader, SpecError, check_size, key_path, quote
 from kvbank.mode import DEFAULT_MODE, AdmissionMode
+from kvbank.pod_template import read_name
 from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS as MAX_PREEMPTIONS_DEFAULT
 from kvbank.service_class import ClassPolicy, Estimate, ServiceClass, Victim
 
@@ -167,6 +169,10 @@ class ModelPool:
 
 KV_DTYPES = ("bfloat16", "float16", "fp8", "fp8_per_token_head")
 MAX_CONFIG_PATH = 4096
+MAX_WEIGHTS_GIB = 1 << 20
+# A ConfigMap's keys, as the apiserver allows them: the name of a file it may be mounted as.
+CONFIG_MAP_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+MAX_CONFIG_MAP_KEY = 253
 
 
 @dataclass(frozen=True)
@@ -204,13 +210,22 @@ def _config_source(r: FieldReader, arch: Mapping[str, Any], path: str) -> Config
     name = key = None
     if cm is not None:
         r.unknown(cm, f"{path}.configMap", {"name", "key"})
-        name = r.string(cm, "name", f"{path}.configMap")
+        name = read_name(r, cm, "name", f"{path}.configMap")
         key = r.string(cm, "key", f"{path}.configMap", required=False, default="config.json")
+        if key is not None and (len(key) > MAX_CONFIG_MAP_KEY or not CONFIG_MAP_KEY.fullmatch(key)):
+            r.fail(
+                f"{path}.configMap.key",
+                f"must be a ConfigMap key (at most {MAX_CONFIG_MAP_KEY} letters, digits, '-', "
+                f"'_' and '.'), got {quote(key)}",
+            )
+            key = None
     if (file is None) == (cm is None):
         r.fail(path, "give exactly one of path (a local config.json) or configMap {name, key}")
     kv_dtype = r.string(src, "kvDtype", path, required=False, choices=KV_DTYPES,
                         default="bfloat16")  # fmt: skip
-    weights = r.number(src, "weightsGiB", path, lo=0, hi=1 << 20) if "weightsGiB" in src else None
+    weights = (
+        r.number(src, "weightsGiB", path, lo=0, hi=MAX_WEIGHTS_GIB) if "weightsGiB" in src else None
+    )
     if kv_dtype is None:
         return None
     return ConfigSource(file, name, key or "config.json", kv_dtype, weights)

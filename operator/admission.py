@@ -3,7 +3,9 @@ that selects its namespace. The webhook and reconcile both call `decide`, so a s
 past the webhook (it was down, or two applies raced a quota) is judged by the same rules.
 
 Violation lines are the ones `kvbank check` prints: the parser's field errors and
-`holdability(pool).violations` verbatim, then the policy's.
+`holdability(pool).violations` verbatim, then the policy's. A `fromConfig` pool is judged on
+the layout of the config.json its ConfigMap holds (`kvbank.operator.model_config`, read with
+the rest of the neighbourhood), by the same `holdability` as `kvbank check` judges a file.
 """
 
 from __future__ import annotations
@@ -15,9 +17,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbank.capacity import Holdability, holdability
+from kvbank.capacity.configured import ConfigSourceError
 from kvbank.deployment import Deployment, HostPathSource, PodTemplate, parse_deployment
 from kvbank.modelpool import KIND, ModelPool, SpecError, parse_modelpool
 from kvbank.operator.cluster import KVBANK, Cluster
+from kvbank.operator.model_config import (
+    KvGroupFigures,
+    ModelConfig,
+    configured,
+    group_figures,
+    not_served_warning,
+    read_model_config,
+)
 from kvbank.operator.policy import (
     CapacityPolicy,
     PoolUsage,
@@ -40,6 +51,9 @@ class Decision:
     reason: str  # a CamelCase reason for the Accepted condition
     deployment: Deployment | None = None
     warnings: tuple[str, ...] = ()  # admitted, but the user should know (kubectl prints them)
+    # A fromConfig pool's KV groups as its config.json lays them out (status.groups); empty for
+    # a pool described by hand.
+    groups: tuple[KvGroupFigures, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -56,6 +70,8 @@ class Neighbourhood:
     others: Sequence[PoolUsage]
     # The chart's pools.template: a pool that sets no gpusPerRank gets its default.
     defaults: PodTemplate = NO_DEFAULTS
+    # The config.json a fromConfig pool's ConfigMap holds (or why it holds none).
+    model_config: ModelConfig | None = None
 
 
 def gpus_per_rank(deployment: Deployment, defaults: PodTemplate) -> int:
@@ -91,7 +107,11 @@ def decide(doc: Mapping[str, Any], around: Neighbourhood) -> Decision:
     pool, deployment, errors = _parse(doc)
     if pool is None or deployment is None:
         return Decision(None, None, tuple(errors), "InvalidSpec")
-    held = holdability(pool)
+    try:
+        layout = configured(pool, around.model_config)
+    except ConfigSourceError as exc:
+        return Decision(pool, None, (str(exc),), "InvalidConfig", deployment)
+    held = holdability(pool, layout)
     over = policy_violations(
         pool,
         held.pages,
@@ -100,8 +120,17 @@ def decide(doc: Mapping[str, Any], around: Neighbourhood) -> Decision:
         gpus_per_rank(deployment, around.defaults),
     )
     reason = "Unholdable" if not held.ok else "OverPolicy" if over else "Holdable"
+    warnings = dev_warnings(deployment)
+    if layout is not None:
+        warnings += (not_served_warning(),)
     return Decision(
-        pool, held, (*held.violations, *over), reason, deployment, dev_warnings(deployment)
+        pool,
+        held,
+        (*held.violations, *over),
+        reason,
+        deployment,
+        warnings,
+        group_figures(pool, layout) if layout is not None else (),
     )
 
 
@@ -168,7 +197,10 @@ async def neighbourhood(
             log.warning("ignoring malformed CapacityPolicy: %s", exc)
     pools = await cluster.list(KVBANK, KIND, namespace)
     before = _created_key(doc) if earlier_only else None
-    return Neighbourhood(labels, policies, usage(pools, name, before, defaults), defaults)
+    model_config = await read_model_config(cluster, doc)
+    return Neighbourhood(
+        labels, policies, usage(pools, name, before, defaults), defaults, model_config
+    )
 
 
 def spec_changed(doc: Mapping[str, Any], old: Mapping[str, Any] | None) -> bool:

@@ -10,6 +10,10 @@ creates nothing twice; deleting the ModelPool lets the garbage collector remove 
 An operator started without the sidecar token renders nothing either: every rank's sidecar
 would refuse to start. The pool says so (Accepted and Ready False, reason SidecarTokenMissing)
 with how to set it; restarting the operator with a token renders it.
+
+A pool whose architecture is `fromConfig.configMap` is judged on its config's layout and its
+status shows the figures, per KV group too, but renders nothing (Accepted False, reason
+FromConfigNotServed): its ranks would refuse the manifest (`kvbank.operator.model_config`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from kvbank.operator.cluster import (
     KubeUnavailable,
     identity,
 )
+from kvbank.operator.model_config import NOT_SERVED
 from kvbank.operator.pool_tls import ensure_pool_tls
 from kvbank.operator.pruning import prune_config_maps
 from kvbank.operator.render.bundle import render_pool
@@ -142,6 +147,32 @@ async def _refuse_workload(
     return Outcome(False, text)
 
 
+async def _refuse_unserved(
+    cluster: Cluster, owner: Owner, decision: Decision, doc: Mapping[str, Any], now: str
+) -> Outcome:
+    """A fromConfig pool is holdable on its config's layout, which the status shows group by
+    group, but the ranks cannot start from it: nothing is rendered, what runs is left alone."""
+    held = decision.held
+    assert held is not None
+    figures = (
+        f"worst-case request {held.worst_request_pages} pages; the pool ({held.pages} pages) "
+        f"holds {held.worst_concurrency} worst-case requests at once"
+    )
+    text = f"{owner.namespace}/{owner.name}: holdable ({figures}), but {NOT_SERVED}."
+    update = Condition(ACCEPTED, False, "FromConfigNotServed", text)
+    status = status_patch(
+        doc,
+        [update],
+        now,
+        pages=held.pages,
+        worstRequestPages=held.worst_request_pages,
+        worstConcurrency=held.worst_concurrency,
+        groups=[group.status() for group in decision.groups],
+    )
+    await patch_status(cluster, owner, status)
+    return Outcome(False, text)
+
+
 @dataclass(frozen=True)
 class Accepted:
     """What a judged (or earlier accepted) pool renders from."""
@@ -237,6 +268,8 @@ async def converge(
     }
     if tls_record is not None:
         status["sidecarTLS"] = tls_record
+    if "groups" in status_now:  # a fromConfig pool's, from before its spec named kvSlots
+        status["groups"] = None  # a merge patch's null drops it
     if repair_only and _unchanged(status_now, status):
         return Outcome(True, text, tuple(applied))
     await patch_status(cluster, owner, status)
@@ -275,6 +308,8 @@ async def reconcile(
         or decision.deployment is None
     ):
         return await _refuse(cluster, owner, decision, doc, now)
+    if decision.pool.from_config is not None:
+        return await _refuse_unserved(cluster, owner, decision, doc, now)
     kind = await choose_workload(cluster, doc)
     HELD[(owner.uid, int(doc["metadata"].get("generation") or 0))] = decision.held
     accepted = Accepted(decision.pool, decision.held, decision.deployment, kind)
@@ -310,6 +345,8 @@ async def repair(
         pool, deployment = parse_modelpool(doc), parse_deployment(doc)
     except SpecError:
         return None
+    if pool.from_config is not None:
+        return None  # rendered for no generation (reconcile says why)
     key = (str(doc["metadata"]["uid"]), int(doc["metadata"].get("generation") or 0))
     held = HELD.get(key)
     if held is None:

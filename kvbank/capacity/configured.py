@@ -4,10 +4,17 @@ that `holdability`, `kvbank check` and `kvbank plan` judge the same figures."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbank.capacity.hfconfig import ModelConfigError, ModelLayout, read_layout
+from kvbank.capacity.hfconfig import (
+    ModelConfigError,
+    ModelLayout,
+    model_layout,
+    parse_config_text,
+    read_layout,
+)
 from kvbank.capacity.layout import EngineSettings, LayoutError, PoolLayout, pool_layout
 from kvbank.modelpool import ModelPool
 
@@ -43,7 +50,11 @@ class ConfigSourceError(ValueError):
 
     def __init__(self, field: str, message: str):
         self.field = field
+        self.message = message
         super().__init__(f"{field}: {message}")
+
+
+FROM_CONFIG = "spec.model.architecture.fromConfig"
 
 
 def resolve(pool: ModelPool, base: Path) -> ConfiguredModel | None:
@@ -53,21 +64,35 @@ def resolve(pool: ModelPool, base: Path) -> ConfiguredModel | None:
     source = pool.from_config
     if source is None:
         return None
-    where = "spec.model.architecture.fromConfig"
     if source.path is None:
         raise ConfigSourceError(
-            f"{where}.configMap",
+            f"{FROM_CONFIG}.configMap",
             "is read by the operator from the cluster; kvbank check reads only a local path "
             "(fromConfig: {path: config.json})",
         )
     path = Path(source.path)
     if not path.is_absolute():
         path = base / path
+    return _configured(pool, lambda: read_layout(path), FROM_CONFIG)
+
+
+def resolve_text(pool: ModelPool, data: bytes | str, where: str) -> ConfiguredModel:
+    """The configured model of a pool from its config.json's text, as the operator reads it out
+    of the ConfigMap its `fromConfig.configMap` names (`where` names that copy in messages).
+    The same bounds as a file: ConfigSourceError names the config's field under
+    `fromConfig.configMap`, or the manifest's."""
+    field = f"{FROM_CONFIG}.configMap"
+    return _configured(pool, lambda: model_layout(parse_config_text(data, where)), field)
+
+
+def _configured(pool: ModelPool, read: Callable[[], ModelLayout], field: str) -> ConfiguredModel:
+    source = pool.from_config
+    assert source is not None
     try:
-        layout = read_layout(path)
+        layout = read()
         weights = source.weights_gib * (1 << 30) if source.weights_gib is not None else None
         return configure(layout, settings_of(pool), weights)
     except ModelConfigError as exc:
-        raise ConfigSourceError(f"{where} {exc.field}", exc.message) from None
+        raise ConfigSourceError(f"{field} {exc.field}", exc.message) from None
     except LayoutError as exc:
         raise ConfigSourceError(f"spec.{exc.field}", exc.message) from None

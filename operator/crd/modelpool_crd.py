@@ -5,13 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvbank.capacity.configfile import MAX_LAYERS
+from kvbank.capacity.modellayout import Kind
 from kvbank.modelpool import (
     ADMISSION_POLICIES,
     API_GROUP,
     API_VERSION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DTYPE_BYTES,
     ESTIMATES,
     KIND,
+    KV_DTYPES,
+    MAX_CONFIG_MAP_KEY,
+    MAX_CONFIG_PATH,
     MAX_FIXED_TOKENS,
     MAX_LABELS,
     MAX_PAGE_SIZE,
@@ -22,15 +28,22 @@ from kvbank.modelpool import (
     MAX_SLOT_MULTIPLIER,
     MAX_SPECULATIVE,
     MAX_TP,
+    MAX_WEIGHTS_GIB,
     PRESETS,
     SERVICE_CLASSES,
     VICTIMS,
     Admission,
 )
 from kvbank.operator.crd import pod_schema
-from kvbank.operator.crd.modelpool_rules import architecture_rules, root_rules, spec_rules
+from kvbank.operator.crd.modelpool_rules import (
+    architecture_rules,
+    from_config_rules,
+    root_rules,
+    spec_rules,
+)
 from kvbank.operator.crd.openapi import (
     MAX_LABEL_VALUE_LENGTH,
+    MAX_NAME_LENGTH,
     Schema,
     column,
     crd,
@@ -53,9 +66,38 @@ MAX_CONDITIONS = 8
 MAX_MESSAGE_LENGTH = 32768
 
 
+def _from_config() -> Schema:
+    return obj(
+        {
+            "path": string(
+                MAX_CONFIG_PATH,
+                "kvbank check only: a config.json relative to the manifest (the operator "
+                "refuses it; use configMap)",
+            ),
+            "configMap": obj(
+                {
+                    "name": string(MAX_NAME_LENGTH, "a ConfigMap in the pool's namespace"),
+                    "key": string(
+                        MAX_CONFIG_MAP_KEY, "the key holding config.json (default config.json)"
+                    ),
+                },
+                required=("name",),
+                description="where the operator reads the model's config.json",
+            ),
+            "kvDtype": enum(KV_DTYPES, "the KV cache's dtype (default bfloat16)"),
+            "weightsGiB": number(
+                0, MAX_WEIGHTS_GIB, "the checkpoint's size, instead of the config's estimate"
+            ),
+        },
+        rules=from_config_rules(),
+        description="the model's Hugging Face config.json: its layers become the KV groups",
+    )
+
+
 def _architecture() -> Schema:
     return obj(
         {
+            "fromConfig": _from_config(),
             "preset": enum(tuple(sorted(PRESETS)), "a published model shape; fields given win"),
             "layers": integer(1, 1024),
             "attentionHeads": integer(1, 1024),
@@ -183,7 +225,16 @@ def _spec() -> Schema:
             ),
             "kvSlots": kv_slots,
             "limits": obj(
-                {"maxSeqLen": integer(2, MAX_SEQ_LEN), "maxTokens": integer(1, MAX_SEQ_LEN)},
+                {
+                    "maxSeqLen": integer(2, MAX_SEQ_LEN),
+                    "maxTokens": integer(1, MAX_SEQ_LEN),
+                    "maxNumBatchedTokens": integer(
+                        1,
+                        MAX_SEQ_LEN,
+                        "the most tokens the engine schedules in one step (default "
+                        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}); a window or chunk holds two steps",
+                    ),
+                },
                 required=("maxSeqLen", "maxTokens"),
                 rules=[
                     rule(
@@ -213,7 +264,7 @@ def _spec() -> Schema:
             "engine": pod_schema.engine(),
             "apiKeySecret": pod_schema.api_key_secret(),
         },
-        required=("model", "gpu", "kv", "kvSlots", "limits"),
+        required=("model", "gpu", "kv", "limits"),
         rules=spec_rules(),
     )
 
@@ -282,6 +333,26 @@ def _status() -> Schema:
                 "x-kubernetes-list-map-keys": ["type"],
             },
             "live": live,
+            "groups": {
+                "type": "array",
+                "maxItems": MAX_LAYERS,
+                "items": _group(),
+                "description": "a fromConfig pool's KV groups, as its config.json lays them out",
+            },
+        }
+    )
+
+
+def _group() -> Schema:
+    count = {"type": "integer", "minimum": 0}
+    return obj(
+        {
+            "name": string(MAX_LABEL_VALUE_LENGTH, "the group's KV label"),
+            "kind": enum(tuple(k.value for k in Kind)),
+            "layers": count,
+            "pageBytes": {**count, "description": "bytes of one page, every layer it spans"},
+            "rule": string(256, "what one request holds here at most"),
+            "worstRequestPages": {**count, "description": "the worst-case request's pages here"},
         }
     )
 

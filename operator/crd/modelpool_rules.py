@@ -23,6 +23,7 @@ __all__ = ["MAX_POOL_NAME_LENGTH"]
 
 ARCH = "self.model.architecture"
 ARCH_FIELDS = ("layers", "attentionHeads", "kvHeads", "headDim", "parameters", "dtype")
+FROM_CONFIG = f"{ARCH}.fromConfig"
 
 
 def _format(template: str, *values: str) -> str:
@@ -53,15 +54,22 @@ def architecture_rules() -> list[dict[str, str]]:
     heads, heads_known = _preset_or_field("self", "attentionHeads", "attention_heads")
     kv, kv_known = _preset_or_field("self", "kvHeads", "kv_heads")
     complete = " && ".join(f"has(self.{f})" for f in ARCH_FIELDS)
+    beside = " || ".join(f"has(self.{f})" for f in ("preset", *ARCH_FIELDS))
     return [
         rule(
-            f"has(self.preset) || ({complete})",
+            f"has(self.fromConfig) || has(self.preset) || ({complete})",
             message=(
                 "give a preset ("
                 + ", ".join(sorted(PRESETS))
                 + ") or all of "
                 + ", ".join(ARCH_FIELDS)
+                + ", or fromConfig"
             ),
+        ),
+        rule(
+            f"!has(self.fromConfig) || !({beside})",
+            message="fromConfig describes the model by itself; drop the other architecture "
+            "fields beside it",
         ),
         rule(
             f"!({heads_known} && {kv_known}) || {kv} <= {heads}",
@@ -75,6 +83,15 @@ def architecture_rules() -> list[dict[str, str]]:
                 "kvHeads must divide attentionHeads (%d), got %d", heads, kv
             ),
         ),
+    ]
+
+
+def from_config_rules() -> list[dict[str, str]]:
+    return [
+        rule(
+            "has(self.path) != has(self.configMap)",
+            message="give exactly one of path (a local config.json) or configMap {name, key}",
+        )
     ]
 
 
@@ -100,11 +117,21 @@ def spec_rules() -> list[dict[str, str]]:
     worst_value = f"self.kvSlots.map(k, {worst})[0]"
     usable = f"(self.kv.pages - {SINK_PAGES})"
     single_paged = (
-        "!has(self.kv.pages) || self.kvSlots.size() != 1 "
+        "!has(self.kvSlots) || !has(self.kv.pages) || self.kvSlots.size() != 1 "
         "|| self.limits.maxTokens >= self.limits.maxSeqLen"
     )
     min_conc = "self.admission.minConcurrency"
     return [
+        rule(
+            f"has(self.kvSlots) || has({FROM_CONFIG})",
+            message="kvSlots is required unless model.architecture.fromConfig gives the "
+            "model's KV groups",
+        ),
+        rule(
+            f"!has(self.kvSlots) || !has({FROM_CONFIG})",
+            message="kvSlots comes from model.architecture.fromConfig (one label per KV group); "
+            "drop kvSlots",
+        ),
         rule(
             f"!{heads_known} || {heads} % {tp} == 0",
             message_expression=_format(

@@ -50,6 +50,7 @@ ACCOUNT = "kvbank-operator"
 CRDS = ("modelpools.kvbank.dev", "capacitypolicies.kvbank.dev")
 POOL_SELECTOR = "kvbank.dev/pool={}"
 START_TIMEOUT = 180.0
+CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 SETTLE_TIMEOUT = 60.0
 
 
@@ -277,6 +278,76 @@ def test_an_unholdable_pool_is_rejected_naming_what_to_change(cluster: Cluster) 
     assert "kv.pages=400 cannot hold one worst-case request" in out.stderr
     assert "Raise kv.pages to at least 514" in out.stderr
     assert cluster.pool(ns, "llama-8b-tiny-pool") is None
+
+
+def test_a_pool_read_from_a_config_map_is_judged_on_its_layout(cluster: Cluster) -> None:
+    """gpt-oss-20b's config.json in a ConfigMap: refused while the ConfigMap is missing, then
+    judged on its 12 sliding and 12 full attention layers, each group in the status, with no
+    pods rendered (the ranks do not read fromConfig yet)."""
+    ns = cluster.namespace("from-config")
+    pool = {
+        "apiVersion": "kvbank.dev/v1alpha1",
+        "kind": "ModelPool",
+        "metadata": {"name": "oss", "namespace": ns},
+        "spec": {
+            "model": {
+                "name": "gpt-oss-20b",
+                "architecture": {"fromConfig": {"configMap": {"name": "gpt-oss-20b"}}},
+            },
+            "gpu": {"memoryGiB": 80},
+            "kv": {"pageSize": 16, "pages": 20000},
+            "limits": {"maxSeqLen": 8192, "maxTokens": 2048, "maxNumBatchedTokens": 2048},
+        },
+    }
+    out = cluster.admin.apply(pool)
+    assert out.returncode != 0
+    assert (
+        "spec.model.architecture.fromConfig.configMap.name: names ConfigMap gpt-oss-20b, which "
+        f"namespace {ns} does not have" in out.stderr
+    )
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "gpt-oss-20b", "namespace": ns},
+        "data": {"config.json": (CONFIGS / "gpt-oss-20b.json").read_text()},
+    }
+    assert cluster.admin.apply(config).returncode == 0
+    out = cluster.admin.apply(pool)
+    assert out.returncode == 0, out.stderr
+    assert "no pods are rendered for it" in out.stderr  # the webhook's warning
+
+    def judged() -> dict[str, Any] | None:
+        doc = cluster.pool(ns, "oss")
+        cond = condition(doc, "Accepted")
+        return doc if cond and cond["reason"] == "FromConfigNotServed" else None
+
+    doc = wait_for("the configured pool judged", judged, SETTLE_TIMEOUT)
+    status = doc["status"]
+    assert (status["pages"], status["worstRequestPages"], status["worstConcurrency"]) == (
+        20000,
+        777,
+        25,
+    )
+    assert status["groups"] == [
+        {
+            "name": "sliding",
+            "kind": "sliding",
+            "layers": 12,
+            "pageBytes": 393216,
+            "rule": "window 128: at most 265 pages",
+            "worstRequestPages": 265,
+        },
+        {
+            "name": "full",
+            "kind": "full",
+            "layers": 12,
+            "pageBytes": 393216,
+            "rule": "every position",
+            "worstRequestPages": 512,
+        },
+    ]
+    assert condition(doc, "Accepted")["status"] == "False"  # type: ignore[index]
+    assert all(items == [] for items in owned(cluster, ns, "oss").values())
 
 
 def test_a_capacity_policy_quota_rejects_a_pool_that_passes_without_it(cluster: Cluster) -> None:

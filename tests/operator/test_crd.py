@@ -148,6 +148,65 @@ class TestModelPoolCRD:
         assert errors and all("rule error" not in e for e in errors)
 
 
+def _oss(**changes: Any) -> dict[str, Any]:
+    """A pool whose model is read from a ConfigMap's config.json, with `changes` applied as
+    (dotted spec path -> value; None deletes)."""
+    doc = pool_doc(
+        "oss",
+        model={"name": "gpt-oss-20b", "architecture": {"fromConfig": {"configMap": {"name": "c"}}}},
+        limits={"maxSeqLen": 8192, "maxTokens": 2048, "maxNumBatchedTokens": 2048},
+    )
+    del doc["spec"]["kvSlots"]
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = doc["spec"]
+        for key in parents:
+            node = node[key]
+        if value is None:
+            del node[last]
+        else:
+            node[last] = value
+    return doc
+
+
+ARCH = "model.architecture"
+
+
+class TestFromConfig:
+    def test_a_config_map_pool_validates_and_parses(self) -> None:
+        for doc in (
+            _oss(),
+            _oss(**{f"{ARCH}.fromConfig": {"path": "c.json", "kvDtype": "fp8", "weightsGiB": 13}}),
+            _oss(**{f"{ARCH}.fromConfig.configMap": {"name": "c", "key": "oss.json"}}),
+        ):
+            assert validate(POOL_SCHEMA, doc) == []
+            parse_modelpool(doc)
+
+    @pytest.mark.parametrize(
+        ("changes", "words"),
+        [
+            ({"kvSlots": {"main": {"prompt": 1, "output": 1}}}, "drop kvSlots"),
+            ({f"{ARCH}.fromConfig": None, f"{ARCH}.preset": "qwen3-8b"}, "kvSlots is required"),
+            ({f"{ARCH}.layers": 3}, "fromConfig describes the model by itself"),
+            ({f"{ARCH}.fromConfig": {}}, "give exactly one of path"),
+            ({f"{ARCH}.fromConfig.path": "c.json"}, "give exactly one of path"),
+            ({f"{ARCH}.fromConfig.kvDtype": "int3"}, "kvDtype"),
+            ({f"{ARCH}.fromConfig.weightsGiB": -1}, "weightsGiB"),
+            ({f"{ARCH}.fromConfig.configMap": {"key": "k"}}, "name"),
+            ({f"{ARCH}.fromConfig.size": 7}, "size"),
+            ({"limits.maxNumBatchedTokens": 0}, "maxNumBatchedTokens"),
+            ({"limits.maxNumBatchedTokens": (1 << 22) + 1}, "maxNumBatchedTokens"),
+        ],
+    )
+    def test_the_schema_refuses_what_the_parser_refuses(
+        self, changes: dict[str, Any], words: str
+    ) -> None:
+        doc = _oss(**changes)
+        errors = validate(POOL_SCHEMA, doc)
+        assert errors and any(words in e for e in errors), errors
+        assert not _parses(doc)
+
+
 class TestCapacityPolicyCRD:
     def test_selector_rules(self) -> None:
         bad = policy_doc(

@@ -100,7 +100,8 @@ cluster-wide, a Role's in each of operator.watchNamespaces. */}}
   resources: [modelpools/status]
   verbs: [patch]
 # What a pool renders (operator/render/bundle.py), by server-side apply; get, because the
-# repair timer reads each one back to put back what vanished or drifted.
+# repair timer reads each one back to put back what vanished or drifted, and because a
+# fromConfig pool's config.json is a ConfigMap it names (operator/model_config.py).
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [create, patch, get, list, delete]
