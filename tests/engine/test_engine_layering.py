@@ -5,6 +5,7 @@ core below them all is checked by what importing it loads."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,56 @@ def test_the_core_loads_nothing_built_on_it() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# The core's modules: everything under kvbank/ but the links to the parts built on it, the
+# command line that dispatches to them, and the vLLM plug-in (which may reach a sidecar).
+ABOVE = ("kvbank.engine", "kvbank.sidecar", "kvbank.operator")
+CORE_SKIP = {"engine", "sidecar", "operator", "proto", "vllm", "cli.py"}
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """Every module `path` imports, at the top or inside a function (a lazy import counts)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def reaching_above(paths: list[Path], above: tuple[str, ...]) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line} imports {name}"
+        for path in paths
+        for line, name in imports_of(path)
+        if name.startswith(above)
+    ]
+
+
+def core_modules() -> list[Path]:
+    kvbank = ROOT / "kvbank"
+    return [
+        path
+        for path in sorted(kvbank.rglob("*.py"))
+        if path.relative_to(kvbank).parts[0] not in CORE_SKIP
+    ]
+
+
+def test_the_core_imports_nothing_built_on_it_not_even_lazily() -> None:
+    modules = core_modules()
+    assert ROOT / "kvbank" / "ledger" / "client.py" in modules
+    assert not reaching_above(modules, ABOVE)
+
+
+def test_the_vllm_plug_in_imports_the_ledger_client_not_the_engine() -> None:
+    modules = sorted((ROOT / "kvbank" / "vllm").glob("*.py"))
+    assert not reaching_above(modules, ("kvbank.engine", "kvbank.operator"))
+
+
+def test_a_lazy_import_is_seen(tmp_path: Path) -> None:
+    module = tmp_path / "lazy.py"
+    module.write_text("def f():\n    from kvbank.engine.engine import Engine\n    return Engine\n")
+    assert reaching_above([module], ABOVE) == [f"{module}:2 imports kvbank.engine.engine"]
