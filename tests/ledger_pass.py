@@ -31,7 +31,7 @@ def admit_all(
     depth = ledger.policy.backfill_depth if ledger.policy is not None else 0
     admitted = []
     for _, decision in ask_in_order(
-        Deferred(), list(ledger.books.waiting), str, lambda rid: (peek(rid), None), depth
+        Deferred(), ledger.waiting_rids, str, lambda rid: (peek(rid), None), depth
     ):
         admitted.append(decision)
         if started is not None:

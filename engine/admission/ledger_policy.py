@@ -195,8 +195,8 @@ class LedgerPolicy(AdmissionPolicy):
             yield from self._apply(backend.poll(max(0, self.running_cap - rows)))
             yield from self.best_effort.admit()
             return
-        queue = list(self.best_effort.strict)
-        passed = ask_in_order(backend, queue, _rid, self._try, self.backfill_depth)
+        strict = self.best_effort.strict
+        passed = ask_in_order(backend, lambda: strict, _rid, self._try, self.backfill_depth)
         for _, decision in passed:
             req, chunks = self._admitted(decision)
             chains = self._chains.pop(decision.rid)

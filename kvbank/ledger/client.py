@@ -18,7 +18,7 @@ Events carry only numbers the engine computed itself: a request's page need come
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from kvbank.ledger import (
@@ -181,29 +181,35 @@ class Answers(Protocol):
 
 def ask_in_order(
     client: Answers,
-    queue: Iterable[T],
+    queue: Callable[[], Sequence[T]],
     rid: Callable[[T], str],
     ask: Callable[[T], tuple[Hit | None, int | None]],
     depth: int,
 ) -> Iterator[tuple[T, Admitted]]:
-    """One admission pass, for every host: ask the ledger about each waiting request in queue
-    order (the ledger's own), heads while they are admitted, then, behind a refused head whose
-    promise holds (`backfilling`), the next `depth`. `ask(item)` gives its hit (None: it
-    cannot start this step, which ends the pass behind the head) and its prefill bound. Each
-    admission is yielded before the next question: the host starts it first, so the next
-    question sees its lease and its pages."""
-    refused_at = None
-    for i, item in enumerate(queue):
-        if refused_at is not None and i - refused_at > depth:
-            return
+    """One admission pass, for every host: ask the ledger about the head of the waiting queue
+    (`queue()`, read afresh: the ledger's own order) while it is admitted, then, behind a
+    refused head whose promise holds (`backfilling`), about the next `depth` as they stood
+    then. `ask(item)` gives its hit (None: it cannot start this step, which ends the pass
+    behind the head) and its prefill bound. Each admission is yielded before the next
+    question: the host starts it first (taking it off its queue), so the next question sees
+    its lease and its pages, and a request queued meanwhile (a best-effort one promoted by a
+    preemption that made room) is asked in the same pass."""
+    while waiting := queue():
+        item = waiting[0]
+        hit, chunks = ask(item)
+        decision = client.try_admit(rid(item), hit, chunks)
+        if decision is None:
+            break
+        yield item, decision
+    else:
+        return
+    if not client.backfilling():
+        return
+    for item in list(waiting)[1 : 1 + depth]:
         hit, chunks = ask(item)
         decision = client.try_admit(rid(item), hit, chunks)
         if decision is not None:
             yield item, decision
-        elif refused_at is None:  # the head
-            if not client.backfilling():
-                return
-            refused_at = i
         elif hit is None:
             return
 

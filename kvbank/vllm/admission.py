@@ -118,10 +118,13 @@ class Admission:
         sched.running.sort(key=lambda r: r.num_tokens_with_spec - r.num_computed_tokens > 1)
         self._sync_supply()
         if self.waiting:
-            queue = list(self.waiting.values())
-            for _, admitted in ask_in_order(self.backend, queue, _rid, self._ask, self.depth):
+            passed = ask_in_order(self.backend, self._queue, _rid, self._ask, self.depth)
+            for _, admitted in passed:
                 self._started(admitted)
         self._peeked.clear()
+
+    def _queue(self) -> list[Any]:
+        return list(self.waiting.values())
 
     def _in_flight(self) -> int:
         return len(self.admitted)
