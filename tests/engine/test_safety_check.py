@@ -144,7 +144,10 @@ def test_the_conservative_reading_sees_a_supply_told_high(monkeypatch: pytest.Mo
     the raw pool: a ledger told of 4 evictable pages the pool does not have admits the second
     request and agrees with itself."""
     real = CacheView.ledger_supply
-    monkeypatch.setattr(CacheView, "ledger_supply", lambda view: (real(view)[0], 4))
+    # 4 more evictable pages than there are, once `a` runs (within the 12 usable pages).
+    monkeypatch.setattr(
+        CacheView, "ledger_supply", lambda view: (real(view)[0], 4 if real(view)[0] <= 8 else 0)
+    )
     model = tiny_model(page_size=4, max_seq_len=64, max_tokens=28)
     engine = Engine(EngineConfig(model, 13, "banker", 64), VirtualRunner())
     engine.add_request("a", list(range(1, 21)), 12)  # 8 pages, 5 held from its start
