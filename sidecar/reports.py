@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvbank.fields import quote
-from kvbank.ledger import Admitted, InvalidPages, Ledger, Refused, give_back
+from kvbank.ledger import Admitted, InvalidPages, Ledger, Refused
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.wire_forms import hit_from_wire, shape_from_wire
 
@@ -118,7 +118,7 @@ def _apply(
             stays = ledger.reservation(back.rid).reserved - back.reserved
             shape = shape_from_wire(back.rid, back.shape, stays)
             shape.check(back.rid, stays, ledger.policy)
-        give_back(ledger, back.rid, back.held, back.reserved, shape)
+        ledger.give_back(back.rid, back.held, back.reserved, shape)
     else:
         raise InvalidPages(
             "an event must carry one of submit, cancel, take, release, supply, "

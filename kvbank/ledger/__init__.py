@@ -8,11 +8,10 @@ records and errors callers pass, get back and catch).
 """
 
 from kvbank.ledger.books import pool_usable_pages
-from kvbank.ledger.giveback import give_back
 from kvbank.ledger.ledger import Ledger
 from kvbank.ledger.policy import PeakPolicy
-from kvbank.ledger.shape import NEVER, PeakShape, peak_shape
-from kvbank.ledger.timeline import Timeline, open_ended
+from kvbank.ledger.shape import NEVER, PeakShape, open_ended, peak_shape
+from kvbank.ledger.timeline import Timeline
 from kvbank.ledger.types import (
     NO_HIT,
     Admitted,
@@ -48,7 +47,6 @@ __all__ = [
     "Reservation",
     "Timeline",
     "UnknownRequest",
-    "give_back",
     "open_ended",
     "peak_shape",
     "pool_usable_pages",

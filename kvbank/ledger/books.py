@@ -153,6 +153,29 @@ class Books:
         if bounded and pages > self.total_pages:
             raise InvalidPages(f"{name}={pages} exceeds the pool's {self.total_pages} pages", name)
 
+    def check_give_back(
+        self, rid: str, held: int, reserved: int, shape: PeakShape | None
+    ) -> Reservation:
+        """The running request that may give back `reserved` pages of which `held` held: 0 <=
+        held <= reserved, at most what it holds and may still take, and a shape of what still
+        runs that counts what stays reserved."""
+        res = self.reservation(rid)
+        self.check_pages(held, "held")
+        self.check_pages(reserved, "reserved")
+        if held > reserved or held > res.held or reserved - held > res.reserved - res.held:
+            raise InvalidPages(
+                f"request {quote(rid)} holds {res.held} of its {res.reserved} reserved pages; it "
+                f"cannot give back {reserved} reserved pages of which {held} held (held <= "
+                f"reserved, and at most what it holds and what it may still take)"
+            )
+        if shape is not None and shape.pages != res.reserved - reserved:
+            raise InvalidPages(
+                f"request {quote(rid)}: the shape of what still runs counts {shape.pages} "
+                f"worst-case pages but {res.reserved - reserved} stay reserved; build both "
+                f"from the same count"
+            )
+        return res
+
     def check_hit(self, hit: Hit, pages: int) -> None:
         if not 0 <= hit.idle_pages <= hit.pages <= pages:
             raise InvalidPages(

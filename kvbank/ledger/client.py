@@ -31,7 +31,6 @@ from kvbank.ledger import (
     PeakPolicy,
     PeakShape,
     Refused,
-    give_back,
 )
 
 
@@ -298,7 +297,7 @@ class EmbeddedClient:
         self.ledger.release(rid)
 
     def give_back(self, rid: str, held: int, reserved: int, shape: PeakShape | None = None) -> None:
-        give_back(self.ledger, rid, held, reserved, shape)
+        self.ledger.give_back(rid, held, reserved, shape)
 
     def set_supply(self, free: int, evictable: int) -> None:
         ledger = self.ledger

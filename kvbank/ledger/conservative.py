@@ -91,3 +91,9 @@ class ConservativeTimeline:
 
     def end_step(self) -> list[str]:
         return []
+
+    def check_give_back(self, rid: str, shape: PeakShape | None) -> str | None:
+        return None
+
+    def give_back(self, rid: str, held: int, shape: PeakShape | None) -> None:
+        pass

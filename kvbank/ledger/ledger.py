@@ -13,10 +13,8 @@ and a head with cached hit `hit` (of which `idle` pages only the index holds) is
     outstanding + (reserved - hit) <= supply - idle
 
 because leasing the idle part takes it out of the evictable supply. Pure Python, no I/O: the
-engine (or the sidecar on its behalf) reports what the pool did. Two parts: the books
-(kvbank/ledger/books.py) and a timeline of the running requests (kvbank/ledger/timeline.py,
-else the trivial kvbank/ledger/conservative.py); backfill is a function over both
-(kvbank/ledger/backfill.py).
+engine (or the sidecar for it) reports what the pool did. Two parts: the books (books.py) and a
+timeline of the running requests (timeline.py, else conservative.py); backfill is over both.
 """
 
 from __future__ import annotations
@@ -47,10 +45,10 @@ _D = TypeVar("_D", Admitted, Refused)
 
 
 class Ledger:
-    """FIFO, head-only admission against running totals; `debug` checks the safe-state invariant
-    after every change. With a `policy` it follows each running request's progress and admits
-    when the timeline's peak fits (`peak`), and lets a later request past a blocked head that it
-    cannot delay (`backfill`). The conservative test is tried first."""
+    """FIFO admission against running totals (`try_admit`); `debug` checks the safe-state
+    invariant after every change. With a `policy` it follows each running request's progress
+    and admits when the timeline's peak fits (`peak`), and lets a later request past a refused
+    head that it cannot delay (`backfill`). The conservative test is tried first."""
 
     def __init__(
         self,
@@ -198,26 +196,20 @@ class Ledger:
         prefill_chunks: int | None = None,
         deferred: bool = False,
     ) -> Admitted | None:
-        """Admit the waiting request `rid` if it may start now, leasing its cached `hit`; None
-        is an answer too: it waits, and is asked again at a later step. The caller asks in its
-        queue's order (which is the ledger's, FIFO) and acts on each admission (leases its hit,
-        takes its pages) before the next question.
+        """Admit the waiting `rid` if it may start now, leasing its cached `hit`; None is an
+        answer too: it waits, asked again later. The caller asks in the ledger's FIFO order
+        (`ask_in_order`, kvbank/ledger/client.py) and starts each admission before the next.
 
-        - The head is admitted when it fits. A refused head (with backfill) gets a promise: the
-          earliest step at which it surely fits. It holds until the step ends or the head
-          changes.
-        - A request behind the head is admitted only while a promise holds, among the
-          `backfill_depth` requests that followed the head when it was made, and only when it
-          cannot delay that step (kvbank/ledger/backfill.py). A stale hit there is an answer
-          of None, not an error: the request waits for its turn.
+        - The head is admitted when it fits. A refused head (with backfill) gets a promise, the
+          earliest step it surely fits, held until the step ends or the head changes.
+        - A request behind it is admitted only while the promise holds, among the
+          `backfill_depth` that followed the head then, and only if it cannot delay that step
+          (kvbank/ledger/backfill.py). A stale hit there is answered None, not an error.
 
-        `hit=None`: the caller cannot start the request this step (no room); it is not
-        admitted, but a head asked so still gets its promise. `prefill_chunks`: its worst-case
-        prefill steps if admitted now (they depend on the prefill queued ahead of it), kept in
-        its shape. `deferred`: the engine reads this decision later (a sidecar's engine that
-        does not wait) and starts it at a step the ledger cannot know; with a policy, it is
-        kept open-ended (kvbank/ledger/timeline.py `open_ended`) until the engine reports
-        `start`."""
+        `hit=None`: the caller cannot start it this step (no room); a head asked so still gets
+        its promise. `prefill_chunks`: its worst-case prefill steps if admitted now, kept in its
+        shape. `deferred`: the engine starts it at a step the ledger cannot know (a sidecar's
+        engine that does not wait); it stays `open_ended` until the engine reports `start`."""
         books = self.books
         waiting = books.waiting_entry(rid)
         if prefill_chunks is not None:
@@ -295,8 +287,6 @@ class Ledger:
         self._after_change()
         return res
 
-    # ---- running requests ----------------------------------------------------------------------
-
     def take(self, rid: str, pages: int) -> None:
         """A running request allocated `pages` new pages (from free, or by evicting idle ones)."""
         books = self.books
@@ -323,6 +313,22 @@ class Ledger:
         self.timeline.remove(rid)
         self._after_change()
         return res
+
+    def give_back(self, rid: str, held: int, reserved: int, shape: PeakShape | None = None) -> None:
+        """A request of several sequences (OpenAI's `n`) gives back a finished sequence's share:
+        `reserved` pages of its reservation, `held` of them held (freed; the next supply report
+        counts them). `shape`: the growth of what still runs, for a ledger that follows
+        progress. Raises InvalidPages, changing nothing, unless the numbers fit and the shape
+        never rises; docs/admission.md ("Several sequences from one prompt") has why."""
+        res = self.books.check_give_back(rid, held, reserved, shape)
+        problem = self.timeline.check_give_back(rid, shape)
+        if problem is not None:
+            raise InvalidPages(problem)
+        res.held -= held
+        res.reserved -= reserved
+        self.books.outstanding -= reserved - held
+        self.timeline.give_back(rid, held, shape)
+        self._after_change()
 
     def set_supply(self, free: int, evictable: int) -> None:
         """The pool's own count of free pages and of cached pages eviction can reach."""

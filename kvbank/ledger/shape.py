@@ -26,7 +26,7 @@ Why this keeps the promise, and where each assumption is kept: docs/admission.md
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -299,3 +299,11 @@ def flat_shape(pages: int, page_size: int) -> PeakShape:
     """A request whose shape the ledger was not given: its worst case until it is released."""
     worst = (pages * page_size,)
     return PeakShape(worst, (0,), worst, NEVER, 0, pages)
+
+
+def open_ended(shape: PeakShape) -> PeakShape:
+    """A request admitted now that may start at any later step: at every step it holds at most
+    what it would hold had it started at once (its curve only rises until its finish), but its
+    finish is unknown, so it returns nothing. The profile evaluates such a track at its
+    `NEVER - 1` candidate, where every bounded request has finished and it stands at worst."""
+    return replace(shape, output_budget=NEVER)

@@ -1,11 +1,8 @@
 """The ledger's timeline of running requests: their progress, the peak-fit test and the EASY
-backfill promise. A ledger built with a `PeakPolicy` holds one; without one it holds the
-trivial timeline of kvbank/ledger/conservative.py, which takes the same calls.
-
-Cost: a test reads the cached profile and evaluates the newcomer at its candidate steps (one
-numpy pass over about as many steps as there are running requests); the profile is brought up to
-date once after any change, from the previous one (kvbank/ledger/profile.py: O(changed requests x
-candidates) in a typical step), so a run of checks between steps pays it once.
+backfill promise. A ledger with a `PeakPolicy` holds one; without, the trivial one of
+kvbank/ledger/conservative.py. Cost: a test reads the cached profile and evaluates the newcomer
+at its candidate steps (one numpy pass); the profile is brought up to date once after a change,
+from the previous one (kvbank/ledger/profile.py), so a run of checks between steps pays it once.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from kvbank.ledger.shape import (
     Track,
     flat_shape,
     newcomer,
+    open_ended,
     steps_for,
     track_for,
 )
@@ -299,6 +297,37 @@ class Timeline:
         self._changed()
         return stalled
 
+    def check_give_back(self, rid: str, shape: PeakShape | None) -> str | None:
+        """What is wrong with the curve a request giving pages back would follow (None: the
+        same labels, never above its curve now)."""
+        track = self.tracks[rid]
+        if shape is None or track.budget == NEVER:
+            return None
+        if shape.labels != track.labels:
+            return f"request {rid!r} gives back labels {shape.labels}; it writes {track.labels}"
+        checks = [("worst", shape.worst, track.worst)]
+        if self.peak_policy.peak:  # a flat curve (the conservative reading) has no rate
+            checks.append(("per_output", shape.per_output, track.per_output))
+        for name, new, old in checks:
+            if any(a > b for a, b in zip(new, old, strict=True)):
+                return f"request {rid!r} gives back pages but its {name} {new} rose from {old}"
+        return None
+
+    def give_back(self, rid: str, held: int, shape: PeakShape | None) -> None:
+        """The freed pages are no longer the request's; from its progress so far it follows
+        `shape` (at most the freed pages less at every step), so its demand does not rise."""
+        track = self.tracks[rid]
+        track.held -= held
+        track.exclusive = max(0, track.exclusive - held)
+        if shape is not None and track.budget != NEVER:
+            track.worst, track.base = shape.worst, shape.base
+            if self.peak_policy.peak:
+                track.per_output = shape.per_output
+                track.tokens = [min(t, w) for t, w in zip(track.tokens, shape.worst, strict=True)]
+            else:
+                track.tokens = list(shape.worst)
+        self._changed()  # the profile is stale
+
     # ---- the tests -----------------------------------------------------------------------------
 
     def fits(self, shape: PeakShape, hit: Hit, supply: int) -> bool:
@@ -370,11 +399,3 @@ class Timeline:
     def peak(self) -> tuple[int, int]:
         """(highest extra demand of the running requests, the step it is reached)."""
         return self.profile().peak()
-
-
-def open_ended(shape: PeakShape) -> PeakShape:
-    """A request admitted now that may start at any later step: at every step it holds at most
-    what it would hold had it started at once (its curve only rises until its finish), but its
-    finish is unknown, so it returns nothing. The profile evaluates such a track at its
-    `NEVER - 1` candidate, where every bounded request has finished and it stands at worst."""
-    return replace(shape, output_budget=NEVER)

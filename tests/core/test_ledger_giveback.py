@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from kvbank.capacity import CapacityModel, RequestShape, count_pages
-from kvbank.ledger import NO_HIT, InvalidPages, Ledger, PeakPolicy, give_back, peak_shape
+from kvbank.ledger import NO_HIT, InvalidPages, Ledger, PeakPolicy, peak_shape
 from kvbank.modelpool import KvSlot
 
 MODEL = CapacityModel({"main": KvSlot(1, 1)}, 16, 4096, 64, 0)
@@ -30,7 +30,7 @@ def test_a_finished_sequence_gives_its_share_and_its_pages_back(peak: bool) -> N
     assert ledger.outstanding == 12
     live = peak_shape(MODEL, SHAPE, count=count_pages(MODEL, SHAPE), live=3)
     assert live.pages == 18 and live.per_output == (3,) and live.worst == (18 * 16,)
-    give_back(ledger, "g", 1, 4, live)  # its own page held, its 4 pages of worst case
+    ledger.give_back("g", 1, 4, live)  # its own page held, its 4 pages of worst case
     res = ledger.reservation("g")
     assert (res.reserved, res.held) == (18, 9)
     assert ledger.outstanding == 9  # the 3 it would still have taken are no longer promised
@@ -54,6 +54,6 @@ def test_bad_numbers_are_refused_and_change_nothing() -> None:
     ]
     for (held, reserved, shape), words in cases:
         with pytest.raises(InvalidPages, match=words.replace("(", r"\(").replace(")", r"\)")):
-            give_back(ledger, "g", held, reserved, shape)
+            ledger.give_back("g", held, reserved, shape)
         res = ledger.reservation("g")
         assert (res.reserved, res.held, ledger.outstanding) == (22, 10, 12)
