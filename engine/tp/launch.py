@@ -37,7 +37,6 @@ from kvbank.engine.tp.sync import (
     FollowerBackend,
     FollowerRunner,
     LeaderRunner,
-    PeakFollowerBackend,
     Plan,
     RecordingBackend,
 )
@@ -264,10 +263,8 @@ def _follower(
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: rank 0 says when to stop
     backend: Any = None
-    if options.policy == "banker":
-        backend = FollowerBackend(options.pages, options.debug)
-    elif options.policy in LEDGER_MODE_NAMES:
-        backend = PeakFollowerBackend(defers=bool(options.sidecar))
+    if options.policy in LEDGER_MODE_NAMES:
+        backend = FollowerBackend(defers=bool(options.sidecar))
     # Decisions come from rank 0's plans over the process group, not from a sidecar: a pod's
     # own sidecar, rendered beside every rank, is not asked (see docs/operator.md).
     follower_options = dataclasses.replace(options, sidecar=None)

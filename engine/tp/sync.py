@@ -5,11 +5,9 @@ Every engine step is one exchange over the process group, in the same order on e
 1. rank 0 broadcasts a `Plan` (sequence-numbered): the requests it added and aborted since the
    last step, in order, and the admission decisions its backend returned at each `poll` of this
    step. A follower applies the same adds and aborts, then steps its own engine with a
-   `FollowerBackend` that hands its banker policy exactly those decisions, poll by poll, after
-   checking them against its own ledger (same head, same sequence order, admissible).
-   Under peak-fit a follower's `PeakFollowerBackend` replays the answers rank 0's backend gave
-   (to each in-step question, each poll, the pin budget), in order: one strategy whether rank
-   0's ledger is its own or its sidecar's.
+   `FollowerBackend` that hands its ledger policy exactly rank 0's answers, in order.
+   The answers are those rank 0's backend gave (to each in-step question, each poll, the pin
+   budget): one strategy under every mode, whether rank 0's ledger is its own or its sidecar's.
 2. every rank all-gathers a digest of the batch it scheduled (or of the error it hit). Any
    difference raises `TPDiverged` on every rank at once, with each rank's digest in the message:
    no rank asserts alone and none is left waiting in a collective.
@@ -30,8 +28,8 @@ from typing import Any
 import torch.distributed as dist
 
 from kvbank.engine.runner import SamplingParams, StepBatch, StepResult
-from kvbank.ledger import Admitted, Decision, Hit, Ledger, PeakShape
-from kvbank.ledger.client import EmbeddedClient, LedgerClient
+from kvbank.ledger import Admitted, Decision, Hit, PeakShape
+from kvbank.ledger.client import LedgerClient
 from kvbank.service_class import ServiceClass
 
 IDLE = "idle"
@@ -214,80 +212,9 @@ class RecordingBackend:
 
 
 class FollowerBackend:
-    """A follower's backend: its own ledger (an embedded backend's) sees the same events as
-    rank 0's, but it decides nothing; `poll` replays rank 0's decisions, checking each one can
-    be applied here."""
-
-    def __init__(self, total_pages: int, debug: bool = False) -> None:
-        self.embedded = EmbeddedClient(Ledger(total_pages, debug=debug))
-        self.ledger = self.embedded.ledger
-        self._planned: list[Answer] = []
-        self._last_seq = -1
-        # The events go to the follower's own ledger as they do on rank 0.
-        self.submit = self.embedded.submit
-        self.cancel = self.embedded.cancel
-        self.report_hits = self.embedded.report_hits
-        self.take = self.embedded.take
-        self.release = self.embedded.release
-        self.give_back = self.embedded.give_back
-        self.set_supply = self.embedded.set_supply
-        self.outstanding = self.embedded.outstanding
-        self.check_integrity = self.embedded.check_integrity
-
-    def expect(self, polls: list[Answer]) -> None:
-        left = [d for batch in self._planned if isinstance(batch, list) for d in batch]
-        if left:
-            raise TPDiverged(f"decisions of rank 0 were never applied here: {left}")
-        self._planned = list(polls)
-
-    def settled(self) -> bool:
-        answer = self._planned.pop(0) if self._planned else None
-        if not isinstance(answer, bool):
-            raise TPDiverged(
-                f"this rank asked whether admission was settled where rank 0 did not "
-                f"(rank 0's next answer: {answer!r})"
-            )
-        return answer
-
-    def collect(self) -> list[Decision]:
-        return self.poll(0)
-
-    def poll(self, room: int) -> list[Decision]:
-        if not self._planned:
-            return []
-        decisions = self._planned.pop(0)
-        if not isinstance(decisions, list):
-            raise TPDiverged(f"this rank polled for decisions where rank 0 answered {decisions}")
-        refused = {r.rid for r in self.embedded.take_refused()}
-        ledger = self.ledger
-        for decision in sorted(decisions, key=lambda d: d.seq):
-            if decision.seq <= self._last_seq:
-                raise TPDiverged(
-                    f"rank 0's decision {decision.seq} for {decision.rid!r} comes after "
-                    f"{self._last_seq}: decisions must arrive in sequence order"
-                )
-            self._last_seq = decision.seq
-            if not isinstance(decision, Admitted):
-                if decision.rid not in refused and ledger.is_waiting(decision.rid):
-                    ledger.cancel(decision.rid)
-                continue
-            head = ledger.head
-            admitted = ledger.try_admit(head, decision.hit) if head == decision.rid else None
-            if admitted is None:
-                snap = ledger.snapshot()
-                raise TPDiverged(
-                    f"this follower cannot apply rank 0's admission {decision.seq} of "
-                    f"{decision.rid!r} ({decision.reserved} pages, hit {decision.hit.pages}): "
-                    f"its head is {head!r}, outstanding {snap.outstanding}, supply "
-                    f"{snap.supply}"
-                )
-        return decisions
-
-
-class PeakFollowerBackend:
-    """A follower's backend under a peak-fit ledger, rank 0's own or its sidecar's (`defers`:
-    as rank 0's backend does): it decides nothing and keeps no ledger. It replays rank 0's
-    answers in order (the answers to its questions, decisions, settled, the pin budget), so
+    """A follower's backend under every ledger mode, rank 0's ledger its own or its sidecar's
+    (`defers`: as rank 0's backend does): it decides nothing and keeps no ledger. It replays
+    rank 0's answers in order (the answers to its questions, decisions, settled, the pin budget), so
     the follower's policy asks, pins, starts and reports exactly as rank 0's did; its events go
     nowhere. A follower asking what rank 0 did not ask has diverged."""
 

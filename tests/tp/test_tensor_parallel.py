@@ -15,7 +15,7 @@ from tp_procs import PROMPTS, ROOT, answers, child_env, free_port, kill_all, sto
 
 from kvbank.engine.serve.stack import ServeOptions
 from kvbank.engine.tp.launch import rank_command
-from kvbank.engine.tp.sync import FollowerBackend, Headroom, PeakFollowerBackend, TPDiverged
+from kvbank.engine.tp.sync import FollowerBackend, Headroom, TPDiverged, Tried
 from kvbank.ledger import Admitted, Hit
 
 
@@ -117,22 +117,6 @@ def test_a_batch_mismatch_stops_every_rank_with_both_digests() -> None:
         assert "diverged at plan 1: rank 0: 3 rows; rank 1: 2 rows" in out
 
 
-def test_a_follower_refuses_a_decision_it_cannot_apply() -> None:
-    backend = FollowerBackend(total_pages=11)
-    backend.submit("a", 6)
-    backend.submit("b", 6)
-    backend.expect([[Admitted("b", 0, 6, Hit())]])
-    with pytest.raises(TPDiverged, match="admission 0 of 'b' .* its head is 'a'"):
-        backend.poll(1)
-    fresh = FollowerBackend(total_pages=11)
-    fresh.submit("a", 6)
-    fresh.submit("b", 6)
-    fresh.expect([[Admitted("a", 0, 6, Hit())], [Admitted("b", 1, 6, Hit())]])
-    assert [d.rid for d in fresh.poll(1)] == ["a"]
-    with pytest.raises(TPDiverged, match="outstanding 6, supply 10"):
-        fresh.poll(1)  # 6 + 6 pages do not fit in 10: rank 0 could not have decided this
-
-
 def test_a_tp_size_the_heads_cannot_split_is_refused_before_any_rank_starts(
     builtin_model_dir: Path,
 ) -> None:
@@ -142,8 +126,20 @@ def test_a_tp_size_the_heads_cannot_split_is_refused_before_any_rank_starts(
         run_tp(ServeOptions(model=str(builtin_model_dir)), 3, "127.0.0.1", free_port())
 
 
-def test_a_peak_fit_follower_replays_rank_0s_answers_in_order_and_nothing_else() -> None:
-    backend = PeakFollowerBackend()
+def test_a_follower_replays_rank_0s_answers_to_its_questions_in_order() -> None:
+    backend = FollowerBackend(defers=False)
+    admitted = Admitted("a", 0, 6, Hit())
+    backend.expect([Tried("a", admitted, False), Tried("b", None, True), Tried("c", None, True)])
+    assert backend.try_admit("a", Hit()) == admitted
+    assert (backend.try_admit("b", Hit()), backend.backfilling()) == (None, True)
+    with pytest.raises(TPDiverged, match="asked about 'd' where rank 0 asked 'c'"):
+        backend.try_admit("d", Hit())
+    with pytest.raises(TPDiverged, match="asked for a Tried answer where rank 0's next was None"):
+        backend.try_admit("e", Hit())
+
+
+def test_a_deferring_follower_replays_rank_0s_answers_in_order_and_nothing_else() -> None:
+    backend = FollowerBackend(defers=True)
     decision = Admitted("a", 0, 6, Hit(2, 0, 0))
     backend.expect([[], True, Headroom(5), [decision]])
     assert backend.collect() == []
