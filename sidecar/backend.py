@@ -50,9 +50,9 @@ from kvbank.ledger import (
     UnknownRequest,
 )
 from kvbank.proto import admission_pb2 as pb
-from kvbank.sidecar.backend_wire import BackendBooks, Outage, ReportWire, submit_to_wire
-from kvbank.sidecar.client import SidecarClient, SidecarError
-from kvbank.sidecar.wire_forms import hit_to_wire, pace_of, shape_to_wire
+from kvbank.sidecar.backend_wire import BackendBooks, Outage, ReportWire
+from kvbank.sidecar.client import SidecarClient, SidecarError, unreachable_message
+from kvbank.sidecar.wire_forms import hit_to_wire, pace_of, shape_to_wire, submit_to_wire
 
 # A report on loopback takes a millisecond; a sidecar that has not answered one in half a
 # second (its retries against a refused connection included) is gone, not slow.
@@ -382,24 +382,3 @@ def connect(
             raise ValueError(unreachable_message(address, exc, token, tls_ca)) from exc
     unanswered_s = None if blocking else SERVING_UNANSWERED_S
     return SidecarBackend(client, total_pages, engine_id, blocking, unanswered_s=unanswered_s)
-
-
-def unreachable_message(
-    address: str, exc: SidecarError, token: str | None, tls_ca: bytes | None
-) -> str:
-    """Why the sidecar at `address` did not answer, in the engine's flags."""
-    if exc.code == "UNAUTHENTICATED":
-        given = "the token in --sidecar-token-file" if token else "no token"
-        return (
-            f"the sidecar at {address} refused {given} ({exc.message}); give "
-            f"--sidecar-token-file the file the sidecar reads with --token-file"
-        )
-    if exc.code == "UNAVAILABLE":
-        tls = (
-            "over TLS with --sidecar-ca-file: is its certificate signed by that CA, for that "
-            "name (--sidecar-tls-server-name)?"
-            if tls_ca
-            else "in plaintext: does it serve TLS (then give --sidecar-ca-file)?"
-        )
-        return f"cannot reach the sidecar at {address} ({exc.message}); is it running, and {tls}"
-    return f"the sidecar at {address} answered {exc}"

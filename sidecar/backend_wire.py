@@ -29,25 +29,14 @@ from dataclasses import dataclass, field
 from kvbank.ledger import (
     Admitted,
     Decision,
-    DuplicateRequest,
     Hit,
-    InvalidPages,
-    InvariantBreach,
     Refused,
-    UnknownRequest,
 )
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.client import SessionLost, SidecarClient, SidecarError, SidecarUnavailable
-from kvbank.sidecar.wire_forms import hit_to_wire
+from kvbank.sidecar.wire_forms import as_ledger_error, hit_to_wire, submit_to_wire
 
 log = logging.getLogger("kvbank.sidecar")
-
-_LEDGER_ERRORS: dict[str, type[Exception]] = {
-    "INVALID_ARGUMENT": InvalidPages,
-    "NOT_FOUND": UnknownRequest,
-    "ALREADY_EXISTS": DuplicateRequest,
-    "INTERNAL": InvariantBreach,
-}
 
 
 @dataclass
@@ -390,18 +379,3 @@ class ReportWire:
             pb.Event(submit=submit_to_wire(rid, pages, refusal, shape))
             for rid, (pages, refusal, shape) in self.books.waiting.items()
         ]
-
-
-def submit_to_wire(rid: str, pages: int, refusal: str, shape: pb.PeakShape | None) -> pb.Submit:
-    """A submit event, as `submit` queues it and a re-opened session resends it."""
-    submit = pb.Submit(rid=rid, pages=pages, refusal=refusal)
-    if shape is not None:
-        submit.shape.CopyFrom(shape)
-    return submit
-
-
-def as_ledger_error(exc: SidecarError) -> Exception:
-    """The ledger's own error for a status the sidecar mapped from one, so an engine handles a
-    remote ledger's refusal as it would the embedded one's; other errors pass unchanged."""
-    kind = _LEDGER_ERRORS.get(exc.code)
-    return kind(exc.message) if kind is not None else exc

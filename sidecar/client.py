@@ -226,3 +226,24 @@ class SidecarClient:
             raise _error(exc) from None
         finally:
             stream.cancel()
+
+
+def unreachable_message(
+    address: str, exc: SidecarError, token: str | None, tls_ca: bytes | None
+) -> str:
+    """Why the sidecar at `address` did not answer, in the engine's flags."""
+    if exc.code == "UNAUTHENTICATED":
+        given = "the token in --sidecar-token-file" if token else "no token"
+        return (
+            f"the sidecar at {address} refused {given} ({exc.message}); give "
+            f"--sidecar-token-file the file the sidecar reads with --token-file"
+        )
+    if exc.code == "UNAVAILABLE":
+        tls = (
+            "over TLS with --sidecar-ca-file: is its certificate signed by that CA, for that "
+            "name (--sidecar-tls-server-name)?"
+            if tls_ca
+            else "in plaintext: does it serve TLS (then give --sidecar-ca-file)?"
+        )
+        return f"cannot reach the sidecar at {address} ({exc.message}); is it running, and {tls}"
+    return f"the sidecar at {address} answered {exc}"

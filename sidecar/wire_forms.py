@@ -1,12 +1,23 @@
 """The wire forms of what the sidecar's ledger reads and answers: the ledger's mode and pace
 (`peak_policy`, `pace_of`), a request's shape and a cached hit, each checked as it comes off the
-wire (every number non-negative, one entry per label, within the bounds the ledger needs)."""
+wire (every number non-negative, one entry per label, within the bounds the ledger needs); and
+the submit event and the ledger's own errors as the engine's client sends and raises them."""
 
 from __future__ import annotations
 
-from kvbank.ledger import NO_HIT, Hit, InvalidPages, PeakPolicy, PeakShape
+from kvbank.ledger import (
+    NO_HIT,
+    DuplicateRequest,
+    Hit,
+    InvalidPages,
+    InvariantBreach,
+    PeakPolicy,
+    PeakShape,
+    UnknownRequest,
+)
 from kvbank.mode import AdmissionMode
 from kvbank.proto import admission_pb2 as pb
+from kvbank.sidecar.client import SidecarError
 
 
 def peak_policy(policy: str, pace: pb.LedgerPace | None) -> PeakPolicy | None:
@@ -103,3 +114,26 @@ def hit_to_wire(hit: Hit) -> pb.Hit:
     if hit.sole_pages is not None:
         wire.sole_pages = hit.sole_pages
     return wire
+
+
+_LEDGER_ERRORS: dict[str, type[Exception]] = {
+    "INVALID_ARGUMENT": InvalidPages,
+    "NOT_FOUND": UnknownRequest,
+    "ALREADY_EXISTS": DuplicateRequest,
+    "INTERNAL": InvariantBreach,
+}
+
+
+def submit_to_wire(rid: str, pages: int, refusal: str, shape: pb.PeakShape | None) -> pb.Submit:
+    """A submit event, as `submit` queues it and a re-opened session resends it."""
+    submit = pb.Submit(rid=rid, pages=pages, refusal=refusal)
+    if shape is not None:
+        submit.shape.CopyFrom(shape)
+    return submit
+
+
+def as_ledger_error(exc: SidecarError) -> Exception:
+    """The ledger's own error for a status the sidecar mapped from one, so an engine handles a
+    remote ledger's refusal as it would the embedded one's; other errors pass unchanged."""
+    kind = _LEDGER_ERRORS.get(exc.code)
+    return kind(exc.message) if kind is not None else exc

@@ -54,9 +54,8 @@ class Timeline:
         self.unstarted: dict[str, PeakShape] = {}
 
     def __deepcopy__(self, memo: dict[int, object]) -> Timeline:
-        """The copy a ledger applying a batch all-or-nothing works on (Ledger.copy): each
-        track copied, the immutable profile shared (a change on either side drops only that
-        side's). A generic deep copy also copied the profile's arrays, several times slower."""
+        """The copy a ledger applying a batch all-or-nothing works on (Ledger.copy): each track
+        copied, the immutable profile shared (a change on either side drops only its own)."""
         twin = copy.copy(self)
         twin.tracks = {rid: replace(t, tokens=list(t.tokens)) for rid, t in self.tracks.items()}
         twin.unstarted = dict(self.unstarted)
