@@ -143,7 +143,10 @@ def test_abort_frees_a_running_request_and_cancels_a_waiting_one() -> None:
 
 
 class ResendingBackend(EmbeddedClient):
-    """Delivers every decision twice, as a backend that retries would."""
+    """Delivers every decision twice, as a backend that retries would (it answers later, so
+    the engine pins and polls)."""
+
+    defers = True
 
     def poll(self, room: int) -> list[Decision]:
         decisions = super().poll(room)
@@ -170,6 +173,8 @@ def test_taking_past_the_reservation_raises() -> None:
 class OneStepLateBackend(EmbeddedClient):
     """Decides like the embedded ledger but hands each decision over one poll later, as a
     sidecar answering over the network would."""
+
+    defers = True
 
     def __init__(self, total_pages: int) -> None:
         super().__init__(embedded(total_pages, debug=True).ledger)

@@ -28,7 +28,8 @@ class RunRecord:
 
 
 class Recording:
-    """Wraps a backend's poll to record admissions in the order the engine applies them."""
+    """Wraps a backend's answers (in-step tries, polls) to record admissions in the order the
+    engine applies them."""
 
     def __init__(self, backend: Any, record: RunRecord) -> None:
         self._backend = backend
@@ -36,6 +37,12 @@ class Recording:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
+
+    def try_admit(self, rid: str, hit: Any, prefill_chunks: int | None = None) -> Any:
+        decision = self._backend.try_admit(rid, hit, prefill_chunks)
+        if decision is not None:
+            self._record.admitted.append(decision.rid)
+        return decision
 
     def poll(self, room: int) -> list[Any]:
         return self._seen(self._backend.poll(room))
