@@ -48,7 +48,9 @@ def run_vllm_policy(
     """`sidecar` (host:port) keeps a kvbank policy's ledger in that `kvbank sidecar`, which
     must run the same policy."""
     ledger_policy = VLLM_POLICIES[policy]
-    settings = Settings(ledger_policy, sidecar) if ledger_policy is not None else None
+    settings = None
+    if ledger_policy is not None:  # a bench waits for the sidecar's answers: the embedded run
+        settings = Settings(ledger_policy, sidecar, blocking=True)
     bench = VllmBench(scenario, settings)
     workload = scenario.workload
     arrivals = Arrivals(workload)

@@ -76,6 +76,10 @@ class Admission:
         self.depth = depth
         self._peeked: dict[str, list[Any]] = {}
         self._sharing_changed = False
+        # A sidecar the schedule never waits on: the head's cached blocks pinned until its
+        # decision is applied, and the last decision applied (each is applied once).
+        self._pins: dict[str, list[Any]] = {}
+        self._last_seq = -1
 
     # ---- arrivals ------------------------------------------------------------------------------
 
@@ -99,6 +103,9 @@ class Admission:
 
     def cancel(self, rid: str) -> None:
         """A request left (aborted) wherever it was."""
+        pins = self._pins.pop(rid, None)
+        if pins:
+            self.pool.free_blocks(pins)
         if self.waiting.pop(rid, None) is not None:
             with contextlib.suppress(UnknownRequest):
                 self.backend.cancel(rid)
@@ -117,11 +124,91 @@ class Admission:
         # advances every step, which peak-fit's promises rely on.
         sched.running.sort(key=lambda r: r.num_tokens_with_spec - r.num_computed_tokens > 1)
         self._sync_supply()
+        if self.backend.defers:
+            self._admit_later()
+            return
         if self.waiting:
             passed = ask_in_order(self.backend, self._queue, _rid, self._ask, self.depth)
             for _, admitted in passed:
                 self._started(admitted)
         self._peeked.clear()
+
+    # ---- a sidecar the schedule never waits on --------------------------------------------------
+
+    def _admit_later(self) -> None:
+        """Apply the decisions that arrived, pin the head's cached blocks while nothing is in
+        flight (a decision on its way may have counted the pages a pin would take), and send
+        the next report without waiting for its answer."""
+        backend = self.backend
+        self._apply(backend.collect())
+        if backend.settled():
+            self._pin_head()
+            self._sync_supply()
+        self._apply(backend.poll(max(0, self.pace.running_cap - self._in_flight())))
+
+    def _pin_head(self) -> None:
+        """Pin more of the head's computed blocks, in prefix order, within the ledger's
+        headroom: a block only the cache held (free to vLLM) leaves the supply, and one a
+        single running request holds no longer returns when it finishes; each costs a page.
+        The hit reported is the pinned blocks, held, with no idle part."""
+        head = next(iter(self.waiting.values()), None)
+        if head is None:
+            return
+        rid = head.request_id
+        pinned = self._pins.setdefault(rid, [])
+        blocks = list(self.sched.kv_cache_manager.get_computed_blocks(head)[0].blocks[0])
+        budget = self.backend.headroom()
+        new: list[Any] = []
+        spent = 0
+        for block in blocks[len(pinned) :]:
+            cost = 1 if block.ref_cnt == 0 or (block.ref_cnt == 1 and self.peak) else 0
+            if spent + cost > budget:
+                break
+            spent += cost
+            new.append(block)
+        if not new:
+            return
+        shared = any(block.ref_cnt == 1 for block in new)
+        self.pool.touch(new)
+        pinned += new
+        self.backend.note_pin(spent)
+        self.backend.report_hits({rid: Hit(len(pinned), 0, 0)})
+        if shared and self.peak:
+            for entry in self.admitted.values():
+                self.backend.set_exclusive(entry.request.request_id, self._exclusive(entry))
+
+    def _apply(self, decisions: list[Any]) -> None:
+        for decision in sorted(decisions, key=lambda d: d.seq):
+            if decision.seq <= self._last_seq:
+                continue  # a resent decision: applied once
+            self._last_seq = decision.seq
+            rid = decision.rid
+            if not isinstance(decision, Admitted):
+                raise InvariantBreach(f"the sidecar refused {rid!r}: {decision}")
+            request = self.waiting.pop(rid, None)
+            pins = self._pins.pop(rid, [])
+            if request is None:  # it left while the decision was on its way
+                if pins:
+                    self.pool.free_blocks(pins)
+                self.backend.release(rid)
+                continue
+            if decision.hit.pages > len(pins):
+                raise InvariantBreach(
+                    f"request {rid!r} was admitted with a {decision.hit.pages}-block hit but "
+                    f"only {len(pins)} blocks are pinned for it"
+                )
+            extra = pins[decision.hit.pages :]
+            if extra:
+                self.pool.free_blocks(extra)
+            pins = pins[: decision.hit.pages]
+            chunks = None
+            if self.peak:
+                chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens)
+                self.backend.start(rid, chunks)  # before vLLM takes the prompt's blocks
+            self.admitted[rid] = Entry(request, decision.hit.pages, pins, chunks)
+            if decision.hit.pages:
+                self._sharing_changed = True
+            self.sched._enqueue_waiting_request(request)  # as vLLM queues an arrival
 
     def _queue(self) -> list[Any]:
         return list(self.waiting.values())

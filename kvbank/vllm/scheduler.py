@@ -49,8 +49,10 @@ def kv_groups(kv_cache_config: Any) -> list[GroupSpec]:
 def make_backend(
     settings: Settings, total_pages: int, page_size: int, lookahead: int, engine_id: str = ""
 ) -> Any:
-    """The embedded ledger, or the sidecar's (blocking: each schedule waits for its answer,
-    one loopback round trip, so the sidecar decides on the state vLLM has at that moment)."""
+    """The embedded ledger, or the sidecar's: a served engine's never makes a schedule wait
+    (its decisions are applied at a later schedule, the head's cached blocks pinned until
+    then); with `settings.blocking` each question waits for its answer, so the run is the
+    embedded run."""
     peak = None
     if settings.policy != "banker":
         peak = PeakPolicy(
@@ -65,7 +67,7 @@ def make_backend(
     backend = connect(
         settings.sidecar,
         total_pages,
-        blocking=True,
+        blocking=settings.blocking,
         token=settings.token,
         tls_ca=settings.tls_ca,
         # One engine per pod: a restarted engine opens its session under the same name, and

@@ -2,8 +2,9 @@
 
 - `KVBANK_POLICY`: the ledger's test, one of banker, banker+backfill, peak, peak+backfill
   (default peak+backfill).
-- `KVBANK_SIDECAR`: host:port of a `kvbank sidecar` that keeps the ledger; unset, the ledger is
-  embedded in vLLM's engine process.
+- `KVBANK_SIDECAR`: host:port, or `unix:///PATH`, of a `kvbank sidecar` that keeps the ledger;
+  unset, the ledger is embedded in vLLM's engine process. A served engine never waits for the
+  sidecar's answer: the decisions of one schedule are applied at a later one.
 - `KVBANK_SIDECAR_TOKEN_FILE`: the sidecar's shared token (the file `kvbank sidecar
   --token-file` reads).
 - `KVBANK_SIDECAR_CA_FILE`: a CA bundle; with it the channel to the sidecar is TLS.
@@ -33,9 +34,12 @@ class SettingsError(ValueError):
 @dataclass(frozen=True)
 class Settings:
     policy: str = DEFAULT_POLICY
-    sidecar: str | None = None  # host:port; None: the embedded ledger
+    sidecar: str | None = None  # host:port or unix:///PATH; None: the embedded ledger
     token: str | None = None
     tls_ca: bytes | None = None
+    # Each schedule waits for the sidecar's answers (`kvbank bench --engine vllm --sidecar`, on
+    # the virtual clock, where that makes the run the embedded run); never from the environment.
+    blocking: bool = False
 
     @property
     def peak(self) -> bool:
@@ -73,9 +77,17 @@ def from_env(environ: Mapping[str, str]) -> Settings:
                 )
         return Settings(policy)
     host, sep, port = sidecar.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if sidecar.startswith("unix:"):
+        if not sidecar.startswith("unix:///") or len(sidecar) == len("unix:///"):
+            raise SettingsError(
+                "KVBANK_SIDECAR",
+                f"{_shown(sidecar)} is not unix:///PATH with an absolute path "
+                f"(e.g. unix:///var/run/kvbank/sidecar.sock)",
+            )
+    elif not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise SettingsError(
-            "KVBANK_SIDECAR", f"{_shown(sidecar)} is not host:port (e.g. 127.0.0.1:50051)"
+            "KVBANK_SIDECAR",
+            f"{_shown(sidecar)} is not host:port (e.g. 127.0.0.1:50051) or unix:///PATH",
         )
     token = None
     if token_file is not None:

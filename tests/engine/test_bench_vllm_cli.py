@@ -97,6 +97,8 @@ def test_settings_default_to_an_embedded_peak_backfill_ledger() -> None:
         ({"KVBANK_POLICY": "fifo"}, "KVBANK_POLICY", "set one of banker"),
         ({"KVBANK_SIDECAR": "localhost"}, "KVBANK_SIDECAR", "is not host:port"),
         ({"KVBANK_SIDECAR": "127.0.0.1:99999"}, "KVBANK_SIDECAR", "is not host:port"),
+        ({"KVBANK_SIDECAR": "unix://run/s.sock"}, "KVBANK_SIDECAR", "with an absolute path"),
+        ({"KVBANK_SIDECAR": "unix:///"}, "KVBANK_SIDECAR", "is not unix:///PATH"),
         ({"KVBANK_SIDECAR_TOKEN_FILE": "/t"}, "KVBANK_SIDECAR_TOKEN_FILE", "KVBANK_SIDECAR is not"),
         (
             {"KVBANK_SIDECAR": "127.0.0.1:1", "KVBANK_SIDECAR_TOKEN_FILE": "/nonexistent/t"},
@@ -112,6 +114,11 @@ def test_bad_settings_name_the_variable_and_what_to_set(
         from_env(env)
     assert refused.value.variable == variable
     assert says in str(refused.value)
+
+
+def test_a_unix_socket_sidecar_is_taken_and_a_served_engine_never_waits() -> None:
+    got = from_env({"KVBANK_SIDECAR": "unix:///var/run/kvbank/sidecar.sock"})
+    assert (got.sidecar, got.blocking) == ("unix:///var/run/kvbank/sidecar.sock", False)
 
 
 def test_an_empty_token_file_is_refused(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """Random workloads through vLLM's real scheduler under kvbank's admission: a request kvbank
 admitted is never preempted, the ledger stays safe and agrees with vLLM's free blocks after
 every step, nothing hangs, and every request finishes (run to its end, refused as never
-holdable, or aborted by its client). Embedded ledger, and a real `kvbank sidecar` process."""
+holdable, or aborted by its client). Embedded ledger, and a real `kvbank sidecar` process,
+waited on and not."""
 
 from __future__ import annotations
 
@@ -101,10 +102,13 @@ SIDECAR_PAGES = 48
 _sessions = iter(range(1 << 30))
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["waits", "never-waits"])
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=workload)
-def test_random_workloads_over_a_real_sidecar(sidecar: str, requests: list) -> None:
-    settings_ = Settings("peak+backfill", sidecar, token="vllm-property")
+def test_random_workloads_over_a_real_sidecar(sidecar: str, blocking: bool, requests: list) -> None:
+    """Waiting for each answer (a bench's run), and as a served vLLM runs: no schedule waits,
+    decisions are applied a schedule or more later, the head's cached blocks pinned until then."""
+    settings_ = Settings("peak+backfill", sidecar, token="vllm-property", blocking=blocking)
     backend = make_backend(
         settings_, SIDECAR_PAGES, PAGE, 0, engine_id=f"vllm-property-{next(_sessions)}"
     )
