@@ -7,6 +7,10 @@ server insists on a shared token (`--token-file`) and on TLS (`--tls-cert-file`,
 `--tls-key-file`), so the token never crosses the pod network in the clear; `--trusted-network`
 waives TLS where the network itself is private. SIGTERM stops it gracefully: health turns
 NOT_SERVING, calls in flight get `--grace-s` seconds, then the process exits 0.
+
+`--listen` given twice serves one ledger on both: a rank pod's sidecar listens on the pod
+address, for the operator's status reads and the kubelet's probes, and on a Unix socket in a
+volume its engine mounts too, so the engine's calls never touch the network stack.
 """
 
 from __future__ import annotations
@@ -38,14 +42,17 @@ from kvbank.sidecar.service import AdmissionService
 from kvbank.sidecar.state import AdmissionState
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admission"].full_name
+DEFAULT_LISTEN = "127.0.0.1:50051"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--listen",
-        default="127.0.0.1:50051",
+        action="append",
         help="HOST:PORT (port 0: any), or unix:///PATH for a Unix socket (the pod's own ranks "
-        "over a shared volume)",
+        "over a shared volume); again to serve on both, e.g. the pod address for the operator "
+        "and the probes and a socket for the engine beside it "
+        f"(default: {DEFAULT_LISTEN})",
     )
     parser.add_argument(
         "--metrics-port", type=int, default=9464, help="Prometheus port (0: any, -1: off)"
@@ -107,7 +114,7 @@ class ConfigError(Exception):
 
 @dataclass(frozen=True)
 class Config:
-    listen: str
+    listen: tuple[str, ...]  # one server on each; the first one's port is the one reported
     metrics_port: int
     metrics_host: str
     pool_pages: int | None
@@ -195,10 +202,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ConfigError(f"--token-file {args.token_file} is empty")
     if args.max_waiting < 1:
         raise ConfigError(f"--max-waiting must be at least 1, got {args.max_waiting}")
-    check_unix(args.listen)
-    check_exposure(args.listen, token is not None, tls is not None, args.trusted_network)
+    listen = tuple(args.listen or [DEFAULT_LISTEN])
+    for address in listen:
+        check_unix(address)
+        check_exposure(address, token is not None, tls is not None, args.trusted_network)
     return Config(
-        listen=args.listen,
+        listen=listen,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         pool_pages=pages,
@@ -237,7 +246,7 @@ async def serve(
     config: Config, stop: asyncio.Event, on_ready: Callable[[int], None] | None = None
 ) -> None:
     """Run until `stop` is set, then shut down within the grace period. `on_ready` gets the
-    bound port once the server accepts calls."""
+    first listen address's bound port once the server accepts calls."""
     log = DecisionLog(config.log_max, config.follower_timeout_s)
     state = AdmissionState(
         config.pool_pages,
@@ -256,10 +265,14 @@ async def serve(
     pb_grpc.add_AdmissionServicer_to_server(AdmissionService(state), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if config.tls:
-        port = server.add_secure_port(config.listen, grpc.ssl_server_credentials([config.tls]))
-    else:
-        port = server.add_insecure_port(config.listen)
+    # With TLS every listener serves it, the Unix socket too, as loopback TCP does: one set of
+    # flags for the engine whichever address it is given.
+    ports = [
+        server.add_secure_port(address, grpc.ssl_server_credentials([config.tls]))
+        if config.tls
+        else server.add_insecure_port(address)
+        for address in config.listen
+    ]
     metrics_note = "off"
     http = None
     if config.metrics_port >= 0:
@@ -270,13 +283,13 @@ async def serve(
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    if unix_path(config.listen) is not None:
-        where = config.listen
-    else:
-        where = f"{config.listen.rsplit(':', 1)[0]}:{port}"
+    where = " and ".join(
+        address if unix_path(address) is not None else f"{address.rsplit(':', 1)[0]}:{port}"
+        for address, port in zip(config.listen, ports, strict=True)
+    )
     print(f"kvbank sidecar: serving on {where}, metrics {metrics_note}", flush=True)
     if on_ready is not None:
-        on_ready(port)
+        on_ready(ports[0])
 
     async def housekeeping() -> None:
         # Lease and follower checks at a tenth of the lease: a dead engine's reservations go
@@ -317,6 +330,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(main())
     except OSError as exc:
-        print(f"error: cannot serve on {args.listen}: {exc}", file=sys.stderr)
+        print(f"error: cannot serve on {' and '.join(config.listen)}: {exc}", file=sys.stderr)
         return 1
     return 0

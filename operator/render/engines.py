@@ -1,5 +1,6 @@
 """The engine container's command line and environment, for either engine `spec.engine.kind`
-names, and the sidecar's; the secrets both read (API keys, the sidecar's TLS) as mounts.
+names, and the sidecar's; the secrets both read (API keys, the sidecar's TLS) as mounts, and
+the volume they share the sidecar's Unix socket in.
 
 - `kvbank`: `kvbank serve` with the pool's own figures, so the engine admits by the same
   numbers the webhook judged (the pages resolved, memoryFraction included).
@@ -26,6 +27,16 @@ API_KEY_VOLUME = "api-key"
 TLS_DIR = "/etc/kvbank/sidecar-tls"
 TLS_VOLUME = "sidecar-tls"
 TLS_CA_FILE = f"{TLS_DIR}/ca.crt"
+# The engine reaches its sidecar on a Unix socket, which only the pod's own containers can
+# open; the pod address stays for the operator's status reads and the probes. The root
+# filesystem is read-only, so the socket lives in an emptyDir both containers mount (the pod's
+# fsGroup makes it theirs; a socket a killed sidecar left there is taken over at its restart).
+SOCKET_VOLUME = "sidecar-socket"
+SOCKET_DIR = "/var/run/kvbank/sidecar"
+SIDECAR_SOCKET = f"unix://{SOCKET_DIR}/admission.sock"
+# A socket has no host name for TLS to check: gRPC takes its path for one. The pool's
+# certificate names localhost (render.sidecar_tls), so the engine checks that name.
+SOCKET_TLS_NAME = "localhost"
 VLLM_SCHEDULER = "kvbank.vllm.KvbankScheduler"
 API_KEY_FILE_ENV = "KVBANK_API_KEY_FILE"
 # vLLM takes several keys only as the words after one `--api-key` (a second `--api-key`
@@ -71,8 +82,13 @@ def pods_per_group(pool: ModelPool, deployment: Deployment) -> int:
     return pool.tensor_parallel // ranks_per_pod(pool, deployment)
 
 
-def _sidecar_address(settings: RenderSettings) -> str:
-    return f"127.0.0.1:{settings.sidecar_port}"
+def engine_sidecar_address(settings: RenderSettings, deployment: Deployment) -> str:
+    """Where the engine calls its sidecar. vLLM's plug-in stays on loopback TCP: its
+    KVBANK_SIDECAR takes host:port only (kvbank.vllm.settings refuses `unix://`), though the
+    client it builds would dial the socket; the sidecar serves both."""
+    if is_vllm(deployment):
+        return f"127.0.0.1:{settings.sidecar_port}"
+    return SIDECAR_SOCKET
 
 
 def kvbank_args(pool: ModelPool, settings: RenderSettings, deployment: Deployment, tls: bool):
@@ -80,7 +96,7 @@ def kvbank_args(pool: ModelPool, settings: RenderSettings, deployment: Deploymen
         "kvbank", "serve",
         "--host", "0.0.0.0",
         "--port", str(settings.http_port),
-        "--sidecar", _sidecar_address(settings),
+        "--sidecar", engine_sidecar_address(settings, deployment),
         "--sidecar-token-file", TOKEN_FILE,
         "--model", model_path(settings, pool.model_name),
         "--pages", str(pool_pages(pool)),
@@ -90,7 +106,7 @@ def kvbank_args(pool: ModelPool, settings: RenderSettings, deployment: Deploymen
         "--policy", pool.admission.ledger_policy,
     ]  # fmt: skip
     if tls:
-        args += ["--sidecar-ca-file", TLS_CA_FILE]
+        args += ["--sidecar-ca-file", TLS_CA_FILE, "--sidecar-tls-server-name", SOCKET_TLS_NAME]
     if deployment.api_key is not None:
         args += ["--api-key-file", f"{API_KEY_DIR}/{deployment.api_key.key}"]
     return [*args, *host_tier_args(pool), *class_args(pool.admission), *deployment.engine.args]
@@ -142,7 +158,7 @@ def vllm_env(
 ) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "KVBANK_POLICY", "value": pool.admission.ledger_policy},
-        {"name": "KVBANK_SIDECAR", "value": _sidecar_address(settings)},
+        {"name": "KVBANK_SIDECAR", "value": engine_sidecar_address(settings, deployment)},
         {"name": "KVBANK_SIDECAR_TOKEN_FILE", "value": TOKEN_FILE},
     ]
     if tls:
@@ -167,12 +183,16 @@ def engine_command(
 
 
 def sidecar_args(settings: RenderSettings, tls: bool) -> list[str]:
-    """`kvbank sidecar` on the pod address, so the operator can read its status; that needs the
-    shared token, which its engine sends too (--sidecar-token-file). With the pool's
-    certificate it serves TLS; without one (no operator CA) the network must be trusted."""
+    """`kvbank sidecar` on the pod address, so the operator can read its status and the kubelet
+    probe it, and on the socket its engine calls (every engine kind: one sidecar command). The
+    pod address needs the shared token, which its engine sends too (--sidecar-token-file). With
+    the pool's certificate it serves TLS, on the socket too, as it did on loopback (the engine
+    checks the name `localhost` there); without one (no operator CA) the network must be
+    trusted."""
     args = [
         "kvbank", "sidecar",
         "--listen", f"0.0.0.0:{settings.sidecar_port}",
+        "--listen", SIDECAR_SOCKET,
         "--token-file", TOKEN_FILE,
         "--metrics-port", str(settings.metrics_port),
         "--metrics-host", "0.0.0.0",
@@ -206,3 +226,12 @@ def tls_volume(secret_name: str) -> dict[str, Any]:
 
 def tls_mount() -> dict[str, Any]:
     return {"name": TLS_VOLUME, "mountPath": TLS_DIR, "readOnly": True}
+
+
+def socket_volume() -> dict[str, Any]:
+    # Holds one socket and nothing else.
+    return {"name": SOCKET_VOLUME, "emptyDir": {"sizeLimit": "1Mi"}}
+
+
+def socket_mount() -> dict[str, Any]:
+    return {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR}

@@ -21,10 +21,13 @@ from kvbank.operator.render.engines import (
     api_key_mount,
     api_key_volume,
     engine_command,
+    engine_sidecar_address,
     is_vllm,
     pods_per_group,
     ranks_per_pod,
     sidecar_args,
+    socket_mount,
+    socket_volume,
     tls_mount,
     tls_volume,
 )
@@ -86,8 +89,10 @@ def rank_env(
     workload: Workload,
     deployment: Deployment | None = None,
 ) -> list[dict[str, Any]]:
-    """KVBANK_WORLD_SIZE counts pods, not GPUs: a vLLM pod runs its group's ranks itself."""
-    world = pods_per_group(pool, deployment or Deployment())
+    """KVBANK_WORLD_SIZE counts pods, not GPUs: a vLLM pod runs its group's ranks itself.
+    KVBANK_SIDECAR_ADDR is where this pod's engine calls its sidecar."""
+    deployment = deployment or Deployment()
+    world = pods_per_group(pool, deployment)
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", **_field("metadata.name")},
         {"name": "POD_NAMESPACE", **_field("metadata.namespace")},
@@ -97,7 +102,7 @@ def rank_env(
         {"name": "KVBANK_HEADLESS", "value": headless_name(pool.name)},
         {"name": "KVBANK_DIST_PORT", "value": str(settings.dist_port)},
         {"name": "KVBANK_SIDECAR_PORT", "value": str(settings.sidecar_port)},
-        {"name": "KVBANK_SIDECAR_ADDR", "value": f"127.0.0.1:{settings.sidecar_port}"},
+        {"name": "KVBANK_SIDECAR_ADDR", "value": engine_sidecar_address(settings, deployment)},
         {"name": "KVBANK_POOL_FILE", "value": f"{CONFIG_DIR}/{POOL_FILE}"},
     ]
     if workload is Workload.LEADER_WORKER_SET:
@@ -136,6 +141,7 @@ def _container(
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             token_mount(),
+            socket_mount(),
         ],
     }
 
@@ -219,7 +225,7 @@ def pod_template(
             "terminationGracePeriodSeconds": settings.termination_grace_seconds,
             "initContainers": [harden(c) for c in parts.init_containers],
             "containers": [harden(engine), harden(sidecar)],
-            "volumes": [*volumes, *scratch_volumes()],
+            "volumes": [*volumes, socket_volume(), *scratch_volumes()],
             **placement(template, pool.name),
         },
     }

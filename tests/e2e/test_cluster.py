@@ -242,6 +242,13 @@ def test_a_holdable_pool_is_accepted_and_rendered(cluster: Cluster) -> None:
         assert mounts["sidecar-token"]["mountPath"] == TOKEN_FILE.rsplit("/", 1)[0]
     assert sidecar["args"][sidecar["args"].index("--token-file") + 1] == TOKEN_FILE
     assert engine["args"][engine["args"].index("--sidecar-token-file") + 1] == TOKEN_FILE
+    # The engine calls its sidecar on a socket in an emptyDir both mount, as the apiserver kept it.
+    socket = engine["args"][engine["args"].index("--sidecar") + 1]
+    assert socket.startswith("unix:///") and socket in sidecar["args"]
+    assert "emptyDir" in volumes["sidecar-socket"]
+    for container in (engine, sidecar):
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert socket.startswith(f"unix://{mounts['sidecar-socket']['mountPath']}/")
     services = {s["metadata"]["name"]: s["spec"] for s in objects["services"]}
     assert services["llama-8b-ranks"]["clusterIP"] == "None"
     # One pod per group: every pod is a rank 0, selected by the pool's labels alone.

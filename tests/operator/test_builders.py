@@ -24,6 +24,7 @@ from kvbank.operator.render.engine_config import (
     engine_config,
     pool_manifest,
 )
+from kvbank.operator.render.engines import SIDECAR_SOCKET, SOCKET_VOLUME
 from kvbank.operator.render.names import (
     ANNOTATION_CONFIG_HASH,
     LWS_WORKER_INDEX,
@@ -216,7 +217,7 @@ class TestPodTemplate:
             {"name": "http", "containerPort": 8000, "protocol": "TCP"},
             {"name": "dist", "containerPort": 29500, "protocol": "TCP"},
         ]
-        assert env["KVBANK_SIDECAR_ADDR"] == "127.0.0.1:50051"
+        assert env["KVBANK_SIDECAR_ADDR"] == "unix:///var/run/kvbank/sidecar/admission.sock"
         assert env["KVBANK_HEADLESS"] == "llama-ranks"
         assert engine["resources"] == {"limits": {"nvidia.com/gpu": 1}}
         assert sidecar["resources"] == {
@@ -225,7 +226,7 @@ class TestPodTemplate:
         }
         assert engine["args"] == [
             "kvbank", "serve", "--host", "0.0.0.0", "--port", "8000",
-            "--sidecar", "127.0.0.1:50051",
+            "--sidecar", "unix:///var/run/kvbank/sidecar/admission.sock",
             "--sidecar-token-file", "/var/run/kvbank/sidecar-token/token",
             "--model", "/models/llama-3.1-8b-instruct",
             "--pages", "20000", "--page-size", "16", "--max-seq-len", "8192",
@@ -233,6 +234,7 @@ class TestPodTemplate:
         ]  # fmt: skip
         assert sidecar["args"] == [
             "kvbank", "sidecar", "--listen", "0.0.0.0:50051",
+            "--listen", "unix:///var/run/kvbank/sidecar/admission.sock",
             "--token-file", "/var/run/kvbank/sidecar-token/token", "--metrics-port", "9464",
             "--metrics-host", "0.0.0.0", "--pool", "/etc/kvbank/config/modelpool.yaml",
             "--trusted-network",
@@ -246,6 +248,7 @@ class TestPodTemplate:
                     "items": [{"key": "token", "path": "token"}],
                 },
             },
+            {"name": "sidecar-socket", "emptyDir": {"sizeLimit": "1Mi"}},
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
             {"name": "cache", "emptyDir": {"sizeLimit": "16Gi"}},
         ]
@@ -256,6 +259,7 @@ class TestPodTemplate:
                 "mountPath": "/var/run/kvbank/sidecar-token",
                 "readOnly": True,
             },
+            {"name": "sidecar-socket", "mountPath": "/var/run/kvbank/sidecar"},
         ]
         tmp = {"name": "tmp", "mountPath": "/tmp"}
         assert engine["volumeMounts"] == [
@@ -303,7 +307,7 @@ class TestPodTemplate:
             ][0]
             args = engine["args"]
             assert args[args.index("--policy") + 1] == engine_policy
-            assert args[args.index("--sidecar") + 1] == "127.0.0.1:50051"
+            assert args[args.index("--sidecar") + 1] == SIDECAR_SOCKET
             argv = args[1:]
             serve = cli.build_parser(argv).parse_args(argv)
             assert options_from_args(serve).policy == engine_policy  # serve accepts the pair
@@ -460,6 +464,9 @@ class TestPodsStartWithoutAKubelet:
         for volume in template["spec"]["volumes"]:
             folder = root / volume["name"]
             folder.mkdir()
+            if volume["name"] == SOCKET_VOLUME:
+                folders[volume["name"]] = folder  # the sidecar binds its socket in it
+                continue
             if "emptyDir" in volume:
                 continue  # the scratch folders: written by the containers, read by none here
             if "configMap" in volume:
@@ -478,7 +485,10 @@ class TestPodsStartWithoutAKubelet:
             for mount in container["volumeMounts"]:
                 if mount["name"] in (SCRATCH_VOLUME, CACHE_VOLUME):
                     continue
-                assert mount["readOnly"] is True
+                if mount["name"] == SOCKET_VOLUME:
+                    assert "readOnly" not in mount  # the sidecar binds its socket in it
+                else:
+                    assert mount["readOnly"] is True
                 mounts[mount["mountPath"]] = folders[mount["name"]]
         return mounts
 
@@ -486,9 +496,10 @@ class TestPodsStartWithoutAKubelet:
     def _local(args: list[str], mounts: dict[str, Path]) -> list[str]:
         out = []
         for arg in args:
+            scheme = "unix://" if arg.startswith("unix:///") else ""
             for mount_path, folder in mounts.items():
-                if arg.startswith(mount_path + "/"):
-                    arg = str(folder) + arg[len(mount_path) :]
+                if arg.startswith(scheme + mount_path + "/"):
+                    arg = scheme + str(folder) + arg[len(scheme + mount_path) :]
             out.append(arg)
         return out
 
@@ -509,7 +520,10 @@ class TestPodsStartWithoutAKubelet:
         _, sidecar = self._containers(tmp_path, workload)
         argv = sidecar[1:]
         config = config_from_args(cli.build_parser(argv).parse_args(argv))
-        assert config.listen == "0.0.0.0:50051"
+        assert config.listen == (
+            "0.0.0.0:50051",
+            f"unix://{tmp_path}/sidecar-socket/admission.sock",
+        )
         # The token the operator's status reads send (SidecarClientSource) is the one it checks.
         assert config.token == SETTINGS.sidecar_token
         assert (
@@ -523,7 +537,7 @@ class TestPodsStartWithoutAKubelet:
         engine, _ = self._containers(tmp_path, Workload.STATEFUL_SET)
         argv = engine[1:]
         options = options_from_args(cli.build_parser(argv).parse_args(argv))
-        assert options.sidecar == "127.0.0.1:50051"
+        assert options.sidecar == f"unix://{tmp_path}/sidecar-socket/admission.sock"
         assert options.sidecar_token_file is not None
         # As kvbank.engine.serve.stack reads it.
         assert Path(options.sidecar_token_file).read_text().strip() == SETTINGS.sidecar_token
@@ -557,8 +571,12 @@ class TestRenderPool:
         ]
         template = rendered.manifests[-1]["spec"]["template"]
         assert template["metadata"]["annotations"][ANNOTATION_CONFIG_HASH] == rendered.config_hash
-        config, token, scratch, cache = template["spec"]["volumes"]
-        assert (scratch["name"], cache["name"]) == (SCRATCH_VOLUME, CACHE_VOLUME)
+        config, token, socket, scratch, cache = template["spec"]["volumes"]
+        assert (socket["name"], scratch["name"], cache["name"]) == (
+            SOCKET_VOLUME,
+            SCRATCH_VOLUME,
+            CACHE_VOLUME,
+        )
         assert config["configMap"]["name"] == rendered.manifests[0]["metadata"]["name"]
         assert token["secret"]["secretName"] == rendered.token_secret["metadata"]["name"]
 

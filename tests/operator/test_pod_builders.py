@@ -1,12 +1,13 @@
 """The builders of a rank pod's pod-facing parts, one class each: the spec's reader, the weights
 volume (its check script run by a real shell), scheduling, the engine's command line for either
-engine, the sidecar's TLS, and the whole pod template they compose."""
+engine, the sidecar's TLS, and the whole pod template they compose, with the socket its engine
+and sidecar share."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -23,12 +24,19 @@ from kvbank.deployment import (
     parse_template,
 )
 from kvbank.modelpool import SpecError, parse_modelpool
-from kvbank.operator.render.engines import VLLM_KEYS_SCRIPT, engine_command, sidecar_args
+from kvbank.operator.render.engines import (
+    SOCKET_VOLUME,
+    VLLM_KEYS_SCRIPT,
+    engine_command,
+    sidecar_args,
+)
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
 from kvbank.operator.render.pods import pod_template
 from kvbank.operator.render.scheduling import engine_resources, placement, shm_volume
 from kvbank.operator.render.sidecar_tls import PoolTLS, pool_tls_names, tls_secret
 from kvbank.operator.render.workloads import stateful_set
+from kvbank.sidecar.server import UNIX_PATH_MAX
+from kvbank.vllm.settings import from_env
 
 SETTINGS = RenderSettings(image="registry.example/kvbank:1.2.3", sidecar_token="t0ken")
 OWNER = Owner("llama", "team-a", "uid-7")
@@ -232,6 +240,8 @@ class TestEngineCommand:
         assert command.image == SETTINGS.image and command.env == []
         args = command.args
         assert args[args.index("--sidecar-ca-file") + 1] == "/etc/kvbank/sidecar-tls/ca.crt"
+        # Its sidecar is on a socket, which carries no host name: the certificate's localhost.
+        assert args[args.index("--sidecar-tls-server-name") + 1] == "localhost"
         assert args[args.index("--api-key-file") + 1] == "/etc/kvbank/api-key/k"
         assert args[-1] == "-v"
 
@@ -337,17 +347,18 @@ class TestPodTemplateWithDeployment:
         )
         spec = template["spec"]
         assert [v["name"] for v in spec["volumes"]] == [
-            "config", "sidecar-token", "weights", "dshm", "api-key", "sidecar-tls", "tmp", "cache",
+            "config", "sidecar-token", "weights", "dshm", "api-key", "sidecar-tls",
+            "sidecar-socket", "tmp", "cache",
         ]  # fmt: skip
         engine, sidecar = spec["containers"]
         assert [m["mountPath"] for m in engine["volumeMounts"]] == [
-            "/etc/kvbank/config", "/var/run/kvbank/sidecar-token",
+            "/etc/kvbank/config", "/var/run/kvbank/sidecar-token", "/var/run/kvbank/sidecar",
             "/var/cache/kvbank", "/models/llama-3.1-8b-instruct", "/dev/shm",
             "/etc/kvbank/api-key", "/etc/kvbank/sidecar-tls", "/tmp",
         ]  # fmt: skip
         assert [m["mountPath"] for m in sidecar["volumeMounts"]] == [
-            "/etc/kvbank/config", "/var/run/kvbank/sidecar-token", "/etc/kvbank/sidecar-tls",
-            "/tmp",
+            "/etc/kvbank/config", "/var/run/kvbank/sidecar-token", "/var/run/kvbank/sidecar",
+            "/etc/kvbank/sidecar-tls", "/tmp",
         ]  # fmt: skip
         assert template["metadata"]["annotations"]["kvbank.dev/sidecar-tls-serial"] == "abc"
         assert spec["nodeSelector"] == {"gpu": "a"}
@@ -380,3 +391,62 @@ class TestPodTemplateWithDeployment:
         # The same pool under kvbank's engine: one pod per rank.
         kvbank = stateful_set(pool, OWNER, SETTINGS, "h", TOKEN_SECRET, Deployment())
         assert kvbank["spec"]["replicas"] == 12
+
+
+def _listens(sidecar: dict[str, Any]) -> list[str]:
+    args = sidecar["args"]
+    return [args[at + 1] for at, arg in enumerate(args) if arg == "--listen"]
+
+
+class TestSidecarSocket:
+    """The engine calls its sidecar on a Unix socket in an emptyDir both containers mount (the
+    root filesystem is read-only); the pod address stays for the operator and the probes."""
+
+    @staticmethod
+    def _spec(deployment: Deployment, tls: PoolTLS | None = None) -> dict[str, Any]:
+        pool = parse_modelpool(pool_doc(tensorParallel=2))
+        template = pod_template(
+            pool, SETTINGS, Workload.STATEFUL_SET, "h", TOKEN_SECRET, deployment, tls
+        )
+        return template["spec"]
+
+    @pytest.mark.parametrize("tls", [None, PoolTLS("llama-sidecar-tls", "abc")])
+    def test_the_engine_calls_the_socket_its_sidecar_listens_on_in_a_volume_both_mount(
+        self, tls: PoolTLS | None
+    ) -> None:
+        spec = self._spec(Deployment(), tls)
+        engine, sidecar = spec["containers"]
+        called = engine["args"][engine["args"].index("--sidecar") + 1]
+        assert called.startswith("unix:///")
+        assert _listens(sidecar) == [f"0.0.0.0:{SETTINGS.sidecar_port}", called]
+        path = PurePosixPath(called.removeprefix("unix://"))
+        assert len(str(path)) <= UNIX_PATH_MAX
+        volumes = {volume["name"]: volume for volume in spec["volumes"]}
+        for container in (engine, sidecar):
+            [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == str(path.parent)]
+            assert mount == {"name": SOCKET_VOLUME, "mountPath": str(path.parent)}  # writable
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["KVBANK_SIDECAR_ADDR"] == called
+        assert volumes[SOCKET_VOLUME] == {"name": SOCKET_VOLUME, "emptyDir": {"sizeLimit": "1Mi"}}
+
+    def test_vllm_calls_the_pod_port_on_loopback_until_its_plug_in_takes_a_socket(self) -> None:
+        """kvbank.vllm.settings reads KVBANK_SIDECAR as host:port only; the sidecar's command
+        is the same for either engine, so the socket is there for it."""
+        spec = self._spec(_deployment(engine={"kind": "vllm"}))
+        engine, sidecar = spec["containers"]
+        env = {e["name"]: e.get("value") for e in engine["env"]}
+        assert env["KVBANK_SIDECAR"] == env["KVBANK_SIDECAR_ADDR"] == "127.0.0.1:50051"
+        assert from_env({"KVBANK_SIDECAR": env["KVBANK_SIDECAR"]}).sidecar  # the plug-in takes it
+        assert _listens(sidecar)[0] == "0.0.0.0:50051"
+        assert {m["name"] for m in engine["volumeMounts"]} >= {SOCKET_VOLUME}
+
+    def test_every_rank_of_a_group_gets_the_socket_and_reaches_rank_0_over_the_pod_network(
+        self,
+    ) -> None:
+        """One template for every rank: a follower's engine ignores --sidecar (it takes rank 0's
+        decisions over torch.distributed), and rank 0's sidecar stays on its pod address."""
+        engine, sidecar = self._spec(Deployment())["containers"]
+        for container in (engine, sidecar):
+            script = container["command"][2]
+            assert 'KVBANK_RANK0_SIDECAR="${KVBANK_RANK0_ADDR}:${KVBANK_SIDECAR_PORT}"' in script
+        assert _listens(sidecar)[0] == "0.0.0.0:50051"

@@ -1,8 +1,8 @@
 """A rank pod's sidecar as the operator renders it, with a certificate the operator issued, run
 for real on loopback: `kvbank sidecar` takes the rendered TLS flags and the projected Secret's
 files, and both `kvbank status` and the operator's own status reader get through with the
-pool's CA, checking the names the certificate carries (127.0.0.1, the engine's; a pod's DNS
-name, the operator's)."""
+pool's CA, checking the names the certificate carries (localhost, the one the engine checks on
+its Unix socket; a pod's DNS name, the operator's)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from kvbank.operator.certs import CertBundle, new_ca
 from kvbank.operator.live import SidecarClientSource
 from kvbank.operator.pool_tls import ensure_pool_tls
 from kvbank.operator.render.bundle import render_pool
+from kvbank.operator.render.engines import SIDECAR_SOCKET
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
 
 TOKEN = "t0ken-for-tls-tests"
@@ -43,8 +44,9 @@ def _kvbank(*args: str) -> list[str]:
     return [KVBANK, *args] if KVBANK else [sys.executable, "-m", "kvbank.cli", *args]
 
 
-def _rendered_sidecar(tmp_path: Path) -> tuple[list[str], bytes]:
-    """The sidecar's args with every mounted path moved under tmp_path, and the CA bundle."""
+def _rendered_pod(tmp_path: Path) -> tuple[list[str], list[str], bytes]:
+    """The engine's and the sidecar's args with every mounted path moved under tmp_path, and
+    the CA bundle."""
     now = datetime.now(UTC)
     ca_cert, ca_key = new_ca(now)
     issuer = CertBundle(ca_cert, ca_key, b"", b"", ca_cert)
@@ -66,18 +68,23 @@ def _rendered_sidecar(tmp_path: Path) -> tuple[list[str], bytes]:
         folder.mkdir()
         for name, data in contents.items():
             (folder / name).write_bytes(data)
-    sidecar = rendered.manifests[-1]["spec"]["template"]["spec"]["containers"][1]
-    args = []
-    for arg in sidecar["args"]:
-        for mount in files:
-            if arg.startswith(mount + "/"):
-                arg = str(tmp_path / mount.strip("/").replace("/", "_")) + arg[len(mount) :]
-        args.append(arg)
-    return args, files["/etc/kvbank/sidecar-tls"]["ca.crt"]
+    engine, sidecar = rendered.manifests[-1]["spec"]["template"]["spec"]["containers"]
+    (tmp_path / "socket").mkdir()
+
+    def local(args: list[str]) -> list[str]:
+        out = []
+        for arg in args:
+            for mount in files:
+                if arg.startswith(mount + "/"):
+                    arg = str(tmp_path / mount.strip("/").replace("/", "_")) + arg[len(mount) :]
+            out.append(f"unix://{tmp_path}/socket/admission.sock" if arg == SIDECAR_SOCKET else arg)
+        return out
+
+    return local(engine["args"]), local(sidecar["args"]), files["/etc/kvbank/sidecar-tls"]["ca.crt"]
 
 
 def test_the_rendered_sidecar_serves_tls_its_clients_verify(tmp_path: Path) -> None:
-    args, ca = _rendered_sidecar(tmp_path)
+    engine, args, ca = _rendered_pod(tmp_path)
     assert "--tls-cert-file" in args and "--trusted-network" not in args
     port, metrics = _free_port(), _free_port()
     # Loopback only here: the rendered 0.0.0.0 is the pod's address.
@@ -101,6 +108,15 @@ def test_the_rendered_sidecar_serves_tls_its_clients_verify(tmp_path: Path) -> N
                 break
             time.sleep(0.5)
         assert out.returncode == 0, (out.stderr, sidecar.poll())
+        # The engine's way in: its --sidecar socket, over TLS with its CA and the name it checks.
+        socket_status = [
+            "status", engine[engine.index("--sidecar") + 1], "--token-file", str(token_file),
+            "--ca-file", engine[engine.index("--sidecar-ca-file") + 1],
+            "--tls-server-name", engine[engine.index("--sidecar-tls-server-name") + 1],
+        ]  # fmt: skip
+        assert socket_status[1].startswith(f"unix://{tmp_path}/")
+        out = subprocess.run(_kvbank(*socket_status), capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
         # The operator's reader: the pod's IP dialled, its DNS name checked.
         source = SidecarClientSource(TOKEN)
         source.ca_bundle = ca

@@ -1,9 +1,11 @@
 """`kvbank sidecar --listen unix:///PATH`: the sidecar on a Unix socket, as the engine in the same
-pod reaches it over a shared volume, and the listen addresses it refuses."""
+pod reaches it over a shared volume (beside the pod address the operator reads), and the listen
+addresses it refuses."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,23 +13,29 @@ from pathlib import Path
 import pytest
 from sidecar_harness import ROOT, stop_process
 
+from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.client import SidecarClient
 
 SCENARIO = Path(__file__).resolve().with_name("scenarios") / "shared-prefix.yaml"
 SIDECAR = [sys.executable, "-m", "kvbank.cli", "sidecar", "--metrics-port", "-1"]
 
 
-def _spawn(listen: str) -> subprocess.Popen[str]:
+def _start(*listen: str) -> tuple[subprocess.Popen[str], str]:
+    """The sidecar serving on every `listen` address, and where its first line says it serves."""
+    argv = [arg for address in listen for arg in ("--listen", address)]
     proc = subprocess.Popen(
-        [*SIDECAR, "--listen", listen],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
+        [*SIDECAR, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    assert line.startswith(f"kvbank sidecar: serving on {listen},"), line
+    served = re.match(r"kvbank sidecar: serving on (.+), metrics ", line)
+    assert served, line
+    return proc, served.group(1)
+
+
+def _spawn(listen: str) -> subprocess.Popen[str]:
+    proc, where = _start(listen)
+    assert where == listen
     return proc
 
 
@@ -57,6 +65,23 @@ def test_a_bench_over_a_unix_socket_prints_the_embedded_json(tmp_path: Path) -> 
     assert local.returncode == remote.returncode == 0, remote.stderr[-2000:]
     assert json.loads(remote.stdout) == json.loads(local.stdout)
     assert not served.running and served.next_seq > 0  # nothing left reserved
+
+
+def test_a_pod_address_and_a_socket_serve_one_ledger(tmp_path: Path) -> None:
+    """As a rank pod's sidecar runs: the session its engine opens on the socket is the one the
+    operator's status read sees on the TCP port."""
+    socket = f"unix://{tmp_path}/admission.sock"
+    proc, where = _start("127.0.0.1:0", socket)
+    try:
+        tcp, _, unix = where.partition(" and ")
+        assert unix == socket and re.fullmatch(r"127\.0\.0\.1:\d+", tcp), where
+        with SidecarClient(socket) as engine:
+            opened = engine.open_session(pb.OpenSessionRequest(total_pages=64))
+        with SidecarClient(tcp) as operator:
+            status = operator.status()
+    finally:
+        stop_process(proc)
+    assert (status.session, status.total_pages) == (opened.session, 64)
 
 
 def test_a_socket_a_killed_sidecar_left_is_taken_over(tmp_path: Path) -> None:
