@@ -70,6 +70,9 @@ def make_backend(
         blocking=settings.blocking,
         token=settings.token,
         tls_ca=settings.tls_ca,
+        # Over a Unix socket gRPC checks the certificate against the path: the pod's sidecar
+        # certificate names localhost.
+        tls_server_name="localhost" if settings.sidecar.startswith("unix:") else None,
         # One engine per pod: a restarted engine opens its session under the same name, and
         # the sidecar drops what the old one held.
         engine_id=engine_id or f"vllm-{socket.gethostname()}",

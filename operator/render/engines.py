@@ -83,11 +83,8 @@ def pods_per_group(pool: ModelPool, deployment: Deployment) -> int:
 
 
 def engine_sidecar_address(settings: RenderSettings, deployment: Deployment) -> str:
-    """Where the engine calls its sidecar. vLLM's plug-in stays on loopback TCP: its
-    KVBANK_SIDECAR takes host:port only (kvbank.vllm.settings refuses `unix://`), though the
-    client it builds would dial the socket; the sidecar serves both."""
-    if is_vllm(deployment):
-        return f"127.0.0.1:{settings.sidecar_port}"
+    """Where the engine calls its sidecar: the Unix socket in the volume both containers mount,
+    for kvbank's engine (`--sidecar`) and vLLM's plug-in (`KVBANK_SIDECAR`) alike."""
     return SIDECAR_SOCKET
 
 

@@ -260,7 +260,7 @@ class TestEngineCommand:
         ]  # fmt: skip
         assert command.env == [
             {"name": "KVBANK_POLICY", "value": "peak+backfill"},
-            {"name": "KVBANK_SIDECAR", "value": "127.0.0.1:50051"},
+            {"name": "KVBANK_SIDECAR", "value": "unix:///var/run/kvbank/sidecar/admission.sock"},
             {"name": "KVBANK_SIDECAR_TOKEN_FILE", "value": "/var/run/kvbank/sidecar-token/token"},
             {"name": "KVBANK_SIDECAR_CA_FILE", "value": "/etc/kvbank/sidecar-tls/ca.crt"},
         ]
@@ -429,13 +429,11 @@ class TestSidecarSocket:
             assert env["KVBANK_SIDECAR_ADDR"] == called
         assert volumes[SOCKET_VOLUME] == {"name": SOCKET_VOLUME, "emptyDir": {"sizeLimit": "1Mi"}}
 
-    def test_vllm_calls_the_pod_port_on_loopback_until_its_plug_in_takes_a_socket(self) -> None:
-        """kvbank.vllm.settings reads KVBANK_SIDECAR as host:port only; the sidecar's command
-        is the same for either engine, so the socket is there for it."""
+    def test_vllm_calls_its_sidecar_on_the_same_socket(self) -> None:
         spec = self._spec(_deployment(engine={"kind": "vllm"}))
         engine, sidecar = spec["containers"]
         env = {e["name"]: e.get("value") for e in engine["env"]}
-        assert env["KVBANK_SIDECAR"] == env["KVBANK_SIDECAR_ADDR"] == "127.0.0.1:50051"
+        assert env["KVBANK_SIDECAR"] == env["KVBANK_SIDECAR_ADDR"] == _listens(sidecar)[1]
         assert from_env({"KVBANK_SIDECAR": env["KVBANK_SIDECAR"]}).sidecar  # the plug-in takes it
         assert _listens(sidecar)[0] == "0.0.0.0:50051"
         assert {m["name"] for m in engine["volumeMounts"]} >= {SOCKET_VOLUME}
