@@ -40,6 +40,7 @@ from kvbank.operator.crd.modelpool_rules import (
     from_config_rules,
     root_rules,
     spec_rules,
+    structure_rules,
 )
 from kvbank.operator.crd.openapi import (
     MAX_LABEL_VALUE_LENGTH,
@@ -265,7 +266,7 @@ def _spec() -> Schema:
             "apiKeySecret": pod_schema.api_key_secret(),
         },
         required=("model", "gpu", "kv", "limits"),
-        rules=spec_rules(),
+        rules=structure_rules() + spec_rules(),
     )
 
 

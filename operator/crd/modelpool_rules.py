@@ -109,7 +109,26 @@ def _worst_pages(slot: str) -> str:
     return f"(({most} + {page} - 1) / {page})"
 
 
+def structure_rules() -> list[dict[str, str]]:
+    """Which of kvSlots and fromConfig a spec gives: the parser's own rule, not a capacity
+    judgement."""
+    return [
+        rule(
+            f"has(self.kvSlots) || has({FROM_CONFIG})",
+            message="kvSlots is required unless model.architecture.fromConfig gives the "
+            "model's KV groups",
+        ),
+        rule(
+            f"!has(self.kvSlots) || !has({FROM_CONFIG})",
+            message="kvSlots comes from model.architecture.fromConfig (one label per KV group); "
+            "drop kvSlots",
+        ),
+    ]
+
+
 def spec_rules() -> list[dict[str, str]]:
+    """The capacity judgements the webhook also makes, kept in the schema so `kubectl apply`
+    refuses the plain cases without a webhook."""
     tp = _or_default("self", "tensorParallel", 1)
     heads, heads_known = _preset_or_field(ARCH, "attentionHeads", "attention_heads")
     kv, kv_known = _preset_or_field(ARCH, "kvHeads", "kv_heads")
@@ -122,16 +141,6 @@ def spec_rules() -> list[dict[str, str]]:
     )
     min_conc = "self.admission.minConcurrency"
     return [
-        rule(
-            f"has(self.kvSlots) || has({FROM_CONFIG})",
-            message="kvSlots is required unless model.architecture.fromConfig gives the "
-            "model's KV groups",
-        ),
-        rule(
-            f"!has(self.kvSlots) || !has({FROM_CONFIG})",
-            message="kvSlots comes from model.architecture.fromConfig (one label per KV group); "
-            "drop kvSlots",
-        ),
         rule(
             f"!{heads_known} || {heads} % {tp} == 0",
             message_expression=_format(
