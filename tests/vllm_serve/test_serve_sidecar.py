@@ -39,6 +39,7 @@ def server(
 
 
 def test_a_completion_is_admitted_by_the_sidecars_ledger(server: VllmServer, sidecar: str) -> None:
+    assert "Using custom scheduler class kvbank.vllm.KvbankScheduler" in server.log_text()
     reply = server.client.completions.create(
         model=MODEL_NAME, prompt="the page cache", max_tokens=16, temperature=0
     )

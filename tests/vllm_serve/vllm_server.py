@@ -131,10 +131,12 @@ class VllmServer:
             raise AssertionError(f"{name} is not among the server's metrics")
         return sum(values)
 
-    def log_tail(self) -> str:
+    def log_text(self) -> str:
         self._log.flush()
-        text = self.log_path.read_text(errors="replace")
-        return text[-LOG_TAIL_CHARS:]
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self) -> str:
+        return self.log_text()[-LOG_TAIL_CHARS:]
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, then SIGKILL if it lingers."""
