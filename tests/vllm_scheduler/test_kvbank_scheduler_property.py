@@ -37,7 +37,7 @@ request = st.tuples(
 workload = st.lists(request, min_size=1, max_size=24)
 
 
-def _run(pages: int, policy: str, requests: list, backend=None) -> None:  # type: ignore[no-untyped-def]
+def _run(pages: int, policy: str, requests: list, backend=None, pause_s=0.0) -> None:  # type: ignore[no-untyped-def]
     run = bench(pages, policy, backend=backend)
     arrivals: dict[int, list] = {}
     aborts: dict[int, list[str]] = {}
@@ -47,7 +47,9 @@ def _run(pages: int, policy: str, requests: list, backend=None) -> None:  # type
         arrivals.setdefault(at, []).append((rid, prompt, max_tokens, output))
         if abort is not None:
             aborts.setdefault(at + abort, []).append(rid)
-    seen = drive(run, arrivals, aborts, max_steps=20000)
+    # A sidecar never waited on answers in wall time: steps that pause as a model's would.
+    max_steps = 20000 if not pause_s else 60000
+    seen = drive(run, arrivals, aborts, max_steps=max_steps, pause_s=pause_s)
     assert seen.preemptions == 0
     assert run.sched.kvbank.preemptions == 0
     assert set(seen.finished) == {f"r{i}" for i in range(len(requests))}
@@ -112,5 +114,5 @@ def test_random_workloads_over_a_real_sidecar(sidecar: str, blocking: bool, requ
     backend = make_backend(
         settings_, SIDECAR_PAGES, PAGE, 0, engine_id=f"vllm-property-{next(_sessions)}"
     )
-    _run(SIDECAR_PAGES, "peak+backfill", requests, backend)
+    _run(SIDECAR_PAGES, "peak+backfill", requests, backend, pause_s=0 if blocking else 0.001)
     assert backend.sessions_opened == 1  # no session was lost and re-opened

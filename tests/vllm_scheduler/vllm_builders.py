@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +68,12 @@ def drive(
     aborts: dict[int, list[str]] | None = None,
     max_steps: int = 20000,
     check: bool = True,
+    pause_s: float = 0.0,
 ) -> Drive:
     """Step until nothing is left: `arrivals[step]` are (rid, prompt, max_tokens, output
     tokens) added before that step, `aborts[step]` rids aborted before it. Checks the ledger
-    after every step; raises if the run does not end within `max_steps`."""
+    after every step; raises if the run does not end within `max_steps`. `pause_s` after each
+    step stands in for the model's forward pass (a sidecar's reply has that long to arrive)."""
     seen = Drive()
     aborts = aborts or {}
     last = max([*arrivals, *aborts, 0])
@@ -86,6 +89,8 @@ def drive(
             seen.steps = step
             return seen
         totals = run.step()
+        if pause_s:
+            time.sleep(pause_s)
         seen.preemptions += totals.preempted
         if check:
             run.check_integrity()
