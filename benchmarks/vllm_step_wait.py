@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from sidecar_step_wait import percentile, sidecar, timed
 
 from kvbank.engine.bench.scenario import Scenario, load_scenario
 from kvbank.engine.bench.vllm_engine import VllmBench
@@ -34,23 +32,6 @@ from kvbank.engine.bench.workload import Arrivals
 from kvbank.vllm.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"serving on [\d.]+:(\d+)")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
-def timed(fn: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent[-1] += time.perf_counter() - start
-
-    return wrapper
 
 
 def run(sc: Scenario, settings: Settings, step_s: float) -> dict[str, float]:
@@ -88,18 +69,6 @@ def run(sc: Scenario, settings: Settings, step_s: float) -> dict[str, float]:
         "steps": len(waits),
         "completed": done,
     }
-
-
-def sidecar(policy: str) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "kvbank.cli", "sidecar", "--listen", "127.0.0.1:0",
-           "--metrics-port", "-1", "--policy", policy]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    assert proc.stdout is not None
-    match = READY.search(proc.stdout.readline())
-    if not match:
-        proc.kill()
-        raise SystemExit("the sidecar did not start")
-    return proc, f"127.0.0.1:{match.group(1)}"
 
 
 def main() -> None:
