@@ -67,8 +67,7 @@ class Ledger:
         self._backfill: backfill.Promise | None = None
 
     def copy(self) -> Ledger:
-        """An independent ledger in the same state: a caller that applies a batch of changes
-        all-or-nothing keeps one to go back to. Costs O(waiting + running)."""
+        """An independent ledger in the same state, for a batch applied all-or-nothing."""
         twin = Ledger.__new__(Ledger)
         twin.books, twin.timeline = self.books.copy(), self.timeline.copy()
         twin.debug, twin.promised, twin._backfill = self.debug, self.promised, self._backfill
@@ -115,8 +114,7 @@ class Ledger:
     def waiting_count(self) -> int:
         return len(self.books.waiting)
 
-    def waiting_rids(self) -> list[str]:
-        """The waiting requests, FIFO."""
+    def waiting_rids(self) -> list[str]:  # FIFO
         return list(self.books.waiting)
 
     def is_waiting(self, rid: str) -> bool:
@@ -212,16 +210,18 @@ class Ledger:
         engine that does not wait); it stays `open_ended` until the engine reports `start`."""
         books = self.books
         waiting = books.waiting_entry(rid)
+        is_head = rid == books.head
         if prefill_chunks is not None:
             books.check_pages(prefill_chunks, "prefill_chunks", bounded=False)
-            if waiting.shape is not None and waiting.shape.prefill_chunks != prefill_chunks:
-                waiting.shape = replace(waiting.shape, prefill_chunks=prefill_chunks)
-        if rid == books.head:
+        if is_head and hit is not None:
+            books.check_hit(hit, waiting.pages)  # before anything changes
+        now = waiting.shape
+        if prefill_chunks is not None and now and now.prefill_chunks != prefill_chunks:
+            waiting.shape = replace(now, prefill_chunks=prefill_chunks)
+        if is_head:
             self._forget_promise()
-            if hit is not None:
-                books.check_hit(hit, waiting.pages)
-                if self._fits(waiting, hit, deferred):
-                    return self._admit(rid, hit, deferred)
+            if hit is not None and self._fits(waiting, hit, deferred):
+                return self._admit(rid, hit, deferred)
             self._promise(rid, deferred)
             return None
         held = self._backfill

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from ledger_pass import admit_all
 
 from kvbank.capacity import CapacityModel, RequestShape, count_pages
-from kvbank.ledger import NEVER, InvalidPages, Ledger, PeakPolicy, PeakShape, peak_shape
+from kvbank.ledger import NEVER, Hit, InvalidPages, Ledger, PeakPolicy, PeakShape, peak_shape
 from kvbank.ledger.shape import MAX_STEP_TOKENS
 from kvbank.modelpool import MAX_PAGE_SIZE, MAX_PAGES, MAX_SPECULATIVE, KvSlot
 
@@ -125,3 +125,13 @@ def test_the_timeline_is_exact_at_the_bounds() -> None:
         ledger.submit(rid, 1, shape=small)
     assert admit_all(ledger, deferred=True) == []
     ledger.check_integrity()
+
+
+def test_a_try_with_a_bad_hit_raises_and_changes_nothing_not_even_the_prefill_bound() -> None:
+    ledger = Ledger(64, policy=POLICY)
+    ledger.submit("a", 10, shape=shape())
+    before = (ledger.snapshot(), ledger.shape("a"))
+    with pytest.raises(InvalidPages, match="a hit must satisfy"):
+        ledger.try_admit("a", Hit(11, 0), prefill_chunks=7)  # more pages than it reserves
+    assert (ledger.snapshot(), ledger.shape("a")) == before
+    assert ledger.try_admit("a", Hit(0, 0), prefill_chunks=7) is not None
