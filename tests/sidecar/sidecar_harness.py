@@ -77,8 +77,10 @@ class ThreadSidecar(threading.Thread):
 def spawn_sidecar(
     *args: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], int, int | None]:
-    """Start `kvbank sidecar` on an ephemeral loopback port; returns (process, port, metrics)."""
-    cmd = [sys.executable, "-m", "kvbank.cli", "sidecar", "--listen", "127.0.0.1:0", *args]
+    """Start `kvbank sidecar` on an ephemeral loopback port (or the `--listen` in `args`);
+    returns (process, port, metrics)."""
+    listen = [] if "--listen" in args else ["--listen", "127.0.0.1:0"]
+    cmd = [sys.executable, "-m", "kvbank.cli", "sidecar", *listen, *args]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
