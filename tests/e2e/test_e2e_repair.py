@@ -267,7 +267,7 @@ def test_vllm_and_an_api_key_render_as_the_interfaces_say(cluster: Cluster) -> N
     assert args[-1] == "--enforce-eager"
     env = {e["name"]: e for e in engine["env"]}
     assert env["KVBANK_POLICY"]["value"] == "peak+backfill"
-    assert env["KVBANK_SIDECAR"]["value"] == "127.0.0.1:50051"
+    assert env["KVBANK_SIDECAR"]["value"] == "unix:///var/run/kvbank/sidecar/admission.sock"
     assert env["KVBANK_API_KEY_FILE"]["value"] == "/etc/kvbank/api-key/api-key"
     assert "VLLM_API_KEY" not in env
     volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
