@@ -307,11 +307,6 @@ class EmbeddedClient:
     def collect(self) -> list[Decision]:
         return []  # decides only when polled
 
-    def take_refused(self) -> list[Refused]:
-        """The refusals made at submit and not yet polled, handed over once."""
-        refused, self._refused = self._refused, []
-        return refused
-
     def settled(self) -> bool:
         return True
 

@@ -78,10 +78,6 @@ class InvalidPages(LedgerError, ValueError):
         self.field = field
 
 
-class NotAdmissible(LedgerError):
-    pass
-
-
 class InvariantBreach(LedgerError, AssertionError):
     pass
 
