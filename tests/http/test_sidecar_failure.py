@@ -276,7 +276,7 @@ def test_a_flag_that_contradicts_the_pool_is_refused_naming_both(
 def test_serve_pool_takes_the_pool_limits_and_policy(pool_file: Path) -> None:
     import argparse
 
-    from kvbank.engine.serve.command import add_arguments, options_from_args
+    from kvbank.engine.serve.flags import add_arguments, options_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
