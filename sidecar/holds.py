@@ -10,6 +10,7 @@ reaches the engine, takes its room back within the ttl.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,11 +53,17 @@ class HeldFigures:
 
 
 class HoldBook:
-    """The open holds, by id, in grant order; expired ones go on every read."""
+    """The open holds, by id, with their totals kept as holds come and go, so reading them
+    costs O(queued holds), not O(holds): a busy pod takes a hold per request routed to it.
+    Expired holds go on every read (a heap of expiry times, stale entries skipped)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._holds: dict[str, Hold] = {}
+        self._expiry: list[tuple[float, str]] = []
+        self._queued: dict[str, int] = {}  # QUEUE holds in grant order
+        self._now_pages = 0
+        self._best_effort_pages = 0
 
     def __len__(self) -> int:
         self.expire()
@@ -77,35 +84,53 @@ class HoldBook:
     def add(self, hold_id: str, pages: int, kind: HoldKind, ttl_s: float) -> None:
         """Open (or renew: a picker retrying its call) the hold `hold_id`."""
         self.expire()
-        if hold_id not in self._holds and len(self._holds) >= MAX_HOLDS:
+        self.release(hold_id)  # a renewed hold goes to the back of the queue
+        if len(self._holds) >= MAX_HOLDS:
             raise InvalidPages(
                 f"{MAX_HOLDS} holds are open on this pod; a picker must release or let expire "
                 "the holds of requests it did not send here",
                 "hold_id",
             )
-        self._holds.pop(hold_id, None)  # a renewed hold goes to the back of the queue
-        self._holds[hold_id] = Hold(hold_id, pages, kind, self._clock() + ttl_s)
+        hold = Hold(hold_id, pages, kind, self._clock() + ttl_s)
+        self._holds[hold_id] = hold
+        heapq.heappush(self._expiry, (hold.expires, hold_id))
+        self._count(hold, 1)
+
+    def _count(self, hold: Hold, sign: int) -> None:
+        if hold.kind is HoldKind.NOW:
+            self._now_pages += sign * hold.pages
+        elif hold.kind is HoldKind.BEST_EFFORT:
+            self._best_effort_pages += sign * hold.pages
+        elif sign > 0:
+            self._queued[hold.hold_id] = hold.pages
+        else:
+            del self._queued[hold.hold_id]
 
     def release(self, hold_id: str) -> bool:
-        return self._holds.pop(hold_id, None) is not None
+        hold = self._holds.pop(hold_id, None)
+        if hold is None:
+            return False
+        self._count(hold, -1)
+        return True
 
     def expire(self) -> int:
         """Drop the holds past their ttl; returns how many went."""
-        now = self._clock()
-        gone = [h for h, hold in self._holds.items() if hold.expires <= now]
-        for hold_id in gone:
-            del self._holds[hold_id]
-        return len(gone)
+        now, gone = self._clock(), 0
+        while self._expiry and self._expiry[0][0] <= now:
+            expires, hold_id = heapq.heappop(self._expiry)
+            hold = self._holds.get(hold_id)
+            if hold is not None and hold.expires == expires:  # else released or renewed
+                self.release(hold_id)
+                gone += 1
+        if not self._holds:
+            self._expiry.clear()
+        return gone
 
     def figures(self) -> HeldFigures:
         self.expire()
-        holds = list(self._holds.values())
         return HeldFigures(
-            now_pages=sum(h.pages for h in holds if h.kind is HoldKind.NOW),
-            queued=tuple(h.pages for h in holds if h.kind is HoldKind.QUEUE),
-            best_effort_pages=sum(h.pages for h in holds if h.kind is HoldKind.BEST_EFFORT),
-            count=len(holds),
+            now_pages=self._now_pages,
+            queued=tuple(self._queued.values()),
+            best_effort_pages=self._best_effort_pages,
+            count=len(self._holds),
         )
-
-    def next_expiry(self) -> float | None:
-        return min((h.expires for h in self._holds.values()), default=None)

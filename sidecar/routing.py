@@ -27,6 +27,7 @@ from kvbank.sidecar.state import AdmissionState
 
 DEFAULT_HEARTBEAT_S = 0.25
 MIN_HEARTBEAT_S = 0.05
+COALESCE_S = 0.005
 MAX_WAITING_SENT = 256  # waiting worst cases sent one by one; the rest go summed into the last
 
 
@@ -39,6 +40,7 @@ class RoutingView:
         self.holds = HoldBook()
         self.worst_request_pages = worst_request_pages or 0
         self.version = 0
+        self._cached: pb.RoutingFigures | None = None  # the figures of this version
         self._changed = asyncio.Event()
         state.on_change.append(self._state_changed)
         registry = state.metrics.registry
@@ -55,13 +57,20 @@ class RoutingView:
         ).set_function(lambda: float(self.admissible_worst_case()))
 
     def _state_changed(self, submitted: list[str]) -> None:
-        """The books moved; the requests the engine submitted take their holds' place."""
-        for hold_id in submitted:
-            self.holds.release(hold_id)
+        """The books moved; the requests the engine submitted (their hold, else their id)
+        take their holds' place."""
+        for key in submitted:
+            # The hold of a request the engine names by the picker's id; a request of several
+            # prompts or sequences submits it as `<id>-<k>`.
+            if not self.holds.release(key):
+                base, dash, index = key.rpartition("-")
+                if dash and index.isdigit():
+                    self.holds.release(base)
         self.changed()
 
     def changed(self) -> None:
         self.version += 1
+        self._cached = None
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -75,6 +84,13 @@ class RoutingView:
         return self.figures().headroom_pages // worst if worst > 0 else 0
 
     def figures(self) -> pb.RoutingFigures:
+        """The figures of this version, computed once however many watchers read them (a
+        hold past its ttl counts until the next expiry pass, at most 50 ms: conservative)."""
+        if self._cached is None:
+            self._cached = self._figures()
+        return self._cached
+
+    def _figures(self) -> pb.RoutingFigures:
         state = self.state
         ledger = state.ledger
         held = self.holds.figures()
@@ -100,11 +116,13 @@ class RoutingView:
 
     def hold(self, req: pb.HoldRequest) -> pb.HoldReply:
         ttl_s = self.holds.check(req.hold_id, req.pages, req.ttl_ms)
+        self.expire()  # judged on the holds open now
         try:
             kind = HoldKind(req.kind)
         except ValueError as exc:
             raise InvalidPages(f"kind {req.kind} is not a hold kind", "kind") from exc
-        self.holds.release(req.hold_id)  # a retried hold is judged afresh, not on top of itself
+        if self.holds.release(req.hold_id):  # a retried hold is judged afresh, not on itself
+            self.changed()
         now = self.figures()
         granted = now.ready and (
             kind is HoldKind.QUEUE
@@ -112,8 +130,7 @@ class RoutingView:
             or (kind is HoldKind.BEST_EFFORT and req.pages <= now.best_effort_room_pages)
         )
         if not granted:
-            self.changed()  # a retried hold that lost its place changed the figures
-            return pb.HoldReply(granted=False, figures=self.figures())
+            return pb.HoldReply(granted=False, figures=now)
         self.holds.add(req.hold_id, req.pages, kind, ttl_s)
         self.changed()
         return pb.HoldReply(granted=True, figures=self.figures())
@@ -149,6 +166,9 @@ class RoutingService(pb_grpc.RoutingServicer):
             if key != last or now - sent_at >= beat:  # a report that moved nothing sends nothing
                 yield figures
                 last, sent_at = key, now
+                # A busy pod changes with every hold; a watcher gets at most one message per
+                # COALESCE_S (holds, not these figures, keep two picks off the same room).
+                await asyncio.sleep(COALESCE_S)
             await self.view.wait_change(max(0.0, sent_at + beat - loop.time()))
 
     async def Hold(

@@ -219,7 +219,9 @@ class AdmissionState:
             self.metrics.waits.inc()
         reply = self.recorder.close(reply, req, s, ledger, stalled)
         if self.on_change:
-            self._changed([e.submit.hold for e in req.events if e.submit.hold])
+            self._changed(
+                [e.submit.hold or e.submit.rid for e in req.events if e.HasField("submit")]
+            )
         return reply
 
     def _commit(self, ledger: Ledger) -> None:

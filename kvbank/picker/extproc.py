@@ -40,7 +40,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvbank.engine.serve.http.errors import BadRequest
-from kvbank.picker.body import Counter, count_body, is_generation, parse_json
+from kvbank.picker.body import CHAT_PATHS, Counter, count_body, is_generation, parse_json
 from kvbank.picker.metrics import PickerMetrics
 from kvbank.picker.rule import Answer, NoEndpoint, Pick, PodFigures, RequestCount, pick
 from kvbank.picker.sidecars import Sidecars
@@ -251,13 +251,14 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             if not candidates:
                 none = f"none of the {len(allowed)} endpoints of the subset hint is a ready pod"
                 raise Refusal(503, none, "server_error", "no_endpoint")
-        chosen, hold_id = await self._choose(count, candidates)
+        chat = stream.path.split("?", 1)[0] in CHAT_PATHS
+        chosen, hold_id = await self._choose(count, candidates, chat)
         self.metrics.decision.observe(time.perf_counter() - started)
         headers = [_header(DESTINATION, chosen)]
         if hold_id:
             headers.append(_header(HOLD_HEADER, hold_id))
-        metadata = struct_pb2.Struct()
-        metadata.update({LB_NAMESPACE: {DESTINATION: chosen}})
+        metadata = struct_pb2.Struct()  # {"envoy.lb": {DESTINATION: chosen}}, built by field
+        metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION].string_value = chosen
         common = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=headers))
         return common, metadata
 
@@ -277,7 +278,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             raise Refusal(exc.status, exc.message, "invalid_request_error", exc.code) from exc
 
     async def _choose(
-        self, count: RequestCount | None, candidates: list[PodFigures]
+        self, count: RequestCount | None, candidates: list[PodFigures], chat: bool
     ) -> tuple[str, str | None]:
         """The endpoint and the hold taken there (None for a request that is not counted)."""
         if count is None:  # not a generation: the ready pod with the most headroom
@@ -286,7 +287,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 raise Refusal(503, "no ready endpoint in this pool", "server_error", "no_endpoint")
             self.metrics.answers.labels("pick").inc()
             return max(ready, key=lambda p: (p.headroom_pages, p.name)).name, None
-        hold_id = uuid.uuid4().hex
+        # The engine takes this as its request id, so its submit releases the hold.
+        hold_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         answer: Answer = NoEndpoint("no ready endpoint in this pool")
         for _ in range(PICK_ATTEMPTS):
             answer = pick(count, candidates)
@@ -303,9 +305,11 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             if granted:
                 self.metrics.answers.labels("wait" if answer.waits else "pick").inc()
                 return answer.pod, hold_id
+            allowed = {pod.name for pod in candidates}
             if granted is False:
                 self.metrics.hold_refusals.inc()
-            allowed = {pod.name for pod in candidates}
+            else:  # no answer in time: not this pod, for this request
+                allowed.discard(answer.pod)
             candidates = [pod for pod in self.sidecars.candidates() if pod.name in allowed]
         else:
             answer = NoEndpoint(

@@ -37,6 +37,12 @@ class PickerMetrics:
             "holds a sidecar refused because another pick took the room first",
             registry=r,
         )
+        self.hold_failures = Counter(
+            "kvbank_picker_hold_failures",
+            "Hold calls that failed (by gRPC code): the request was routed elsewhere",
+            ["code"],
+            registry=r,
+        )
         self.pod_losses = Counter(
             "kvbank_picker_pod_losses",
             "times a pod's sidecar stream broke or went silent, taking it out of the candidates",

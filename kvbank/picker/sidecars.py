@@ -162,8 +162,8 @@ class Sidecars:
         ttl_s: float,
     ) -> bool | None:
         """Claim `pages` on the pod: True granted, False refused (its room went to another
-        pick; its figures are updated from the reply), None: the sidecar did not answer (the
-        pod is lost)."""
+        pick; its figures are updated from the reply), None: the sidecar did not answer in
+        time (the pick goes elsewhere)."""
         watched = self.watched[endpoint]
         assert watched.stub is not None
         request = pb.HoldRequest(hold_id=hold_id, pages=pages, ttl_ms=int(ttl_s * 1000), kind=kind)
@@ -173,7 +173,10 @@ class Sidecars:
                 request, timeout=self.link.hold_timeout_s, metadata=self._metadata()
             )
         except grpc.aio.AioRpcError as exc:
-            self.lose(watched, f"a hold failed: {exc.code().name} {exc.details()}")
+            # Only the watch stream decides a pod's liveness; a slow hold is only this pick's.
+            self.metrics.hold_failures.labels(exc.code().name).inc()
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.lose(watched, f"a hold failed: {exc.details()}")
             return None
         finally:
             self.metrics.hold_latency.observe(time.perf_counter() - started)

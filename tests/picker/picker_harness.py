@@ -10,6 +10,7 @@ import asyncio
 import json
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sidecar"))
 from sidecar_harness import ThreadSidecar, make_config
@@ -88,7 +90,7 @@ class ThreadPicker(threading.Thread):
         parser = argparse.ArgumentParser()
         server.add_arguments(parser)
         argv = ["--listen", "127.0.0.1:0", "--metrics-port", "-1", "--pool", str(pool_file),
-                "--builtin-model", "--loss-after-s", "0.5", *extra]  # fmt: skip
+                "--builtin-model", "--loss-after-s", "2", *extra]  # fmt: skip
         for pod in pods:
             argv += ["--pod", f"{pod.endpoint}={pod.sidecar.address}"]
         self.config = server.config_from_args(parser.parse_args(argv))
@@ -111,6 +113,13 @@ class ThreadPicker(threading.Thread):
     def start_and_wait(self) -> ThreadPicker:
         self.start()
         assert self.ready.wait(20), "the picker did not start within 20 s"
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            ask = health_pb2.HealthCheckRequest(service="readiness")
+            deadline = time.monotonic() + 20
+            while health.Check(ask).status != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "the picker was not ready within 20 s"
+                time.sleep(0.02)
         return self
 
     def shutdown(self) -> None:

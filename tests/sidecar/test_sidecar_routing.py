@@ -124,3 +124,16 @@ def test_the_pod_metrics_carry_headroom_and_admissible_worst_cases() -> None:
     lines = text.decode().splitlines()
     assert "kvbank_headroom_pages 75.0" in lines
     assert "kvbank_admissible_worst_case_requests 2.0" in lines  # 75 // 30
+
+
+def test_a_submit_named_by_the_hold_releases_it(
+    client: SidecarClient, routing: pb_grpc.RoutingStub
+) -> None:
+    session = open_session(client)
+    for hold_id in ("cmpl-a", "cmpl-b"):
+        routing.Hold(pb.HoldRequest(hold_id=hold_id, pages=10, ttl_ms=10_000, kind=NOW))
+    # The engine names a request by the picker's id; one of several prompts as `<id>-<k>`.
+    report(client, session, 1, pb.Event(submit=pb.Submit(rid="cmpl-a", pages=10)))
+    report(client, session, 2, pb.Event(submit=pb.Submit(rid="cmpl-b-0", pages=10)))
+    figures = routing.Hold(pb.HoldRequest(hold_id="probe", pages=0, kind=QUEUE)).figures
+    assert (figures.holds, list(figures.waiting_pages)) == (1, [10, 10, 0])
