@@ -1,5 +1,7 @@
-"""A request `kvbank picker` routed carries its hold as `x-kvbank-hold`: the engine takes it as
-the request's id, so its sidecar's view of the submit releases the picker's hold."""
+"""What the engine reads and shows for `kvbank picker` and metric-only pickers: a request routed
+by kvbank picker carries its hold as `x-kvbank-hold`, which the engine takes as the request's id
+(so its sidecar's view of the submit releases the hold); `vllm:cache_config_info` names the
+pool's page size and page count."""
 
 from __future__ import annotations
 
@@ -19,3 +21,10 @@ def test_an_id_not_in_the_pickers_form_is_ignored(server: LiveServer) -> None:
         reply = server.client.post("/v1/completions", json=BODY, headers={"x-kvbank-hold": hold})
         assert reply.status_code == 200
         assert reply.json()["id"] != hold and reply.json()["id"].startswith("cmpl-")
+
+
+def test_the_cache_config_info_names_the_page_size_and_the_pool(server: LiveServer) -> None:
+    text = server.client.get("/metrics").text
+    line = next(row for row in text.splitlines() if row.startswith("vllm:cache_config_info{"))
+    assert 'block_size="16"' in line and line.endswith(" 1.0")
+    assert 'num_gpu_blocks="' in line

@@ -5,7 +5,8 @@ are set by the engine thread after each step, so a scrape never touches the engi
 
 Three gauges carry the names the Gateway API Inference Extension's model-server protocol gives
 for vLLM-compatible servers, so its endpoint picker routes to kvbank unchanged:
-`vllm:num_requests_waiting`, `vllm:num_requests_running` and `vllm:kv_cache_usage_perc`. kvbank's
+`vllm:num_requests_waiting`, `vllm:num_requests_running` and `vllm:kv_cache_usage_perc`, with
+`vllm:cache_config_info` for the pool's page size and page count. kvbank's
 usage is the *promised* fraction of the pool (pages reserved for admitted requests, held or not
 yet taken, over usable pages), not the held one: a replica whose pages are all spoken for reads
 full before its requests have grown into them, so a gateway routes new work elsewhere.
@@ -21,8 +22,18 @@ from kvbank.service_class import ServiceClass
 
 
 class ServeMetrics:
-    def __init__(self, total_pages: int) -> None:
+    def __init__(self, total_pages: int, page_size: int | None = None) -> None:
         self.registry = registry = CollectorRegistry()
+        if page_size is not None:
+            # vLLM's static cache figures, which GAIE's and llm-d's metric readers take the
+            # pool's block size and block count from (docs/routing.md).
+            Gauge(
+                "vllm:cache_config_info",
+                "the KV cache's configuration, in its labels (value 1): tokens per page "
+                "(block_size) and pages in the pool (num_gpu_blocks)",
+                ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+                registry=registry,
+            ).labels(str(page_size), str(total_pages), "True").set(1)
         self.requests = Counter(
             "kvbank_requests", "HTTP generation requests by outcome", ["outcome"], registry=registry
         )
