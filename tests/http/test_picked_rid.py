@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from conftest import LiveServer
 
+from kvbank.capacity import CapacityModel, worst_case
+from kvbank.engine.serve.from_pool import DECODER_SLOT
+
 BODY = {"prompt": "page cache", "max_tokens": 2}
 
 
@@ -28,3 +31,15 @@ def test_the_cache_config_info_names_the_page_size_and_the_pool(server: LiveServ
     line = next(row for row in text.splitlines() if row.startswith("vllm:cache_config_info{"))
     assert 'block_size="16"' in line and line.endswith(" 1.0")
     assert 'num_gpu_blocks="' in line
+
+
+def test_headroom_and_admissible_worst_cases_are_on_the_engines_metrics(
+    server: LiveServer,
+) -> None:
+    figures = server.settled()
+    idle = figures["kvbank_pool_free_pages"] + figures["kvbank_pool_evictable_pages"]
+    assert figures["kvbank_headroom_pages"] == idle > 0  # nothing runs: every page is supply
+    # This pool's worst case (2,048 positions: 128 pages) is more than its 63 usable pages.
+    worst = worst_case(CapacityModel({"main": DECODER_SLOT}, 16, 2048, 2000))[1].total
+    assert worst == 128
+    assert figures["kvbank_admissible_worst_case_requests"] == idle // worst == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvbank.capacity import worst_case
 from kvbank.engine.engine import Engine, RequestOutput
 from kvbank.engine.serve.http.class_metrics import PreemptionCounter, RecomputeMeter
 from kvbank.service_class import ServiceClass
@@ -149,6 +150,19 @@ class ServeMetrics:
             registry=registry,
         )
         self.usable_pages = max(1, total_pages - 1)  # the sink page holds nothing
+        # For pickers configured by metrics alone (llm-d's metrics extractor, docs/routing.md):
+        # what the ledger would admit now, in pages and in the pool's worst-case requests.
+        self.headroom = Gauge(
+            "kvbank_headroom_pages",
+            "pages a request admitted now may take with every promise kept (the ledger's)",
+            registry=registry,
+        )
+        self.admissible_worst_case = Gauge(
+            "kvbank_admissible_worst_case_requests",
+            "worst-case requests of this pool the ledger would admit now, one after another",
+            registry=registry,
+        )
+        self._worst_pages: int | None = None
         self._hit_tokens_seen = 0
         self._stalled_seen = 0
         self.total_pages.set(total_pages)
@@ -179,6 +193,13 @@ class ServeMetrics:
         self.gateway_waiting.set(engine.num_waiting)
         self.gateway_running.set(engine.num_running)
         promised = kv.pool.held + outstanding
+        backend = engine.backend or getattr(engine.policy, "backend", None)
+        if backend is not None:  # a baseline keeps no ledger, so it has no headroom to show
+            if self._worst_pages is None:
+                self._worst_pages = max(1, worst_case(engine.config.model)[1].total)
+            headroom = max(0, int(backend.headroom()))
+            self.headroom.set(headroom)
+            self.admissible_worst_case.set(headroom // self._worst_pages)
         self.gateway_usage.set(min(1.0, promised / self.usable_pages))
         self._preempted.observe(engine, [o.rid for o in outputs if o.finished])
         stalled = getattr(engine.policy, "stalled_steps", 0)  # only peak-fit ledgers count them
