@@ -10,8 +10,8 @@ pod's `PodFigures` and the request's `RequestCount` and asks `pick`, which answe
 
 The rule (issue 23): a strict request goes to a pod whose ledger would admit it now; with none,
 to the pod where it would start soonest. A best-effort request goes to the pod with the most
-room. Ties are broken by prefix affinity, then queue depth, then the pod's name (so the same
-figures always give the same pick).
+room. Ties are broken by prefix affinity, then queue depth, then the most headroom, then the
+pod's name (so the same figures always give the same pick).
 
 "Admit now" is the ledger's own conservative test for a head with no cached hit,
 `outstanding + pages <= supply` (kvbank/ledger/ledger.py, `Ledger.try_admit`): `headroom_pages`
@@ -189,8 +189,10 @@ def pick(request: RequestCount, pods: Sequence[PodFigures]) -> Answer:
         )
     blocks = request.prefix_blocks
 
-    def tie(pod: PodFigures) -> tuple[int, int, str]:
-        return (-pod.affinity(blocks), pod.queue_depth, pod.name)
+    def tie(pod: PodFigures) -> tuple[int, int, int, str]:
+        # Affinity, then queue depth, then the most headroom (spreading keeps room for the
+        # next large request), then the name, so equal figures always give the same pick.
+        return (-pod.affinity(blocks), pod.queue_depth, -pod.headroom_pages, pod.name)
 
     if request.service_class is ServiceClass.BEST_EFFORT:
         need = request.pages_to_start
@@ -203,9 +205,9 @@ def pick(request: RequestCount, pods: Sequence[PodFigures]) -> Answer:
         return Pick(min(roomy, key=lambda pod: (-pod.best_effort_room_pages, *tie(pod))).name)
     now = [pod for pod in holding if pod.admits_now(request.pages)]
     if now:
-        return Pick(min(now, key=lambda pod: (*tie(pod), -pod.headroom_pages)).name)
+        return Pick(min(now, key=tie).name)
 
-    def soonest(pod: PodFigures) -> tuple[float, int, int, int, str]:
+    def soonest(pod: PodFigures) -> tuple[float, int, int, int, int, str]:
         eta, short = pod.start_estimate(request.pages)
         return (eta, short, *tie(pod))
 

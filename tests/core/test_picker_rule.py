@@ -36,7 +36,8 @@ def strict(pages: int, blocks: tuple[int, ...] = ()) -> RequestCount:
 class TestStrict:
     def test_goes_where_it_is_admitted_now(self) -> None:
         pods = [pod("a", headroom=10), pod("b", headroom=30), pod("c", headroom=60)]
-        assert pick(strict(20), pods) == Pick("b")  # b and c admit; b sorts first by name
+        assert pick(strict(20), pods) == Pick("c")  # b and c admit; c keeps the most room
+        assert pick(strict(20), [pod("b", headroom=30), pod("a", headroom=30)]) == Pick("a")
 
     def test_a_queue_ahead_means_it_waits_there(self) -> None:
         pods = [pod("a", headroom=90, waiting_pages=(5,)), pod("b", headroom=20)]
