@@ -417,7 +417,7 @@ class RoutingFigures(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., total_pages: _Optional[int] = ..., usable_pages: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., waiting_pages: _Optional[_Iterable[int]] = ..., best_effort_room_pages: _Optional[int] = ..., holds: _Optional[int] = ..., held_pages: _Optional[int] = ..., version: _Optional[int] = ..., worst_request_pages: _Optional[int] = ...) -> None: ...
 
 class HoldRequest(_message.Message):
-    __slots__ = ("hold_id", "pages", "ttl_ms", "kind")
+    __slots__ = ("hold_id", "pages", "ttl_ms", "kind", "max_ahead_pages")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NOW: _ClassVar[HoldRequest.Kind]
@@ -430,11 +430,13 @@ class HoldRequest(_message.Message):
     PAGES_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    MAX_AHEAD_PAGES_FIELD_NUMBER: _ClassVar[int]
     hold_id: str
     pages: int
     ttl_ms: int
     kind: HoldRequest.Kind
-    def __init__(self, hold_id: _Optional[str] = ..., pages: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., kind: _Optional[_Union[HoldRequest.Kind, str]] = ...) -> None: ...
+    max_ahead_pages: int
+    def __init__(self, hold_id: _Optional[str] = ..., pages: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., kind: _Optional[_Union[HoldRequest.Kind, str]] = ..., max_ahead_pages: _Optional[int] = ...) -> None: ...
 
 class HoldReply(_message.Message):
     __slots__ = ("granted", "figures")

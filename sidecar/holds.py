@@ -26,7 +26,7 @@ MAX_HOLDS = 4096
 
 class HoldKind(Enum):
     NOW = 0  # starts at once: taken off the headroom
-    QUEUE = 1  # waits here: queued behind the ledger's waiting requests
+    QUEUE = 1  # waits here: queued behind the ledger's waiting requests (and earlier holds)
     BEST_EFFORT = 2  # runs on what strict promises leave: taken off the best-effort room
 
 

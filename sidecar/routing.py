@@ -125,7 +125,13 @@ class RoutingView:
             self.changed()
         now = self.figures()
         granted = now.ready and (
-            kind is HoldKind.QUEUE
+            (
+                kind is HoldKind.QUEUE
+                and (
+                    not req.HasField("max_ahead_pages")
+                    or sum(now.waiting_pages) <= req.max_ahead_pages
+                )
+            )
             or (kind is HoldKind.NOW and not now.waiting_pages and req.pages <= now.headroom_pages)
             or (kind is HoldKind.BEST_EFFORT and req.pages <= now.best_effort_room_pages)
         )

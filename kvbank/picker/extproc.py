@@ -290,17 +290,21 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         # The engine takes this as its request id, so its submit releases the hold.
         hold_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         answer: Answer = NoEndpoint("no ready endpoint in this pool")
-        for _ in range(PICK_ATTEMPTS):
+        for attempt in range(PICK_ATTEMPTS):
             answer = pick(count, candidates)
             if not isinstance(answer, Pick):
                 break
+            ahead = None
             if count.service_class is ServiceClass.BEST_EFFORT:
                 kind, pages = pb.HoldRequest.BEST_EFFORT, count.pages_to_start
             else:
                 kind = pb.HoldRequest.QUEUE if answer.waits else pb.HoldRequest.NOW
                 pages = count.pages
+                if answer.waits and attempt < PICK_ATTEMPTS - 1:  # the last try queues anyway
+                    seen = next(pod for pod in candidates if pod.name == answer.pod)
+                    ahead = sum(seen.waiting_pages)
             granted = await self.sidecars.hold(
-                answer.pod, hold_id, pages, kind, self.settings.hold_ttl_s
+                answer.pod, hold_id, pages, kind, self.settings.hold_ttl_s, ahead
             )
             if granted:
                 self.metrics.answers.labels("wait" if answer.waits else "pick").inc()

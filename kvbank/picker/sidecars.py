@@ -133,7 +133,10 @@ class Sidecars:
                     figures = await asyncio.wait_for(call.read(), self.link.loss_after_s)
                     if figures is grpc.aio.EOF:
                         raise ConnectionError("the sidecar ended the stream")
-                    watched.figures = figures
+                    known = watched.figures
+                    # A Hold's reply may be newer than a stream message still on its way.
+                    if known is None or not watched.live or figures.version >= known.version:
+                        watched.figures = figures
                     if not watched.live:
                         log.info("kvbank picker: watching pod %s", watched.pod.endpoint)
                     watched.live = watched.heard = True
@@ -160,13 +163,20 @@ class Sidecars:
         pages: int,
         kind: pb.HoldRequest.Kind,
         ttl_s: float,
+        max_ahead_pages: int | None = None,
     ) -> bool | None:
         """Claim `pages` on the pod: True granted, False refused (its room went to another
         pick; its figures are updated from the reply), None: the sidecar did not answer in
         time (the pick goes elsewhere)."""
         watched = self.watched[endpoint]
         assert watched.stub is not None
-        request = pb.HoldRequest(hold_id=hold_id, pages=pages, ttl_ms=int(ttl_s * 1000), kind=kind)
+        request = pb.HoldRequest(
+            hold_id=hold_id,
+            pages=pages,
+            ttl_ms=int(ttl_s * 1000),
+            kind=kind,
+            max_ahead_pages=max_ahead_pages,
+        )
         started = time.perf_counter()
         try:
             reply = await watched.stub.Hold(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -61,15 +62,26 @@ def test_a_pick_sets_the_header_and_the_metadata_and_returns_the_body(
     assert chosen.figures().holds == 0
 
 
-def test_concurrent_picks_do_not_take_the_same_room(
-    extproc: ep_grpc.ExternalProcessorStub, pods: list[Pod]
-) -> None:
-    # A short prompt and 512 output tokens: 33 pages; a pod's 100 admit three at once. The
-    # rule packs by name among pods that admit now, and the sidecar's figures reach the picker
-    # later than the next pick: only the holds send the fourth elsewhere.
-    big = {**PROMPT, "max_tokens": 512}
-    chosen = [destination(answers(extproc, big))[0] for _ in range(4)]
-    assert chosen == [pods[0].endpoint] * 3 + [pods[1].endpoint]
+def test_two_picker_replicas_never_take_the_same_room(pods: list[Pod], pool_file: Path) -> None:
+    # Two sequences of 512 output tokens each: 66 pages; a pod's 100 admit one at once. Four
+    # such requests at the same instant through two replicas that see the same figures: the
+    # sidecars' holds let exactly one start now on each pod, and queue the other two.
+    big = {**PROMPT, "n": 2, "max_tokens": 512}
+    replicas = [ThreadPicker(pods, pool_file).start_and_wait() for _ in range(2)]
+    try:
+        channels = [grpc.insecure_channel(f"127.0.0.1:{r.port}") for r in replicas]
+        stubs = [ep_grpc.ExternalProcessorStub(c) for c in channels]
+        with ThreadPoolExecutor(4) as pool:
+            chosen = list(pool.map(lambda i: destination(answers(stubs[i % 2], big))[0], range(4)))
+        for channel in channels:
+            channel.close()
+    finally:
+        for replica in replicas:
+            replica.shutdown()
+    assert sorted(chosen) == sorted([pods[0].endpoint, pods[1].endpoint] * 2)
+    for pod in pods:
+        figures = pod.figures()
+        assert (figures.headroom_pages, list(figures.waiting_pages)) == (34, [66])
 
 
 def test_the_subset_hint_is_honoured_and_an_empty_one_is_503(

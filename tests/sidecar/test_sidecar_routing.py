@@ -137,3 +137,16 @@ def test_a_submit_named_by_the_hold_releases_it(
     report(client, session, 2, pb.Event(submit=pb.Submit(rid="cmpl-b-0", pages=10)))
     figures = routing.Hold(pb.HoldRequest(hold_id="probe", pages=0, kind=QUEUE)).figures
     assert (figures.holds, list(figures.waiting_pages)) == (1, [10, 10, 0])
+
+
+def test_a_queued_hold_goes_elsewhere_when_the_queue_grew_since_the_pick(
+    client: SidecarClient, routing: pb_grpc.RoutingStub
+) -> None:
+    open_session(client)
+    first = pb.HoldRequest(hold_id="q1", pages=66, ttl_ms=10_000, kind=QUEUE, max_ahead_pages=0)
+    assert routing.Hold(first).granted
+    second = pb.HoldRequest(hold_id="q2", pages=66, ttl_ms=10_000, kind=QUEUE, max_ahead_pages=0)
+    refused = routing.Hold(second)
+    assert not refused.granted and list(refused.figures.waiting_pages) == [66]
+    unbounded = pb.HoldRequest(hold_id="q2", pages=66, ttl_ms=10_000, kind=QUEUE)
+    assert routing.Hold(unbounded).granted  # a picker's last try queues wherever it chose
