@@ -82,9 +82,11 @@ class Stream:
 class Refusal(Exception):
     """An answer other than a pick: an immediate response with this status."""
 
-    def __init__(self, status: int, message: str, kind: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, kind: str, code: str | None = None,
+                 outcome: str = "bad_request") -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.kind, self.code = status, message, kind, code
+        self.outcome = outcome  # the kvbank_picker_answers label
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -158,7 +160,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 elif kind == "response_trailers":
                     yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
         except Refusal as refusal:
-            self.metrics.answers.labels(_outcome(refusal.status)).inc()
+            self.metrics.answers.labels(refusal.outcome).inc()
             yield immediate(refusal)  # Envoy ends the stream after an immediate response
 
     async def _on_headers(
@@ -250,7 +252,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             candidates = [pod for pod in candidates if pod.name in allowed]
             if not candidates:
                 none = f"none of the {len(allowed)} endpoints of the subset hint is a ready pod"
-                raise Refusal(503, none, "server_error", "no_endpoint")
+                raise Refusal(503, none, "server_error", "no_endpoint", "no_endpoint")
         chat = stream.path.split("?", 1)[0] in CHAT_PATHS
         chosen, hold_id = await self._choose(count, candidates, chat)
         self.metrics.decision.observe(time.perf_counter() - started)
@@ -284,7 +286,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         if count is None:  # not a generation: the ready pod with the most headroom
             ready = [pod for pod in candidates if pod.ready]
             if not ready:
-                raise Refusal(503, "no ready endpoint in this pool", "server_error", "no_endpoint")
+                raise Refusal(503, "no ready endpoint in this pool", "server_error", "no_endpoint",
+                              "no_endpoint")  # fmt: skip
             self.metrics.answers.labels("pick").inc()
             return max(ready, key=lambda p: (p.headroom_pages, p.name)).name, None
         # The engine takes this as its request id, so its submit releases the hold.
@@ -321,9 +324,6 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             )
         kind_of = {400: "invalid_request_error", 429: "rate_limit_error"}
         code = {400: "request_too_large", 429: "shed", 503: "no_endpoint"}
+        outcome = {400: "refused", 429: "shed"}.get(answer.status, "no_endpoint")
         raise Refusal(answer.status, answer.message, kind_of.get(answer.status, "server_error"),
-                      code.get(answer.status))  # fmt: skip
-
-
-def _outcome(status: int) -> str:
-    return {400: "refused", 429: "shed", 503: "no_endpoint"}.get(status, "bad_request")
+                      code.get(answer.status), outcome)  # fmt: skip
