@@ -91,8 +91,8 @@ async def one(stub: ep_grpc.ExternalProcessorStub, out: list[float]) -> None:
         await _one(stub, out)
     except grpc.aio.AioRpcError as exc:
         FAILURES.append(f"{exc.code().name}: {exc.details()}")
-    except asyncio.InvalidStateError:  # the picker ended the stream before the body went
-        FAILURES.append("the stream ended early")
+    except asyncio.InvalidStateError:  # the stream ended before the body went
+        FAILURES.append("the stream ended before its body was sent")
 
 
 FAILURES: list[str] = []
@@ -101,8 +101,13 @@ FAILURES: list[str] = []
 async def _one(stub: ep_grpc.ExternalProcessorStub, out: list[float]) -> None:
     headers, body = stream(BODY)
     call = stub.Process()
-    await call.write(headers)
-    await call.write(body)
+    try:
+        await call.write(headers)
+        await call.write(body)
+    except asyncio.InvalidStateError:
+        FAILURES.append(f"the stream ended before its body was sent: {await call.code()} "
+                        f"{await call.details()}")  # fmt: skip
+        return
     sent = time.perf_counter()
     reply = await call.read()
     if reply.WhichOneof("response") != "request_headers":
