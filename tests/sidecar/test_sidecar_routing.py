@@ -150,3 +150,23 @@ def test_a_queued_hold_goes_elsewhere_when_the_queue_grew_since_the_pick(
     assert not refused.granted and list(refused.figures.waiting_pages) == [66]
     unbounded = pb.HoldRequest(hold_id="q2", pages=66, ttl_ms=10_000, kind=QUEUE)
     assert routing.Hold(unbounded).granted  # a picker's last try queues wherever it chose
+
+
+def test_watch_and_hold_need_the_token_where_the_sidecar_has_one() -> None:
+    sidecar = ThreadSidecar(make_config(pool_pages=101, token="s3cret")).start_and_wait()
+    try:
+        with grpc.insecure_channel(sidecar.address) as channel:
+            stub = pb_grpc.RoutingStub(channel)
+            for call in (
+                lambda: next(stub.Watch(pb.WatchRequest())),
+                lambda: stub.Hold(pb.HoldRequest(hold_id="h", pages=1)),
+            ):
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            token = (("authorization", "Bearer s3cret"),)
+            stream = stub.Watch(pb.WatchRequest(), metadata=token)
+            assert next(stream).usable_pages == 100
+            stream.cancel()
+    finally:
+        sidecar.shutdown()
