@@ -17,7 +17,9 @@ on the chosen pod, then answers:
 Body modes: FULL_DUPLEX_STREAMED (GAIE's: the header answer waits for the whole body, then the
 body goes back as streamed responses) and BUFFERED (the headers are answered at once, the
 destination rides on the body's answer). Envoy names its mode in `protocol_config`; with none,
-full duplex is assumed. Response phases, if Envoy is set to send them, pass through unchanged.
+full duplex is assumed. In the other modes the request's destination is fixed before its body is
+read, so a request with a body gets 500 naming the setting to change. Response phases, if Envoy
+is set to send them, pass through unchanged.
 """
 
 from __future__ import annotations
@@ -171,6 +173,12 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         stream.subset = _subset(request)
         if request.HasField("protocol_config"):
             stream.mode = request.protocol_config.request_body_mode
+        if stream.mode not in (FULL_DUPLEX, BUFFERED) and not request.request_headers.end_of_stream:
+            mode = processing_mode_pb2.ProcessingMode.BodySendMode.Name(stream.mode)
+            raise Refusal(500, f"the gateway sends request bodies to the picker in mode {mode}, "
+                          "in which the destination is fixed before the prompt is read; configure "
+                          "its ext_proc request_body_mode FULL_DUPLEX_STREAMED (or BUFFERED)",
+                          "server_error", "picker_misconfigured", "misconfigured")  # fmt: skip
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit():
@@ -206,8 +214,6 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                           f"{stream.declared} bytes", "invalid_request_error")  # fmt: skip
         stream.chunks.append(body.body)
         if not (body.end_of_stream or body.end_of_stream_without_message):
-            if stream.mode not in (FULL_DUPLEX, BUFFERED):  # STREAMED: each chunk is answered
-                yield ep.ProcessingResponse(request_body=ep.BodyResponse())
             return
         if stream.declared is not None and stream.size < stream.declared:
             short = f"the body ended at {stream.size} bytes, short of its Content-Length"

@@ -47,6 +47,7 @@ spec:
 """
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 
 
 class Pod:

@@ -12,7 +12,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from picker_harness import BUFFERED, Pod, ThreadPicker, envoy_stream
+from picker_harness import BUFFERED, STREAMED, Pod, ThreadPicker, envoy_stream
 
 PROMPT = {"model": "tiny", "prompt": "the page cache holds the prompt", "max_tokens": 100}
 
@@ -173,3 +173,11 @@ def test_hostile_bodies_get_4xx_the_stream_stays_healthy_and_no_hold_leaks(
         assert code == expected, (body[:30], kw)
     assert [pod.figures().holds for pod in pods] == [0, 0]
     assert destination(answers(extproc, PROMPT))[0]  # the picker still serves
+
+
+def test_a_body_mode_that_fixes_the_destination_first_is_refused_naming_the_setting(
+    extproc: ep_grpc.ExternalProcessorStub,
+) -> None:
+    code, body = status_of(answers(extproc, PROMPT, mode=STREAMED))
+    assert code == 500
+    assert "request_body_mode FULL_DUPLEX_STREAMED" in body["error"]["message"]  # type: ignore[index]
