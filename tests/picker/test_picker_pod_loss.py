@@ -64,3 +64,44 @@ def test_a_killed_sidecar_leaves_the_picks_within_one_second(
         other.stop()
     assert left < 1.0
     assert any("lost the sidecar of pod 10.0.0.0:8000" in r.getMessage() for r in caplog.records)
+
+
+def chosen(extproc: ep_grpc.ExternalProcessorStub) -> str | None:
+    """The endpoint picked, or None when the picker answered otherwise (a 503 on a loaded box
+    whose other pod's heartbeat was late)."""
+    replies = answers(extproc, PROMPT)
+    if replies[-1].WhichOneof("response") == "immediate_response":
+        return None
+    return destination(replies)[0]
+
+
+def test_a_hung_sidecar_leaves_the_picks_within_one_second(
+    pool_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGSTOP: the connection stays up and nothing arrives; the heartbeat's absence is the
+    signal (`--loss-after-s 0.75`, heartbeats every 0.25 s)."""
+    victim, other = ProcessPod(), Pod(1)
+    victim.sidecar = type("S", (), {"address": victim.address})()
+    picker = ThreadPicker([victim, other], pool_file, "--loss-after-s", "0.75").start_and_wait()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{picker.port}") as channel:
+            extproc = ep_grpc.ExternalProcessorStub(channel)
+            deadline = time.monotonic() + 5
+            while chosen(extproc) != victim.endpoint:
+                assert time.monotonic() < deadline, "the victim was never picked"
+            caplog.set_level(logging.INFO, logger="kvbank.picker")
+            victim.proc.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            # No pick is sent its way meanwhile (a hold there would time out and say so too):
+            # the loss must come from the missing heartbeat alone.
+            lost = f"lost the sidecar of pod {victim.endpoint}"
+            while not any(lost in r.getMessage() for r in caplog.records):
+                assert time.monotonic() - stopped < 1.0, "a hung sidecar's pod stayed 1 s"
+                time.sleep(0.01)
+            assert any("no figures for 0.75 s" in r.getMessage() for r in caplog.records)
+            assert chosen(extproc) in (other.endpoint, None)
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+        picker.shutdown()
+        victim.stop()
+        other.stop()
