@@ -12,7 +12,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS ?= engine,operator,bench,dev
+EXTRAS ?= engine,operator,picker,bench,dev
 PORT ?= 8000
 PYTEST_ARGS ?=
 # Reinstall when the dependency list changes; otherwise reuse the virtual environment.

@@ -50,7 +50,7 @@ def build_server(
     from kvbank.engine.serve.http.metrics import ServeMetrics
 
     options = stack.options
-    metrics = ServeMetrics(stack.options.pages)
+    metrics = ServeMetrics(stack.options.pages, stack.options.page_size)
     metrics.meter_recompute(stack.engine)
     loop = EngineLoop(
         stack.engine, stack.options.max_waiting, metrics.observe_step, step_fn, idle_fn
