@@ -187,12 +187,15 @@ class KvbankRouter:
         queued_best_effort = 0
         if best_effort is not None:
             queued_best_effort = sum(r.pages_at(len(r.prompt)) for r in best_effort.waiting)
-        room = kv.free + kv.evictable - ledger.outstanding - sum(waiting) - queued_best_effort
+        # The ledger's own headroom, as the sidecar streams it to the picker: supply less the
+        # conservative outstanding, or with peak-fit less the timeline's highest demand.
+        headroom = min(ledger.usable_pages, ledger.headroom)
+        room = headroom - sum(waiting) - queued_best_effort
         matched = len(kv.index.match(self.label, prompt, len(request.prefix_blocks)))
         return PodFigures(
             name=str(index),
             usable_pages=ledger.usable_pages,
-            headroom_pages=min(ledger.usable_pages, ledger.supply - ledger.outstanding),
+            headroom_pages=headroom,
             waiting_pages=waiting,
             releases=tuple(sorted(releases, key=lambda r: r.eta_s)),
             best_effort_room_pages=min(ledger.usable_pages, room),
