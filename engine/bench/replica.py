@@ -56,6 +56,8 @@ class Replica:
         self.e2e: list[float] = []
         self.counts = {"completed": 0, "rejected": 0, "failed": 0}
         self.sent = 0
+        self.output_tokens = 0  # written by the requests that completed: their mean is what
+        # a pod can tell of how long the next ones will run
         self.clock = self.last_progress = self.util_area = 0.0
         self.step_s = scenario.cost.step_base_ms / 1000.0  # the last step's time
         self.breaches = 0
@@ -145,6 +147,7 @@ class Replica:
                 if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                     track.completed = True
                     self.counts["completed"] += 1
+                    self.output_tokens += track.tokens
                     self.e2e.append(clock - track.sent_s)
                 else:
                     self.counts["failed"] += 1
@@ -159,6 +162,12 @@ class Replica:
         track.admitted_s = started
         if step_index > self._first_chance.pop(rid, step_index):
             self.waited[rid] = (started - track.sent_s, track.cls.service_class)
+
+    @property
+    def mean_output(self) -> float | None:
+        """Output tokens per completed request so far (None before the first completes)."""
+        done = self.counts["completed"]
+        return self.output_tokens / done if done else None
 
     def overdue(self) -> bool:
         """Whether the run must stop after this step: no token for `DEADLOCK_S` virtual seconds

@@ -176,27 +176,39 @@ class KvbankRouter:
         books = ledger.books
         kv = engine.kv
         waiting = tuple(entry.pages for entry in books.waiting.values())
+        # When each running strict request may finish: its expected output (the mean the pod
+        # has seen, or its whole budget once past it) at the pod's current step time.
         releases = []
+        mean = replica.mean_output
         for rid, reservation in books.running.items():
             req = engine.sched.running.get(rid)
             if req is None:
                 continue
-            left = max(1, req.max_output - len(req.output))
+            produced = len(req.output)
+            expected = req.max_output if mean is None or produced >= mean else mean
+            left = max(1.0, min(req.max_output, expected) - produced)
             releases.append(Release(left * replica.step_s, reservation.reserved))
         best_effort = getattr(engine.policy, "best_effort", None)
         queued_best_effort = 0
         if best_effort is not None:
             queued_best_effort = sum(r.pages_at(len(r.prompt)) for r in best_effort.waiting)
-        room = kv.free + kv.evictable - ledger.outstanding - sum(waiting) - queued_best_effort
-        matched = len(kv.index.match(self.label, prompt, len(request.prefix_blocks)))
+        # The ledger's own headroom, as the sidecar streams it to the picker: supply less the
+        # conservative outstanding, or with peak-fit less the timeline's highest demand.
+        headroom = min(ledger.usable_pages, ledger.headroom)
+        room = headroom - sum(waiting) - queued_best_effort
+        chain = kv.index.match(self.label, prompt, len(request.prefix_blocks))
+        refcount = kv.pool.refcount
+        blocks = request.prefix_blocks
+        held = frozenset(blocks[i] for i, page in enumerate(chain) if refcount[page] > 0)
         return PodFigures(
             name=str(index),
             usable_pages=ledger.usable_pages,
-            headroom_pages=min(ledger.usable_pages, ledger.supply - ledger.outstanding),
+            headroom_pages=headroom,
             waiting_pages=waiting,
             releases=tuple(sorted(releases, key=lambda r: r.eta_s)),
             best_effort_room_pages=min(ledger.usable_pages, room),
-            cached_blocks=frozenset(request.prefix_blocks[:matched]),
+            cached_blocks=frozenset(blocks[: len(chain)]),
+            held_blocks=held,
         )
 
     def route(self, spec: RequestSpec, now: float) -> Answer:

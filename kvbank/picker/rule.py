@@ -15,9 +15,10 @@ pod's name (so the same figures always give the same pick).
 
 "Admit now" is the ledger's own conservative test for a head with no cached hit,
 `outstanding + pages <= supply` (kvbank/ledger/ledger.py, `Ledger.try_admit`): `headroom_pages`
-is `supply - outstanding`, and a pod admits a newcomer now only with nothing waiting ahead of it
-(FIFO: only the head is admitted). A peak-fit ledger admits at least as much, so a pod chosen
-this way surely admits; a cached hit only helps.
+is the ledger's `headroom` (`supply - outstanding`; with peak-fit, supply less the timeline's
+highest demand), and a pod admits a newcomer now only with nothing waiting ahead of it (FIFO:
+only the head is admitted). The part of the request's cached prefix that running requests hold
+there comes off its need (`PodFigures.need`), as it does in the ledger's test.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class PodFigures:
     best_effort_room_pages: int = 0
     cached_blocks: frozenset[int] = field(default_factory=frozenset)
     ready: bool = True
+    # Of `cached_blocks`, those a running request holds (one block is one page): a hit on them
+    # costs the pod no new page, so the ledger admits a request that much larger. A hit on a
+    # block only the index holds saves nothing (those pages already count as supply).
+    held_blocks: frozenset[int] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
         if self.usable_pages < 0 or self.headroom_pages > self.usable_pages:
@@ -82,6 +87,16 @@ class PodFigures:
     def admits_now(self, pages: int) -> bool:
         """Whether the ledger admits a newcomer of `pages` worst-case pages at once."""
         return not self.waiting_pages and pages <= self.headroom_pages
+
+    def need(self, pages: int, blocks: Sequence[int]) -> int:
+        """What a request of `pages` worst-case pages takes of this pod's headroom: the ledger
+        admits `reserved - hit <= supply - idle - outstanding`, so the part of its cached prefix
+        that running requests hold comes off (the idle part nets to nothing)."""
+        shared = 0
+        for block in blocks[: self.affinity(blocks)]:
+            if block in self.held_blocks:
+                shared += 1
+        return max(0, pages - shared)
 
     def start_estimate(self, pages: int) -> tuple[float, int]:
         """(seconds until a newcomer of `pages` would start here, pages short now): it starts
@@ -203,12 +218,12 @@ def pick(request: RequestCount, pods: Sequence[PodFigures]) -> Answer:
                 f"most room any ready pod has is {max(p.best_effort_room_pages for p in holding)}"
             )
         return Pick(min(roomy, key=lambda pod: (-pod.best_effort_room_pages, *tie(pod))).name)
-    now = [pod for pod in holding if pod.admits_now(request.pages)]
+    now = [pod for pod in holding if pod.admits_now(pod.need(request.pages, blocks))]
     if now:
         return Pick(min(now, key=tie).name)
 
     def soonest(pod: PodFigures) -> tuple[float, int, int, int, int, str]:
-        eta, short = pod.start_estimate(request.pages)
+        eta, short = pod.start_estimate(pod.need(request.pages, blocks))
         return (eta, short, *tie(pod))
 
     return Pick(min(holding, key=soonest).name, waits=True)

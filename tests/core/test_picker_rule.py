@@ -51,6 +51,14 @@ class TestStrict:
         ]
         assert pick(strict(20, (1, 2, 3)), pods) == Pick("b")
 
+    def test_a_prefix_running_requests_hold_comes_off_the_need(self) -> None:
+        held = pod(
+            "a", headroom=18, cached_blocks=frozenset({1, 2, 3}), held_blocks=frozenset({1, 2})
+        )
+        idle = pod("b", headroom=19, cached_blocks=frozenset({1, 2, 3}))
+        assert held.need(20, (1, 2, 3, 4)) == 18 and idle.need(20, (1, 2, 3, 4)) == 20
+        assert pick(strict(20, (1, 2, 3, 4)), [held, idle]) == Pick("a")
+
     def test_with_none_admitting_it_goes_where_it_starts_soonest(self) -> None:
         pods = [
             pod("a", headroom=5, releases=(Release(4.0, 30),)),
@@ -134,6 +142,7 @@ def pod_figures(draw) -> PodFigures:
         best_effort_room_pages=draw(st.integers(-10, usable)),
         cached_blocks=draw(st.frozensets(st.integers(0, 5), max_size=4)),
         ready=draw(st.booleans()),
+        held_blocks=draw(st.frozensets(st.integers(0, 5), max_size=3)),
     )
 
 
@@ -168,10 +177,18 @@ def test_a_pick_is_a_ready_pod_that_can_hold_it(request: RequestCount, pods) -> 
 def test_a_strict_request_that_fits_somewhere_now_never_waits(request, pods) -> None:
     request = RequestCount(pages=request.pages, prefix_blocks=request.prefix_blocks)
     answer = pick(request, pods)
-    fits_now = [p for p in pods if p.ready and p.admits_now(request.pages)]
+    blocks = request.prefix_blocks
+    fits_now = [
+        p
+        for p in pods
+        if p.ready
+        and p.usable_pages >= request.pages
+        and p.admits_now(p.need(request.pages, blocks))
+    ]
     if fits_now:
         assert isinstance(answer, Pick) and not answer.waits
-        assert {p.name: p for p in pods}[answer.pod].admits_now(request.pages)
+        chosen = {p.name: p for p in pods}[answer.pod]
+        assert chosen.admits_now(chosen.need(request.pages, blocks))
 
 
 @settings(max_examples=200, deadline=None)

@@ -17,8 +17,6 @@ from kvbank.engine.bench.scenario import ScenarioError, parse_scenario
 from kvbank.engine.bench.workload import RequestSpec, generate
 from kvbank.picker import Pick, Shed
 
-SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
-
 TINY = """
 name: tiny-cluster
 replicas: 2
