@@ -29,7 +29,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from kvbank.capacity import pool_pages
 from kvbank.manifests import ManifestError
 from kvbank.mode import LEDGER_MODE_NAMES
 from kvbank.poolfile import PoolFileError, read_pool
@@ -133,10 +132,10 @@ class Config:
 def _read_pool(path: str) -> tuple[int, str]:
     """The pool's pages and the ledger policy its spec.admission names."""
     try:
-        pool = read_pool(path, "this sidecar")
+        served = read_pool(path, "this sidecar")
     except PoolFileError as exc:
         raise ConfigError(str(exc)) from exc
-    return pool_pages(pool), pool.admission.mode.name
+    return served.pages, served.pool.admission.mode.name
 
 
 # A Unix socket's path must fit `sockaddr_un.sun_path` (108 bytes with its terminating NUL).
