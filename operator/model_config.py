@@ -129,6 +129,20 @@ async def read_model_config(cluster: Cluster, doc: Mapping[str, Any]) -> ModelCo
     return _text_of(config_map, found, key)
 
 
+def config_map_of(doc: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(namespace, name) of the ConfigMap a pool takes its config.json from: the key by which
+    the operator finds the pools to judge again when that ConfigMap changes. None for a pool
+    described by hand, one that names a path, and a spec that does not parse."""
+    try:
+        pool = parse_modelpool(doc)
+    except SpecError:
+        return None
+    source = pool.from_config
+    if source is None or source.config_map is None:
+        return None
+    return pool.namespace, source.config_map
+
+
 def configured(pool: ModelPool, found: ModelConfig | None) -> ConfiguredModel | None:
     """The pool's layout from its config as the cluster holds it; None for a pool described by
     hand. Raises ConfigSourceError naming the field: `fromConfig.path`, which the cluster has no

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -44,6 +44,7 @@ from kvbank.operator.cluster import (
 )
 from kvbank.operator.model_config import (
     KvGroupFigures,
+    config_map_of,
     configured,
     pinned,
     read_model_config,
@@ -318,6 +319,27 @@ async def reconcile(
     _remember(held_key(doc, text), (decision.held, decision.groups))
     accepted = Accepted(pool, decision.held, decision.deployment, kind, text, decision.groups)
     return await converge(cluster, settings, doc, accepted, now, issuer=issuer)
+
+
+async def rejudge(
+    cluster: Cluster,
+    settings: RenderSettings,
+    namespace: str,
+    config_map: str,
+    pools: Iterable[str],
+    issuer: CertBundle | None = None,
+) -> list[Outcome]:
+    """ConfigMap `namespace/config_map` changed (or came or went): each of `pools` that still
+    takes its config.json from it is judged again as on a spec change. A config now refused
+    leaves Accepted=False naming the field, and the pods running on the copy last accepted;
+    one accepted renders its copy, which rolls the pods onto it."""
+    outcomes = []
+    for name in sorted(set(pools)):
+        doc = await cluster.get(KVBANK, KIND, name, namespace)
+        if doc is None or config_map_of(doc) != (namespace, config_map):
+            continue  # deleted, or its spec moved on since it was indexed
+        outcomes.append(await reconcile(cluster, settings, doc, issuer=issuer))
+    return outcomes
 
 
 # Holdability per (pool uid, generation, config digest): the repair timer renders the generation
