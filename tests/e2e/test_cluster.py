@@ -360,6 +360,26 @@ def test_a_pool_read_from_a_config_map_is_judged_on_its_layout(cluster: Cluster)
     assert json.loads(rendered["data"]["model-config.json"]) == json.loads(
         config["data"]["config.json"]
     )
+    (running,) = owned(cluster, ns, "oss")["statefulsets"]
+
+    # An edit of the ConfigMap is judged again (the operator watches it), without a spec change.
+    broken = json.loads(config["data"]["config.json"])
+    broken["num_key_value_heads"] = -1
+    edited = {**config, "data": {"config.json": json.dumps(broken)}}
+    assert cluster.admin.apply(edited).returncode == 0
+
+    def refused() -> dict[str, Any] | None:
+        doc = cluster.pool(ns, "oss")
+        cond = condition(doc, "Accepted")
+        return doc if cond and cond["reason"] == "InvalidConfig" else None
+
+    doc = wait_for("the edited config judged again", refused, SETTLE_TIMEOUT)
+    text = condition(doc, "Accepted")["message"]  # type: ignore[index]
+    assert "spec.model.architecture.fromConfig.configMap num_key_value_heads" in text
+    assert "The running pods keep the spec and config.json last accepted" in text
+    (still,) = owned(cluster, ns, "oss")["statefulsets"]
+    assert still["metadata"]["uid"] == running["metadata"]["uid"]
+    assert still["spec"] == running["spec"]  # nothing rendered from the refused config
 
 
 def test_a_capacity_policy_quota_rejects_a_pool_that_passes_without_it(cluster: Cluster) -> None:

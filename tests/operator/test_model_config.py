@@ -345,6 +345,15 @@ class TestReconcile:
         assert status["configHash"] != before
         assert status["groups"][0]["rule"] == "window 256: at most 273 pages"
 
+    def test_an_edit_of_spacing_or_key_order_rolls_no_pod(self) -> None:
+        cluster = cluster_with(config_map(), stored(oss_doc()))
+        asyncio.run(reconcile(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW))
+        before = cluster.one("ModelPool", "oss")["status"]["configHash"]
+        reordered = dict(reversed(list(json.loads(GPT_OSS).items())))
+        cluster.put(config_map({"config.json": json.dumps(reordered, indent=4)}))
+        asyncio.run(reconcile(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW))
+        assert cluster.one("ModelPool", "oss")["status"]["configHash"] == before
+
     def test_a_missing_config_map_is_refused_in_the_status(self) -> None:
         cluster = cluster_with(stored(oss_doc()))
         asyncio.run(reconcile(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW))
