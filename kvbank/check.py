@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvbank.capacity import CapacityModel, holdability, worst_case
@@ -108,9 +107,9 @@ def _resolve(pool: ModelPool, manifest: str) -> ConfiguredModel | None:
     """The pool's layout from its config.json, a path relative to the manifest's folder."""
     if pool.from_config is None:
         return None
-    from kvbank.capacity.configured import resolve  # only pools that name a config pay for it
+    from kvbank.capacity.configured import resolve_beside  # only pools that name a config pay
 
-    return resolve(pool, Path.cwd() if manifest == "-" else Path(manifest).resolve().parent)
+    return resolve_beside(pool, manifest)
 
 
 def _group_lines(pool: ModelPool, configured: ConfiguredModel | None) -> list[str]:

@@ -5,7 +5,8 @@ past the webhook (it was down, or two applies raced a quota) is judged by the sa
 Violation lines are the ones `kvbank check` prints: the parser's field errors and
 `holdability(pool).violations` verbatim, then the policy's. A `fromConfig` pool is judged on
 the layout of the config.json its ConfigMap holds (`kvbank.operator.model_config`, read with
-the rest of the neighbourhood), by the same `holdability` as `kvbank check` judges a file.
+the rest of the neighbourhood), by the same `holdability` as `kvbank check` judges a file, and
+refused where the engine it names would not run that layout (`serving_refusals`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbank.capacity import Holdability, holdability
-from kvbank.capacity.configured import ConfigSourceError
+from kvbank.capacity.configured import ConfigSourceError, ConfiguredModel
 from kvbank.deployment import Deployment, HostPathSource, PodTemplate, parse_deployment
 from kvbank.modelpool import KIND, ModelPool, SpecError, parse_modelpool
 from kvbank.operator.cluster import KVBANK, Cluster
@@ -26,8 +27,8 @@ from kvbank.operator.model_config import (
     ModelConfig,
     configured,
     group_figures,
-    not_served_warning,
     read_model_config,
+    serving_refusals,
 )
 from kvbank.operator.policy import (
     CapacityPolicy,
@@ -54,6 +55,8 @@ class Decision:
     # A fromConfig pool's KV groups as its config.json lays them out (status.groups); empty for
     # a pool described by hand.
     groups: tuple[KvGroupFigures, ...] = ()
+    # A fromConfig pool's layout, as judged; None for a pool described by hand.
+    layout: ConfiguredModel | None = None
 
     @property
     def ok(self) -> bool:
@@ -119,18 +122,26 @@ def decide(doc: Mapping[str, Any], around: Neighbourhood) -> Decision:
         around.others,
         gpus_per_rank(deployment, around.defaults),
     )
-    reason = "Unholdable" if not held.ok else "OverPolicy" if over else "Holdable"
+    unserved = serving_refusals(layout, deployment) if layout is not None else ()
+    reason = (
+        "Unholdable"
+        if not held.ok
+        else "OverPolicy"
+        if over
+        else "UnservableLayout"
+        if unserved
+        else "Holdable"
+    )
     warnings = dev_warnings(deployment)
-    if layout is not None:
-        warnings += (not_served_warning(),)
     return Decision(
         pool,
         held,
-        (*held.violations, *over),
+        (*held.violations, *over, *unserved),
         reason,
         deployment,
         warnings,
         group_figures(pool, layout) if layout is not None else (),
+        layout,
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import kopf
 
 from kvbank.modelpool import API_GROUP, API_VERSION
-from kvbank.operator import admission, live, reconcile
+from kvbank.operator import admission, live, model_config, reconcile
 from kvbank.operator.certs import CertBundle
 from kvbank.operator.cluster import Cluster, KubeError, KubeUnavailable
 from kvbank.operator.config import OperatorConfig
@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 POOLS = (API_GROUP, API_VERSION, "modelpools")
 POLICIES = (API_GROUP, API_VERSION, "capacitypolicies")
+CONFIG_MAPS = ("v1", "configmaps")
 RETRY_UNAVAILABLE = 10.0  # seconds; the API was down or slow
 RETRY_REFUSED = 60.0  # seconds; the API refused a request (RBAC being installed, say)
 
@@ -143,6 +144,36 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
             # The pool in the message itself: the log's format may not name the object.
             where = f"{body['metadata'].get('namespace')}/{body['metadata']['name']}"
             logger.warning("%s: restored %s", where, ", ".join(outcome.applied))
+
+    # The pools that take their config.json from a ConfigMap, by (namespace, name) of that
+    # ConfigMap: an edit of it is a change of what the pool was judged on.
+    @kopf.index(*POOLS, id="pools_by_config_map", registry=registry)
+    def pools_by_config_map(body: kopf.Body, **_: Any) -> dict[tuple[str, str], str]:
+        ref = model_config.config_map_of(body)
+        return {} if ref is None else {ref: str(body["metadata"]["name"])}
+
+    def referenced(name: str, namespace: str | None, **kwargs: Any) -> bool:
+        return (namespace, name) in kwargs["pools_by_config_map"]
+
+    # A watch event, not a change handler: nothing is written to the user's ConfigMap. An event
+    # lost to an API failure is caught up by the repair timer, which judges a config it has
+    # not judged before rendering it.
+    @kopf.on.event(*CONFIG_MAPS, id="model-config", when=referenced, registry=registry)
+    async def config_map_changed(
+        type: str, name: str, namespace: str | None, logger: Any, **kwargs: Any
+    ) -> None:
+        if type is None or namespace is None:
+            return  # the initial listing: every pool is reconciled on resume anyway
+        pools = list(kwargs["pools_by_config_map"].get((namespace, name), ()))
+        outcomes = await _guarded(
+            reconcile.rejudge(
+                rt.cluster, rt.config.render, namespace, name, pools, issuer=issuer(rt)
+            )
+        )
+        for outcome in outcomes:
+            if not outcome.accepted:
+                logger.warning("ConfigMap %s/%s changed; refused: %s", namespace, name,
+                               outcome.message)  # fmt: skip
 
     @kopf.timer(*POOLS, id="status", interval=rt.config.status_interval, registry=registry)
     async def pool_status(body: kopf.Body, **_: Any) -> None:

@@ -7,27 +7,37 @@ edit ConfigMaps in the namespace writes it): its text goes through the bounded r
 check` reads a file with, and every problem, a missing ConfigMap or key included, is one line
 naming the field to fix. Reading (`read_model_config`, async, through `Cluster`) is apart from
 judging (`configured`, pure), so the judgement runs in the worker thread `decide` runs in.
+
+Serving it: the config judged is rendered into the ranks' ConfigMap beside their manifest,
+whose fromConfig names that copy (`served_text`, `served_spec`), so the engine and the sidecar
+resolve the layout the webhook judged and not whatever the ConfigMap holds when a pod starts;
+the rendered pool is pinned to the judged page count and groups (`pinned`); and a pool whose
+engine would not run the layout is refused (`serving_refusals`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvbank.capacity import worst_case
-from kvbank.capacity.configfile import MAX_CONFIG_BYTES
+from kvbank.capacity.configfile import MAX_CONFIG_BYTES, parse_config_text
 from kvbank.capacity.configured import (
     FROM_CONFIG,
     ConfigSourceError,
     ConfiguredModel,
     resolve_text,
 )
+from kvbank.capacity.modellayout import Kind
+from kvbank.deployment import Deployment
 from kvbank.fields import quote
 from kvbank.modelpool import ModelPool, SpecError, parse_modelpool
 from kvbank.operator.cluster import Cluster
+from kvbank.operator.render.names import MODEL_CONFIG_FILE
 
 MAX_KEYS_NAMED = 8  # of a ConfigMap's keys, in the message saying the one asked for is not there
 
@@ -119,6 +129,20 @@ async def read_model_config(cluster: Cluster, doc: Mapping[str, Any]) -> ModelCo
     return _text_of(config_map, found, key)
 
 
+def config_map_of(doc: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(namespace, name) of the ConfigMap a pool takes its config.json from: the key by which
+    the operator finds the pools to judge again when that ConfigMap changes. None for a pool
+    described by hand, one that names a path, and a spec that does not parse."""
+    try:
+        pool = parse_modelpool(doc)
+    except SpecError:
+        return None
+    source = pool.from_config
+    if source is None or source.config_map is None:
+        return None
+    return pool.namespace, source.config_map
+
+
 def configured(pool: ModelPool, found: ModelConfig | None) -> ConfiguredModel | None:
     """The pool's layout from its config as the cluster holds it; None for a pool described by
     hand. Raises ConfigSourceError naming the field: `fromConfig.path`, which the cluster has no
@@ -182,15 +206,69 @@ def group_figures(pool: ModelPool, model: ConfiguredModel) -> tuple[KvGroupFigur
     )
 
 
-# The ranks start from the manifest in their ConfigMap, and the engine's and the sidecar's
-# readers take the KV labels from kvSlots: they do not resolve fromConfig. So a configured pool
-# is judged and its figures shown, and no pods are rendered that would refuse to start.
-NOT_SERVED = (
-    "the engine and its sidecar read a pool's KV labels from kvSlots and do not resolve "
-    "model.architecture.fromConfig yet, so no pods are rendered for it. To serve this model "
-    "now, describe it by hand (model.architecture fields and kvSlots)"
-)
+# ---- serving it ---------------------------------------------------------------------------------
 
 
-def not_served_warning() -> str:
-    return f"{FROM_CONFIG}: holdable, but {NOT_SERVED}."
+def served_text(found: ModelConfig) -> str:
+    """The config.json the ranks get, as judged: its JSON re-written with sorted keys, so that
+    an edit that changes nothing the reader sees (spacing, key order) renders the same
+    ConfigMap and rolls no pod. Called only on a config that `configured` read."""
+    assert found.text is not None
+    return json.dumps(parse_config_text(found.text, found.where), sort_keys=True) + "\n"
+
+
+def served_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec the ranks read: its fromConfig pointing at the copy beside the manifest
+    (path), with the same kvDtype and weightsGiB."""
+    model = dict(spec["model"])
+    architecture = dict(model["architecture"])
+    source = {k: v for k, v in architecture["fromConfig"].items() if k != "configMap"}
+    architecture["fromConfig"] = {**source, "path": MODEL_CONFIG_FILE}
+    model["architecture"] = architecture
+    return {**spec, "model": model}
+
+
+def pinned(pool: ModelPool, model: ConfiguredModel, pages: int) -> ModelPool:
+    """The pool as its ranks are started: the page count judged (a memory fraction is sized by
+    the layout's page bytes, which the placeholder architecture does not know) and a label per
+    KV group, so that what is rendered from the pool is what was judged."""
+    kv = replace(pool.kv, pages=pages, memory_fraction=None)
+    return replace(pool, kv=kv, kv_slots=model.pool.kv_slots)
+
+
+# Flags of `vllm serve` that would change the layout judged: the operator renders them from
+# the spec for a fromConfig pool.
+VLLM_LAYOUT_FLAGS = {
+    "--max-num-batched-tokens": "spec.limits.maxNumBatchedTokens",
+    "--kv-cache-dtype": f"{FROM_CONFIG}.kvDtype",
+    "--hf-config-path": f"{FROM_CONFIG}.configMap",
+    "--hf-overrides": f"{FROM_CONFIG}.configMap",
+}
+
+
+def serving_refusals(model: ConfiguredModel, deployment: Deployment) -> tuple[str, ...]:
+    """Why the pods a pool renders would not run the layout judged: kvbank's engine decodes
+    one group of full attention, and a vLLM flag in spec.engine.args may change the layout."""
+    if deployment.engine.kind != "vllm":
+        groups = model.pool.groups
+        if len(groups) == 1 and groups[0].kind is Kind.FULL:
+            return ()
+        described = ", ".join(f"{g.label} ({g.layers} layers)" for g in groups[:MAX_GROUPS])
+        return (
+            f"spec.engine.kind: kvbank's engine decodes one KV group of full attention, and "
+            f"this model's config.json lays it out in {len(groups)} group(s) of "
+            f"{', '.join(sorted({g.kind.value for g in groups}))} ({described}). Set "
+            "spec.engine.kind: vllm to serve it.",
+        )
+    refusals = []
+    for index, arg in enumerate(deployment.engine.args):
+        flag = arg.split("=", 1)[0]
+        if flag in VLLM_LAYOUT_FLAGS:
+            refusals.append(
+                f"spec.engine.args[{index}]: sets {flag}, which decides the KV layout judged "
+                f"from the model's config.json; drop it and set {VLLM_LAYOUT_FLAGS[flag]}"
+            )
+    return tuple(refusals)
+
+
+MAX_GROUPS = 6  # named in a refusal; a config has at most a few

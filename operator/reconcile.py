@@ -11,20 +11,25 @@ An operator started without the sidecar token renders nothing either: every rank
 would refuse to start. The pool says so (Accepted and Ready False, reason SidecarTokenMissing)
 with how to set it; restarting the operator with a token renders it.
 
-A pool whose architecture is `fromConfig.configMap` is judged on its config's layout and its
-status shows the figures, per KV group too, but renders nothing (Accepted False, reason
-FromConfigNotServed): its ranks would refuse the manifest (`kvbank.operator.model_config`).
+A pool whose architecture is `fromConfig.configMap` is judged on its config's layout, its status
+shows the figures per KV group too, and it renders the config.json it was judged on into the
+ranks' ConfigMap beside the manifest, whose fromConfig then names that copy: the engine and the
+sidecar resolve the same layout `kvbank check` would (`kvbank.operator.model_config`). An edit
+of the config's ConfigMap is judged again (the handlers watch the ConfigMaps pools name); if the
+new config is refused, the pods keep the copy last accepted and the Accepted condition says why.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from kvbank.capacity import Holdability, holdability
+from kvbank.capacity.configured import ConfigSourceError
 from kvbank.deployment import Deployment, parse_deployment
 from kvbank.modelpool import KIND, ModelPool, SpecError, parse_modelpool
 from kvbank.operator.admission import Decision, judge, message, neighbourhood
@@ -37,7 +42,15 @@ from kvbank.operator.cluster import (
     KubeUnavailable,
     identity,
 )
-from kvbank.operator.model_config import NOT_SERVED
+from kvbank.operator.model_config import (
+    KvGroupFigures,
+    config_map_of,
+    configured,
+    pinned,
+    read_model_config,
+    served_spec,
+    served_text,
+)
 from kvbank.operator.pool_tls import ensure_pool_tls
 from kvbank.operator.pruning import prune_config_maps
 from kvbank.operator.render.bundle import render_pool
@@ -94,8 +107,16 @@ async def choose_workload(cluster: Cluster, doc: Mapping[str, Any]) -> Workload:
 async def _refuse(
     cluster: Cluster, owner: Owner, decision: Decision, doc: Mapping[str, Any], now: str
 ) -> Outcome:
-    """Accepted=False with every violation; nothing rendered, nothing running touched."""
+    """Accepted=False with every violation; nothing rendered, nothing running touched. A
+    fromConfig pool's pods, if any run, are told to keep the config.json last accepted: its
+    ConfigMap can change under an unchanged spec."""
     text = message(owner.namespace, owner.name, decision)
+    rendered = (doc.get("status") or {}).get("configHash")
+    if decision.pool is not None and decision.pool.from_config is not None and rendered:
+        text += (
+            f"\nThe running pods keep the spec and config.json last accepted (ConfigMap "
+            f"{config_name(owner.name, str(rendered))}) until this is fixed."
+        )
     update = Condition(ACCEPTED, False, decision.reason, text)
     await patch_status(cluster, owner, status_patch(doc, [update], now))
     return Outcome(False, text)
@@ -147,40 +168,18 @@ async def _refuse_workload(
     return Outcome(False, text)
 
 
-async def _refuse_unserved(
-    cluster: Cluster, owner: Owner, decision: Decision, doc: Mapping[str, Any], now: str
-) -> Outcome:
-    """A fromConfig pool is holdable on its config's layout, which the status shows group by
-    group, but the ranks cannot start from it: nothing is rendered, what runs is left alone."""
-    held = decision.held
-    assert held is not None
-    figures = (
-        f"worst-case request {held.worst_request_pages} pages; the pool ({held.pages} pages) "
-        f"holds {held.worst_concurrency} worst-case requests at once"
-    )
-    text = f"{owner.namespace}/{owner.name}: holdable ({figures}), but {NOT_SERVED}."
-    update = Condition(ACCEPTED, False, "FromConfigNotServed", text)
-    status = status_patch(
-        doc,
-        [update],
-        now,
-        pages=held.pages,
-        worstRequestPages=held.worst_request_pages,
-        worstConcurrency=held.worst_concurrency,
-        groups=[group.status() for group in decision.groups],
-    )
-    await patch_status(cluster, owner, status)
-    return Outcome(False, text)
-
-
 @dataclass(frozen=True)
 class Accepted:
-    """What a judged (or earlier accepted) pool renders from."""
+    """What a judged (or earlier accepted) pool renders from. A fromConfig pool's `pool` is
+    pinned to its layout (`model_config.pinned`); `model_config` is the config.json it was
+    judged on, as the ranks get it, and `groups` its figures per KV group."""
 
     pool: ModelPool
     held: Holdability
     deployment: Deployment
     kind: Workload
+    model_config: str | None = None
+    groups: tuple[KvGroupFigures, ...] = ()
 
 
 async def converge(
@@ -205,15 +204,17 @@ async def converge(
     if refusal is not None:
         return await _refuse_workload(cluster, owner, refusal, doc, now)
     tls, tls_record = await ensure_pool_tls(cluster, owner, status_now, issuer, _moment(now))
+    spec = doc["spec"] if accepted.model_config is None else served_spec(doc["spec"])
     rendered = render_pool(
         accepted.pool,
         accepted.held,
         owner,
-        doc["spec"],
+        spec,
         settings,
         accepted.kind,
         accepted.deployment,
         tls,
+        accepted.model_config,
     )
     secret = rendered.token_secret
     restored = await cluster.create(secret) is not None and repair_only
@@ -268,7 +269,9 @@ async def converge(
     }
     if tls_record is not None:
         status["sidecarTLS"] = tls_record
-    if "groups" in status_now:  # a fromConfig pool's, from before its spec named kvSlots
+    if accepted.groups:
+        status["groups"] = [group.status() for group in accepted.groups]
+    elif "groups" in status_now:  # a fromConfig pool's, from before its spec named kvSlots
         status["groups"] = None  # a merge patch's null drops it
     if repair_only and _unchanged(status_now, status):
         return Outcome(True, text, tuple(applied))
@@ -308,18 +311,55 @@ async def reconcile(
         or decision.deployment is None
     ):
         return await _refuse(cluster, owner, decision, doc, now)
-    if decision.pool.from_config is not None:
-        return await _refuse_unserved(cluster, owner, decision, doc, now)
     kind = await choose_workload(cluster, doc)
-    HELD[(owner.uid, int(doc["metadata"].get("generation") or 0))] = decision.held
-    accepted = Accepted(decision.pool, decision.held, decision.deployment, kind)
+    pool, text = decision.pool, None
+    if decision.layout is not None and around.model_config is not None:
+        pool = pinned(pool, decision.layout, decision.held.pages)
+        text = served_text(around.model_config)
+    _remember(held_key(doc, text), (decision.held, decision.groups))
+    accepted = Accepted(pool, decision.held, decision.deployment, kind, text, decision.groups)
     return await converge(cluster, settings, doc, accepted, now, issuer=issuer)
 
 
-# Holdability per (pool uid, generation): the repair timer renders the generation reconcile
-# judged without searching the worst case again. Bounded: old generations are dropped.
-HELD: dict[tuple[str, int], Holdability] = {}
+async def rejudge(
+    cluster: Cluster,
+    settings: RenderSettings,
+    namespace: str,
+    config_map: str,
+    pools: Iterable[str],
+    issuer: CertBundle | None = None,
+) -> list[Outcome]:
+    """ConfigMap `namespace/config_map` changed (or came or went): each of `pools` that still
+    takes its config.json from it is judged again as on a spec change. A config now refused
+    leaves Accepted=False naming the field, and the pods running on the copy last accepted;
+    one accepted renders its copy, which rolls the pods onto it."""
+    outcomes = []
+    for name in sorted(set(pools)):
+        doc = await cluster.get(KVBANK, KIND, name, namespace)
+        if doc is None or config_map_of(doc) != (namespace, config_map):
+            continue  # deleted, or its spec moved on since it was indexed
+        outcomes.append(await reconcile(cluster, settings, doc, issuer=issuer))
+    return outcomes
+
+
+# Holdability per (pool uid, generation, config digest): the repair timer renders the generation
+# (and, for a fromConfig pool, the config.json) reconcile judged without searching the worst
+# case again. Bounded: old generations are dropped.
+HeldKey = tuple[str, int, str]
+Judged = tuple[Holdability, tuple[KvGroupFigures, ...]]  # the verdict, a configured pool's groups
+HELD: dict[HeldKey, Judged] = {}
 MAX_HELD = 4096
+
+
+def held_key(doc: Mapping[str, Any], model_config: str | None) -> HeldKey:
+    digest = "" if model_config is None else hashlib.sha256(model_config.encode()).hexdigest()
+    return str(doc["metadata"]["uid"]), int(doc["metadata"].get("generation") or 0), digest
+
+
+def _remember(key: HeldKey, judged: Judged) -> None:
+    if len(HELD) >= MAX_HELD:
+        HELD.clear()
+    HELD[key] = judged
 
 
 def _accepted_generation(doc: Mapping[str, Any]) -> bool:
@@ -345,17 +385,43 @@ async def repair(
         pool, deployment = parse_modelpool(doc), parse_deployment(doc)
     except SpecError:
         return None
+    now = now or utc_now()
     if pool.from_config is not None:
-        return None  # rendered for no generation (reconcile says why)
-    key = (str(doc["metadata"]["uid"]), int(doc["metadata"].get("generation") or 0))
-    held = HELD.get(key)
-    if held is None:
-        held = await asyncio.to_thread(holdability, pool)
-        if len(HELD) >= MAX_HELD:
-            HELD.clear()
-        HELD[key] = held
+        return await _repair_configured(cluster, settings, doc, pool, deployment, now, issuer)
+    key = held_key(doc, None)
+    judged = HELD.get(key)
+    if judged is None:
+        judged = await asyncio.to_thread(holdability, pool), ()
+        _remember(key, judged)
+    held = judged[0]
     kind = await choose_workload(cluster, doc)
     accepted = Accepted(pool, held, deployment, kind)
-    return await converge(
-        cluster, settings, doc, accepted, now or utc_now(), issuer=issuer, repair_only=True
-    )
+    return await converge(cluster, settings, doc, accepted, now, issuer=issuer, repair_only=True)
+
+
+async def _repair_configured(
+    cluster: Cluster,
+    settings: RenderSettings,
+    doc: Mapping[str, Any],
+    pool: ModelPool,
+    deployment: Deployment,
+    now: str,
+    issuer: CertBundle | None,
+) -> Outcome:
+    """A fromConfig pool's repair renders the config.json reconcile judged, read again. One
+    this process has not judged at this generation (edited while no watch event reached the
+    operator, or after a restart) is judged again in full: reconcile renders it or refuses."""
+    found = await read_model_config(cluster, doc)
+    try:
+        layout = configured(pool, found)
+    except ConfigSourceError:
+        return await reconcile(cluster, settings, doc, now, issuer)
+    assert found is not None and layout is not None
+    text = served_text(found)
+    judged = HELD.get(held_key(doc, text))
+    if judged is None:
+        return await reconcile(cluster, settings, doc, now, issuer)
+    held, groups = judged
+    kind = await choose_workload(cluster, doc)
+    accepted = Accepted(pinned(pool, layout, held.pages), held, deployment, kind, text, groups)
+    return await converge(cluster, settings, doc, accepted, now, issuer=issuer, repair_only=True)

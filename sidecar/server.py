@@ -29,7 +29,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from kvbank.capacity import holdability, pool_pages
 from kvbank.manifests import ManifestError
 from kvbank.mode import LEDGER_MODE_NAMES
 from kvbank.poolfile import PoolFileError, read_pool
@@ -137,10 +136,10 @@ def _read_pool(path: str) -> tuple[int, str, int]:
     """The pool's pages, the ledger policy its spec.admission names and its worst-case
     request's pages."""
     try:
-        pool = read_pool(path, "this sidecar")
+        served = read_pool(path, "this sidecar")
     except PoolFileError as exc:
         raise ConfigError(str(exc)) from exc
-    return pool_pages(pool), pool.admission.mode.name, holdability(pool).worst_request_pages
+    return served.pages, served.pool.admission.mode.name, served.held.worst_request_pages
 
 
 # A Unix socket's path must fit `sockaddr_un.sun_path` (108 bytes with its terminating NUL).

@@ -1,7 +1,12 @@
 """The KV manager: a request's page tables per label over one shared pool and prefix index.
 
 Pages of a label are allocated as that label's tokens are written (`grow`); a label the request
-does not write takes none (its rows go to the sink page). Supply is what the pool can still hand
+does not write takes none (its rows go to the sink page). A capped label (a sliding window's or
+an attention chunk's group, `LabelTerms.cap_tokens`) takes at most its cap of pages and then
+reuses them as a ring, position p in page (p // page_size) mod cap: the window never reads
+further back than the cap holds, which is how count_pages bounds it. Only the virtual runner
+runs such a layout (kvbank's engine serves one full-attention label), and the prefix index
+keys none of those pages (they are overwritten). Supply is what the pool can still hand
 out, free plus evictable, as running totals: nothing here walks the pool on the step path.
 """
 
@@ -267,6 +272,8 @@ class KVCache:
             capacity = len(req.pages.get(lay.name, ())) * self.page_size
             if capacity < lay.tokens_at(prompt_len, prompt_len):
                 return 0  # mid-prompt: no fast path, `need` decides
+            if lay.cap_tokens is not None and capacity >= lay.cap_tokens:
+                continue  # at its cap: it never takes another page
             if lay.per_output:
                 prompt_part = lay.tokens_at(prompt_len, prompt_len)
                 room = min(room, prompt_len + (capacity - prompt_part) // lay.per_output)

@@ -166,14 +166,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     from kvbank.engine.serve.stack import KV_LABEL, ServeOptions
 
-    pool = None
+    served = None
     if args.pool:
         from kvbank.engine.serve.from_pool import apply_pool
 
         defaults = argparse.ArgumentParser()
         add_arguments(defaults)
         args = argparse.Namespace(**vars(args))  # the caller's namespace stays as parsed
-        pool = apply_pool(args, {k: defaults.get_default(k) for k in vars(args)})
+        served = apply_pool(args, {k: defaults.get_default(k) for k in vars(args)})
 
     for name in ("pages", "page_size", "max_tokens", "max_waiting", "max_batch_tokens", "tp"):
         value = getattr(args, name)
@@ -237,6 +237,6 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         served_model_name=args.served_model_name,
         **class_options(args),
         pool=args.pool,
-        kv_label=next(iter(pool.kv_slots)) if pool is not None else KV_LABEL,
-        speculative_tokens=pool.kv.speculative_tokens if pool is not None else 0,
+        kv_label=next(iter(served.kv_slots)) if served is not None else KV_LABEL,
+        speculative_tokens=served.pool.kv.speculative_tokens if served is not None else 0,
     )

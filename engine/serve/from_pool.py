@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbank.capacity import pool_pages
-from kvbank.modelpool import KvSlot, ModelPool
+from kvbank.modelpool import KvSlot
+from kvbank.poolfile import PoolFile
 from kvbank.poolfile import read_pool as read_pool_file
 
 # The engine's decoder writes one KV position per prompt token and per output token.
@@ -43,24 +43,37 @@ POOL_FLAGS = (
 )
 
 
-def read_pool(path: str) -> ModelPool:
+def read_pool(path: str) -> PoolFile:
     """The one ModelPool in `path`, holdable, with the one KV label this engine's decoder
-    writes. Raises ValueError saying what to change."""
-    pool = read_pool_file(path, "the engine")
+    writes (a configured pool's layout: one group of full attention). Raises ValueError saying
+    what to change."""
+    served = read_pool_file(path, "the engine")
     where = path
-    if len(pool.kv_slots) != 1 or next(iter(pool.kv_slots.values())) != DECODER_SLOT:
+    configured = served.configured
+    if configured is not None:
+        groups = configured.pool.groups
+        if len(groups) != 1 or groups[0].kind.value != "full":
+            described = ", ".join(f"{g.label} ({g.layers} layers, {g.rule()})" for g in groups)
+            raise ValueError(
+                f"--pool {where}: spec.model.architecture.fromConfig lays this model out in "
+                f"{len(groups)} KV group(s): {described[:300]}; this engine's decoder writes "
+                "one group of full attention. Serve it with vLLM (spec.engine.kind: vllm)"
+            )
+    elif len(served.kv_slots) != 1 or next(iter(served.kv_slots.values())) != DECODER_SLOT:
         raise ValueError(
-            f"--pool {where}: spec.kvSlots declares {_slots(pool.kv_slots)}, but this engine's "
-            f"decoder writes one KV label of {{prompt: 1, output: 1}}; declare exactly that"
+            f"--pool {where}: spec.kvSlots declares {_slots(served.kv_slots)}, but this "
+            f"engine's decoder writes one KV label of {{prompt: 1, output: 1}}; declare exactly "
+            "that"
         )
-    return pool
+    return served
 
 
-def pool_values(pool: ModelPool) -> dict[str, Any]:
-    """The argparse values `pool` settles, by dest."""
+def pool_values(served: PoolFile) -> dict[str, Any]:
+    """The argparse values the pool settles, by dest."""
+    pool = served.pool
     adm = pool.admission
     return {
-        "pages": pool_pages(pool),
+        "pages": served.pages,
         "page_size": pool.kv.page_size,
         "host_pages": pool.kv.host_pages,
         "max_seq_len": pool.limits.max_seq_len,
@@ -73,12 +86,12 @@ def pool_values(pool: ModelPool) -> dict[str, Any]:
     }
 
 
-def apply_pool(args: argparse.Namespace, defaults: Mapping[str, Any]) -> ModelPool:
+def apply_pool(args: argparse.Namespace, defaults: Mapping[str, Any]) -> PoolFile:
     """Read `args.pool` into `args`. `defaults`: each pool flag's value when not given (a flag
     still at its default was not given). Raises ValueError for a flag that differs from the
     manifest, naming both."""
-    pool = read_pool(args.pool)
-    values = pool_values(pool)
+    served = read_pool(args.pool)
+    values = pool_values(served)
     for flag in POOL_FLAGS:
         given = getattr(args, flag.dest)
         if given != defaults.get(flag.dest) and given != values[flag.dest]:
@@ -89,7 +102,7 @@ def apply_pool(args: argparse.Namespace, defaults: Mapping[str, Any]) -> ModelPo
             )
     for dest, value in values.items():
         setattr(args, dest, value)
-    return pool
+    return served
 
 
 def _slots(slots: Mapping[str, KvSlot]) -> str:

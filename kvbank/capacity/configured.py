@@ -76,6 +76,16 @@ def resolve(pool: ModelPool, base: Path) -> ConfiguredModel | None:
     return _configured(pool, lambda: read_layout(path), FROM_CONFIG)
 
 
+def resolve_beside(pool: ModelPool, manifest: str) -> ConfiguredModel | None:
+    """`resolve` for the manifest file `manifest` ('-': stdin, so the working folder): how
+    `kvbank check`, `kvbank sidecar --pool` and `kvbank serve --pool` all find a pool's
+    config.json, so the three judge one file alike. The operator writes the config it judged
+    beside the manifest it renders for the ranks, which is how they find the same one."""
+    if pool.from_config is None:
+        return None
+    return resolve(pool, Path.cwd() if manifest == "-" else Path(manifest).resolve().parent)
+
+
 def resolve_text(pool: ModelPool, data: bytes | str, where: str) -> ConfiguredModel:
     """The configured model of a pool from its config.json's text, as the operator reads it out
     of the ConfigMap its `fromConfig.configMap` names (`where` names that copy in messages).

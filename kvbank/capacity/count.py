@@ -96,29 +96,40 @@ class LabelTerms:
     per_prompt: int
     per_output: int
     own: int
+    # A sliding window's or an attention chunk's label (`CapacityModel.label_caps`): the most
+    # tokens' worth of pages it holds at once (its cap x the page size). None: every position.
+    cap_tokens: int | None = None
 
     @property
     def keyed(self) -> bool:
         """Whether the label's tokens are exactly the prompt tokens, so the prefix cache may key
         it: anything else (an image's tokens, an encoder window) is not described by the prompt,
-        so two equal prompts do not mean equal KV there."""
-        return self.per_prompt == 1 and self.own == 0
+        so two equal prompts do not mean equal KV there. A capped label's pages are reused as
+        the window moves, so they hold no prefix to key."""
+        return self.per_prompt == 1 and self.own == 0 and self.cap_tokens is None
 
     def tokens_at(self, positions: int, prompt_tokens: int) -> int:
-        """Label tokens once `positions` positions (prompt first, then output) are written."""
+        """Label tokens once `positions` positions (prompt first, then output) are written, as
+        pages hold them: at most `cap_tokens` for a capped label."""
         if positions <= 0:
             return 0
         prompt_part = min(positions, prompt_tokens)
-        return (
+        tokens = (
             self.per_prompt * prompt_part + self.own + self.per_output * (positions - prompt_part)
         )
+        return tokens if self.cap_tokens is None else min(tokens, self.cap_tokens)
 
 
 def label_terms(model: CapacityModel, request: RequestShape) -> dict[str, LabelTerms]:
     """The labels a request writes, in the model's order; the others go to the sink page."""
+    caps = model.label_caps
     return {
         label: LabelTerms(
-            label, slot.prompt, slot.output, slot.fixed + request.extra_tokens.get(label, 0)
+            label,
+            slot.prompt,
+            slot.output,
+            slot.fixed + request.extra_tokens.get(label, 0),
+            caps[label] * model.page_size if label in caps else None,
         )
         for label, slot in model.kv_slots.items()
         if request.labels is None or label in request.labels

@@ -28,7 +28,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from kvbank.capacity import CapacityModel, pool_pages
 from kvbank.picker.body import DEFAULT_MAX_BODY_BYTES, Counter
 from kvbank.picker.extproc import ExternalProcessor, Settings
 from kvbank.picker.metrics import PickerMetrics
@@ -74,7 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.75,
         help="a pod whose sidecar sends nothing this long leaves the candidates",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="a request body over this many bytes gets 413 (the engine's own limit by default)",
+    )
     parser.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace, seconds")
 
 
@@ -113,8 +117,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.max_body_bytes < 1 or args.hold_ttl_s <= 0 or args.loss_after_s <= 0:
         raise ConfigError("--max-body-bytes, --hold-ttl-s and --loss-after-s must be positive")
     try:
-        pool = read_pool(args.pool, "the picker")
-        model = CapacityModel.from_pool(pool)
+        served = read_pool(args.pool, "the picker")
+        model = served.capacity_model()
     except (PoolFileError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
     if args.builtin_model:
@@ -132,7 +136,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     except OSError as exc:
         raise ConfigError(str(exc)) from exc
     counter = Counter(
-        model, pool_pages(pool), tokenizer, args.served_model_name, pool.admission.default_class
+        model, served.pages, tokenizer, args.served_model_name, served.pool.admission.default_class
     )
     heartbeat = min(0.25, args.loss_after_s / 3)
     link = Link(token=token, ca_pem=ca, heartbeat_s=heartbeat, loss_after_s=args.loss_after_s)

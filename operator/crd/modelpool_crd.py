@@ -72,8 +72,8 @@ def _from_config() -> Schema:
         {
             "path": string(
                 MAX_CONFIG_PATH,
-                "kvbank check only: a config.json relative to the manifest (the operator "
-                "refuses it; use configMap)",
+                "a config.json relative to the manifest, for kvbank check and the ranks' "
+                "--pool readers (the operator refuses it here; use configMap)",
             ),
             "configMap": obj(
                 {
@@ -83,7 +83,8 @@ def _from_config() -> Schema:
                     ),
                 },
                 required=("name",),
-                description="where the operator reads the model's config.json",
+                description="where the operator reads the model's config.json; an edit of "
+                "it is judged again, and the ranks run the copy last accepted",
             ),
             "kvDtype": enum(KV_DTYPES, "the KV cache's dtype (default bfloat16)"),
             "weightsGiB": number(

@@ -36,10 +36,12 @@ def render_pool(
     kind: Workload,
     deployment: Deployment | None = None,
     tls: PoolTLS | None = None,
+    model_config: str | None = None,
 ) -> Rendered:
-    """Raises MissingSidecarToken when `settings` has no token: pods without one cannot start."""
+    """Raises MissingSidecarToken when `settings` has no token: pods without one cannot start.
+    `model_config`: a fromConfig pool's config.json as judged, rendered beside the manifest."""
     secret = token_secret(owner, settings.sidecar_token)
-    data = config_data(pool, held, owner, spec)
+    data = config_data(pool, held, owner, spec, model_config)
     digest = config_hash(data)
     manifests = [
         config_map(owner, data),

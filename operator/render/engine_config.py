@@ -14,6 +14,7 @@ from kvbank.modelpool import API_GROUP, API_VERSION, KIND, ModelPool
 from kvbank.operator.render.names import (
     ENGINE_FILE,
     LABEL_CONFIG_HASH,
+    MODEL_CONFIG_FILE,
     POOL_FILE,
     Owner,
     config_name,
@@ -55,13 +56,21 @@ def pool_manifest(owner: Owner, spec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def config_data(
-    pool: ModelPool, held: Holdability, owner: Owner, spec: Mapping[str, Any]
+    pool: ModelPool,
+    held: Holdability,
+    owner: Owner,
+    spec: Mapping[str, Any],
+    model_config: str | None = None,
 ) -> dict[str, str]:
+    """`model_config`: a fromConfig pool's config.json as judged, which `spec` names."""
     # JSON is YAML too; sorted keys make the text, and so the hash, a function of content only.
-    return {
+    data = {
         POOL_FILE: json.dumps(pool_manifest(owner, spec), sort_keys=True, indent=2) + "\n",
         ENGINE_FILE: json.dumps(engine_config(pool, held), sort_keys=True, indent=2) + "\n",
     }
+    if model_config is not None:
+        data[MODEL_CONFIG_FILE] = model_config
+    return data
 
 
 def config_hash(data: Mapping[str, str]) -> str:

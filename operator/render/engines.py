@@ -146,8 +146,20 @@ def vllm_args(pool: ModelPool, settings: RenderSettings, deployment: Deployment)
         "--max-model-len", str(pool.limits.max_seq_len),
         "--port", str(settings.http_port),
         "--tensor-parallel-size", str(pool.tensor_parallel),
+        *configured_args(pool),
         *deployment.engine.args,
     ]  # fmt: skip
+
+
+def configured_args(pool: ModelPool) -> list[str]:
+    """A fromConfig pool's step budget sizes its windows' and chunks' pages, and its KV dtype
+    its page bytes: both pinned, so vLLM runs the layout judged."""
+    if pool.from_config is None:
+        return []
+    args = ["--max-num-batched-tokens", str(pool.limits.max_num_batched_tokens)]
+    if pool.from_config.kv_dtype.startswith("fp8"):  # 16-bit: vLLM's auto, the model's dtype
+        args += ["--kv-cache-dtype", pool.from_config.kv_dtype]
+    return args
 
 
 def vllm_env(

@@ -26,6 +26,9 @@ STS_POD_INDEX = "apps.kubernetes.io/pod-index"
 CONFIG_DIR = "/etc/kvbank/config"
 POOL_FILE = "modelpool.yaml"
 ENGINE_FILE = "engine.json"
+# A fromConfig pool's config.json as it was judged, beside POOL_FILE, whose fromConfig.path
+# names it: the ranks resolve it as `kvbank check` resolves a file beside a manifest.
+MODEL_CONFIG_FILE = "model-config.json"
 
 
 class Workload(StrEnum):

@@ -301,7 +301,8 @@ def test_rbac_is_least_privilege(helm: Tools) -> None:
     assert [r["resourceNames"] for r in hooks] == [["kvbank-operator"]]
     assert granted(docs, "kvbank.dev", "modelpools/status") == {"patch"}
     assert granted(docs, "kvbank.dev", "capacitypolicies") == {"list"}
-    assert granted(docs, "", "configmaps") == {"create", "patch", "get", "list", "delete"}
+    # watch: the ConfigMaps fromConfig pools name, judged again on an edit
+    assert granted(docs, "", "configmaps") == {"create", "patch", "get", "list", "watch", "delete"}
     assert granted(docs, "", "persistentvolumeclaims") == {"get"}
 
 

@@ -289,8 +289,8 @@ def test_an_unholdable_pool_is_rejected_naming_what_to_change(cluster: Cluster) 
 
 def test_a_pool_read_from_a_config_map_is_judged_on_its_layout(cluster: Cluster) -> None:
     """gpt-oss-20b's config.json in a ConfigMap: refused while the ConfigMap is missing, then
-    judged on its 12 sliding and 12 full attention layers, each group in the status, with no
-    pods rendered (the ranks do not read fromConfig yet)."""
+    judged on its 12 sliding and 12 full attention layers, each group in the status, and
+    rendered for vLLM with the config it was judged on beside the ranks' manifest."""
     ns = cluster.namespace("from-config")
     pool = {
         "apiVersion": "kvbank.dev/v1alpha1",
@@ -304,6 +304,7 @@ def test_a_pool_read_from_a_config_map_is_judged_on_its_layout(cluster: Cluster)
             "gpu": {"memoryGiB": 80},
             "kv": {"pageSize": 16, "pages": 20000},
             "limits": {"maxSeqLen": 8192, "maxTokens": 2048, "maxNumBatchedTokens": 2048},
+            "engine": {"kind": "vllm"},
         },
     }
     out = cluster.admin.apply(pool)
@@ -321,12 +322,11 @@ def test_a_pool_read_from_a_config_map_is_judged_on_its_layout(cluster: Cluster)
     assert cluster.admin.apply(config).returncode == 0
     out = cluster.admin.apply(pool)
     assert out.returncode == 0, out.stderr
-    assert "no pods are rendered for it" in out.stderr  # the webhook's warning
 
     def judged() -> dict[str, Any] | None:
         doc = cluster.pool(ns, "oss")
         cond = condition(doc, "Accepted")
-        return doc if cond and cond["reason"] == "FromConfigNotServed" else None
+        return doc if cond and cond["reason"] == "Holdable" else None
 
     doc = wait_for("the configured pool judged", judged, SETTLE_TIMEOUT)
     status = doc["status"]
@@ -353,8 +353,33 @@ def test_a_pool_read_from_a_config_map_is_judged_on_its_layout(cluster: Cluster)
             "worstRequestPages": 512,
         },
     ]
-    assert condition(doc, "Accepted")["status"] == "False"  # type: ignore[index]
-    assert all(items == [] for items in owned(cluster, ns, "oss").values())
+    assert condition(doc, "Accepted")["status"] == "True"  # type: ignore[index]
+    (rendered,) = [
+        c for c in owned(cluster, ns, "oss")["configmaps"] if "model-config.json" in c["data"]
+    ]
+    assert json.loads(rendered["data"]["model-config.json"]) == json.loads(
+        config["data"]["config.json"]
+    )
+    (running,) = owned(cluster, ns, "oss")["statefulsets"]
+
+    # An edit of the ConfigMap is judged again (the operator watches it), without a spec change.
+    broken = json.loads(config["data"]["config.json"])
+    broken["num_key_value_heads"] = -1
+    edited = {**config, "data": {"config.json": json.dumps(broken)}}
+    assert cluster.admin.apply(edited).returncode == 0
+
+    def refused() -> dict[str, Any] | None:
+        doc = cluster.pool(ns, "oss")
+        cond = condition(doc, "Accepted")
+        return doc if cond and cond["reason"] == "InvalidConfig" else None
+
+    doc = wait_for("the edited config judged again", refused, SETTLE_TIMEOUT)
+    text = condition(doc, "Accepted")["message"]  # type: ignore[index]
+    assert "spec.model.architecture.fromConfig.configMap num_key_value_heads" in text
+    assert "The running pods keep the spec and config.json last accepted" in text
+    (still,) = owned(cluster, ns, "oss")["statefulsets"]
+    assert still["metadata"]["uid"] == running["metadata"]["uid"]
+    assert still["spec"] == running["spec"]  # nothing rendered from the refused config
 
 
 def test_a_capacity_policy_quota_rejects_a_pool_that_passes_without_it(cluster: Cluster) -> None:

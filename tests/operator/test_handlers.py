@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -18,9 +20,21 @@ from kvbank.operator import config as operator_config
 from kvbank.operator.cluster import KubeError
 from kvbank.operator.handlers import Runtime, register
 from kvbank.operator.live import PoolFigures
+from kvbank.operator.render.names import config_name
 from kvbank.operator.webhook_tls import ServerTLS
 
 LOG = logging.getLogger("test")
+CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
+GPT_OSS = (CONFIGS / "gpt-oss-20b.json").read_text()
+
+
+def config_map_doc(text: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "oss-config", "namespace": "team-a"},
+        "data": {"config.json": text},
+    }
 
 
 class NoSidecars:
@@ -232,3 +246,97 @@ class TestRepairTimer:
                     body=cluster.one("ModelPool", "llama"), logger=LOG
                 )
             )
+
+
+def notify(changed: Any, event: str | None, pools: dict[tuple[str, str], list[str]]) -> None:
+    """The watch handler called as kopf calls it for an event on ConfigMap team-a/oss-config."""
+    asyncio.run(
+        changed(
+            type=event, name="oss-config", namespace="team-a", logger=LOG, pools_by_config_map=pools
+        )
+    )
+
+
+class TestConfigMapWatch:
+    """A pool whose config.json is a ConfigMap's is judged again when that ConfigMap changes,
+    through the index of the pools that name one."""
+
+    @staticmethod
+    def _pool_and_config(cluster: FakeCluster, config: str) -> dict[str, Any]:
+        doc = stored(
+            pool_doc(
+                "oss",
+                model={
+                    "name": "gpt-oss-20b",
+                    "architecture": {"fromConfig": {"configMap": {"name": "oss-config"}}},
+                },
+                limits={"maxSeqLen": 8192, "maxTokens": 2048, "maxNumBatchedTokens": 2048},
+                kv={"pageSize": 16, "pages": 20000},
+                engine={"kind": "vllm"},
+            )
+        )
+        del doc["spec"]["kvSlots"]
+        cluster.put(doc)
+        cluster.put(config_map_doc(config))
+        return doc
+
+    @staticmethod
+    def _handlers(registry: kopf.OperatorRegistry) -> tuple[Any, Any, Any]:
+        (index,) = registry._indexing.get_all_handlers()
+        (watch,) = registry._watching.get_all_handlers()
+        assert str(index.id) == "pools_by_config_map" and str(watch.id) == "model-config"
+        return index.fn, watch.when, watch.fn
+
+    def test_the_index_names_the_config_map_of_each_pool_that_takes_one(self) -> None:
+        registry, _, cluster = _setup()
+        index, when, _ = self._handlers(registry)
+        doc = self._pool_and_config(cluster, GPT_OSS)
+        assert index(body=doc) == {("team-a", "oss-config"): "oss"}
+        assert index(body=stored(pool_doc())) == {}
+        pools = {("team-a", "oss-config"): ["oss"]}
+        assert when(name="oss-config", namespace="team-a", pools_by_config_map=pools)
+        assert not when(name="oss-engine-1", namespace="team-a", pools_by_config_map=pools)
+        assert not when(name="oss-config", namespace="team-b", pools_by_config_map=pools)
+
+    def test_an_edit_that_breaks_the_config_is_refused_and_the_pods_keep_running(self) -> None:
+        registry, _, cluster = _setup()
+        _, _, changed = self._handlers(registry)
+        self._pool_and_config(cluster, GPT_OSS)
+        body = cluster.one("ModelPool", "oss")
+        asyncio.run(_handler(registry, "reconcile_pool")(body=body, logger=LOG))
+        (running,) = cluster.kinds("StatefulSet")
+        broken = json.dumps({**json.loads(GPT_OSS), "num_key_value_heads": -1})
+        cluster.put(config_map_doc(broken))
+        pools = {("team-a", "oss-config"): ["oss"]}
+        notify(changed, "MODIFIED", pools)
+        status = cluster.one("ModelPool", "oss")["status"]
+        accepted = next(c for c in status["conditions"] if c["type"] == "Accepted")
+        assert (accepted["status"], accepted["reason"]) == ("False", "InvalidConfig")
+        assert (
+            "  - spec.model.architecture.fromConfig.configMap num_key_value_heads: must be from 1"
+            in accepted["message"]
+        )
+        assert accepted["message"].endswith(
+            f"The running pods keep the spec and config.json last accepted (ConfigMap "
+            f"{config_name('oss', status['configHash'])}) until this is fixed."
+        )
+        assert cluster.kinds("StatefulSet") == [running]  # untouched
+        # Fixed again: judged, rendered, accepted.
+        cluster.put(config_map_doc(GPT_OSS))
+        notify(changed, "MODIFIED", pools)
+        status = cluster.one("ModelPool", "oss")["status"]
+        accepted = next(c for c in status["conditions"] if c["type"] == "Accepted")
+        assert accepted["status"] == "True"
+
+    def test_the_initial_listing_and_a_pool_that_moved_on_are_left_alone(self) -> None:
+        registry, _, cluster = _setup()
+        _, _, changed = self._handlers(registry)
+        self._pool_and_config(cluster, GPT_OSS)
+        pools = {("team-a", "oss-config"): ["oss", "gone"]}
+        notify(changed, None, pools)
+        assert "status" not in cluster.one("ModelPool", "oss")
+        moved = cluster.one("ModelPool", "oss")
+        moved["spec"]["model"]["architecture"]["fromConfig"]["configMap"]["name"] = "other"
+        cluster.put(moved)
+        notify(changed, "MODIFIED", pools)
+        assert "status" not in cluster.one("ModelPool", "oss")

@@ -17,11 +17,13 @@ from operator_specs import namespace_doc, pool_doc, stored
 
 from kvbank.capacity import holdability
 from kvbank.capacity.configured import resolve
+from kvbank.engine.serve.from_pool import read_pool as read_pool_for_engine
 from kvbank.modelpool import SpecError, parse_modelpool
 from kvbank.operator.admission import decide, neighbourhood, review
-from kvbank.operator.model_config import ModelConfig, read_model_config
+from kvbank.operator.model_config import ModelConfig, configured, read_model_config
 from kvbank.operator.reconcile import reconcile, repair
-from kvbank.operator.render.names import RenderSettings
+from kvbank.operator.render.names import MODEL_CONFIG_FILE, POOL_FILE, RenderSettings
+from kvbank.poolfile import read_pool
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 GPT_OSS = (CONFIGS / "gpt-oss-20b.json").read_text()
@@ -31,12 +33,14 @@ FIELD = "spec.model.architecture.fromConfig"
 
 
 def oss_doc(source: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
-    """gpt-oss-20b (12 sliding-window and 12 full attention layers) from a ConfigMap."""
+    """gpt-oss-20b (12 sliding-window and 12 full attention layers) from a ConfigMap, served by
+    vLLM (kvbank's engine decodes full attention only)."""
     from_config = source if source is not None else {"configMap": {"name": "gpt-oss-20b"}}
     sections: dict[str, Any] = {
         "model": {"name": "gpt-oss-20b", "architecture": {"fromConfig": from_config}},
         "kv": {"pageSize": 16, "pages": 20000},
         "limits": {"maxSeqLen": 8192, "maxTokens": 2048, "maxNumBatchedTokens": 2048},
+        "engine": {"kind": "vllm"},
         **spec,
     }
     doc = pool_doc("oss", **sections)
@@ -125,7 +129,7 @@ class TestJudged:
                 "worstRequestPages": 512,
             },
         ]
-        assert any("no pods are rendered" in w for w in decision.warnings)
+        assert decision.warnings == ()
 
     def test_an_unholdable_layout_says_what_to_change(self) -> None:
         decision = judged(cluster_with(config_map()), oss_doc(kv={"pageSize": 16, "pages": 500}))
@@ -214,18 +218,12 @@ class TestRefused:
 
 
 class TestWebhook:
-    def test_admits_a_holdable_pool_with_a_warning(self) -> None:
+    def test_admits_a_holdable_pool(self) -> None:
         warnings: list[str] = []
         refusal = asyncio.run(
             review(cluster_with(config_map()), oss_doc(), None, warnings=warnings)
         )
-        assert refusal is None
-        assert warnings == [
-            f"{FIELD}: holdable, but the engine and its sidecar read a pool's KV labels from "
-            "kvSlots and do not resolve model.architecture.fromConfig yet, so no pods are "
-            "rendered for it. To serve this model now, describe it by hand (model.architecture "
-            "fields and kvSlots)."
-        ]
+        assert refusal is None and warnings == []
 
     def test_refuses_in_one_message_naming_the_field(self) -> None:
         refusal = asyncio.run(review(cluster_with(), oss_doc(), None))
@@ -239,11 +237,31 @@ class TestWebhook:
         ]
 
 
+def rendered_files(cluster: FakeCluster, folder: Path) -> Path:
+    """The pool's rendered ConfigMap written out as a rank's pod mounts it; the manifest's path."""
+    (config,) = [c for c in cluster.kinds("ConfigMap") if c["metadata"]["name"].startswith("oss-")]
+    for key, text in config["data"].items():
+        (folder / key).write_text(text)
+    return folder / POOL_FILE
+
+
+def engine_args(cluster: FakeCluster) -> list[str]:
+    (sts,) = cluster.kinds("StatefulSet")
+    containers = sts["spec"]["template"]["spec"]["containers"]
+    return next(c for c in containers if c["name"] == "engine")["args"]
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
 class TestReconcile:
-    def test_status_shows_the_groups_and_nothing_is_rendered(self) -> None:
+    def test_renders_the_config_it_judged_and_the_ranks_resolve_the_same_pool(
+        self, tmp_path: Path
+    ) -> None:
         cluster = cluster_with(config_map(), stored(oss_doc()))
         outcome = asyncio.run(reconcile(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW))
-        assert not outcome.accepted
+        assert outcome.accepted, outcome.message
         status = cluster.one("ModelPool", "oss")["status"]
         assert (status["pages"], status["worstRequestPages"], status["worstConcurrency"]) == (
             20000,
@@ -254,14 +272,87 @@ class TestReconcile:
             ("sliding", 12, 265),
             ("full", 12, 512),
         ]
-        (accepted,) = status["conditions"]
-        assert (accepted["status"], accepted["reason"]) == ("False", "FromConfigNotServed")
-        assert accepted["message"].startswith(
-            "team-a/oss: holdable (worst-case request 777 pages; the pool (20000 pages) holds "
-            "25 worst-case requests at once), but the engine and its sidecar"
+        accepted = next(c for c in status["conditions"] if c["type"] == "Accepted")
+        assert (accepted["status"], accepted["reason"]) == ("True", "Holdable")
+        manifest = rendered_files(cluster, tmp_path)
+        served = json.loads(manifest.read_text())["spec"]["model"]["architecture"]
+        assert served == {"fromConfig": {"path": MODEL_CONFIG_FILE}}
+        assert json.loads((tmp_path / MODEL_CONFIG_FILE).read_text()) == json.loads(GPT_OSS)
+        ranks = read_pool(str(manifest), "this sidecar")  # what `kvbank sidecar --pool` reads
+        pool = parse_modelpool(oss_doc())
+        judged = holdability(pool, configured(pool, ModelConfig("x", GPT_OSS)))
+        assert ranks.held == judged
+        assert list(ranks.kv_slots) == ["sliding", "full"]
+        args = engine_args(cluster)
+        assert flag(args, "--num-gpu-blocks-override") == "20000"
+        assert flag(args, "--max-num-batched-tokens") == "2048"  # the windows' caps count it
+        assert "--kv-cache-dtype" not in args
+
+    def test_a_memory_fraction_is_pinned_to_the_pages_judged(self, tmp_path: Path) -> None:
+        doc = oss_doc(
+            kv={"pageSize": 16, "memoryFraction": 0.9},
+            gpu={"memoryGiB": 80, "memoryUtilization": 0.9},
         )
-        assert cluster.kinds("StatefulSet") == [] and cluster.kinds("Secret") == []
-        assert asyncio.run(repair(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW)) is None
+        doc["spec"]["model"]["architecture"]["fromConfig"]["kvDtype"] = "fp8"
+        cluster = cluster_with(config_map(), stored(doc))
+        assert asyncio.run(reconcile(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW))
+        pages = cluster.one("ModelPool", "oss")["status"]["pages"]
+        assert pages > 100_000  # fp8 pages of a 13 GiB model's 59 GiB left, not 20000
+        args = engine_args(cluster)
+        assert flag(args, "--num-gpu-blocks-override") == str(pages)
+        assert flag(args, "--kv-cache-dtype") == "fp8"
+        assert read_pool(str(rendered_files(cluster, tmp_path)), "the engine").pages == pages
+
+    def test_kvbank_engine_serves_a_config_of_full_attention(self, tmp_path: Path) -> None:
+        llama = (CONFIGS / "llama-3.1-8b.json").read_text()
+        doc = oss_doc({"configMap": {"name": "gpt-oss-20b"}}, engine={"kind": "kvbank"})
+        cluster = cluster_with(config_map({"config.json": llama}), stored(doc))
+        outcome = asyncio.run(reconcile(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW))
+        assert outcome.accepted, outcome.message
+        args = engine_args(cluster)
+        assert flag(args, "--pages") == "20000" and "--max-num-batched-tokens" not in args
+        served = read_pool_for_engine(str(rendered_files(cluster, tmp_path)))
+        assert list(served.kv_slots) == ["full"]
+
+    def test_kvbank_engine_refuses_a_layout_it_cannot_decode(self) -> None:
+        line = one_refusal(cluster_with(config_map()), oss_doc(engine={"kind": "kvbank"}))
+        assert line == (
+            "spec.engine.kind: kvbank's engine decodes one KV group of full attention, and "
+            "this model's config.json lays it out in 2 group(s) of full, sliding (sliding (12 "
+            "layers), full (12 layers)). Set spec.engine.kind: vllm to serve it."
+        )
+
+    def test_a_vllm_flag_that_changes_the_layout_is_refused(self) -> None:
+        doc = oss_doc(engine={"kind": "vllm", "args": ["--max-num-batched-tokens=512"]})
+        assert one_refusal(cluster_with(config_map()), doc) == (
+            "spec.engine.args[0]: sets --max-num-batched-tokens, which decides the KV layout "
+            "judged from the model's config.json; drop it and set "
+            "spec.limits.maxNumBatchedTokens"
+        )
+
+    def test_repair_renders_only_the_config_judged(self) -> None:
+        cluster = cluster_with(config_map(), stored(oss_doc()))
+        asyncio.run(reconcile(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW))
+        before = cluster.one("ModelPool", "oss")["status"]["configHash"]
+        again = asyncio.run(repair(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW))
+        assert again is not None and again.accepted and again.applied == ()
+        # The ConfigMap edited where no watch event reached the operator: judged again.
+        wider = json.dumps({**json.loads(GPT_OSS), "sliding_window": 256})
+        cluster.put(config_map({"config.json": wider}))
+        again = asyncio.run(repair(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW))
+        assert again is not None and again.accepted
+        status = cluster.one("ModelPool", "oss")["status"]
+        assert status["configHash"] != before
+        assert status["groups"][0]["rule"] == "window 256: at most 273 pages"
+
+    def test_an_edit_of_spacing_or_key_order_rolls_no_pod(self) -> None:
+        cluster = cluster_with(config_map(), stored(oss_doc()))
+        asyncio.run(reconcile(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW))
+        before = cluster.one("ModelPool", "oss")["status"]["configHash"]
+        reordered = dict(reversed(list(json.loads(GPT_OSS).items())))
+        cluster.put(config_map({"config.json": json.dumps(reordered, indent=4)}))
+        asyncio.run(reconcile(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW))
+        assert cluster.one("ModelPool", "oss")["status"]["configHash"] == before
 
     def test_a_missing_config_map_is_refused_in_the_status(self) -> None:
         cluster = cluster_with(stored(oss_doc()))

@@ -101,10 +101,11 @@ cluster-wide, a Role's in each of operator.watchNamespaces. */}}
   verbs: [patch]
 # What a pool renders (operator/render/bundle.py), by server-side apply; get, because the
 # repair timer reads each one back to put back what vanished or drifted, and because a
-# fromConfig pool's config.json is a ConfigMap it names (operator/model_config.py).
+# fromConfig pool's config.json is a ConfigMap it names (operator/model_config.py); watch, so
+# that an edit of that ConfigMap is judged again (operator/handlers.py).
 - apiGroups: [""]
   resources: [configmaps]
-  verbs: [create, patch, get, list, delete]
+  verbs: [create, patch, get, list, watch, delete]
 - apiGroups: [""]
   resources: [services]
   verbs: [create, patch, get]
