@@ -178,3 +178,23 @@ def test_the_bench_runs_itself_under_vllms_python_and_prints_the_same_fields(
     assert own == 0
     fields = set(json.loads(capfd.readouterr().out)[0])
     assert fields <= set(runs[0])  # every field kvbank's engine prints, and `engine`
+
+
+def test_a_hybrid_scenario_is_one_kv_cache_group_per_label() -> None:
+    from kvbank.engine.bench.scenario import load_scenario
+    from kvbank.engine.bench.vllm_cli import scenario_refusal
+
+    root = Path(__file__).resolve().parents[2]
+    hybrid = load_scenario(root / "scenarios" / "hybrid-window.yaml")
+    assert hybrid.kv_windows == {"window": ("sliding_window", 256)}
+    assert scenario_refusal(hybrid) is None
+
+
+def test_a_label_with_both_a_window_and_a_chunk_is_refused(tmp_path: Path) -> None:
+    text = ONE_LABEL.replace("output: 1}}", "output: 1, sliding_window: 8, attention_chunk: 8}}")
+    path = tmp_path / "scenario.yaml"
+    path.write_text(text)
+    from kvbank.engine.bench.scenario import ScenarioError, load_scenario
+
+    with pytest.raises(ScenarioError, match="give one of sliding_window or attention_chunk"):
+        load_scenario(path)
