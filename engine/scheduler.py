@@ -29,6 +29,7 @@ from kvbank.engine import group_rows as groups
 from kvbank.engine.admission.actions import Action, Pin, Preempt, Reject, Start
 from kvbank.engine.admission.policy import AdmissionPolicy
 from kvbank.engine.admission.view import AdmissionView
+from kvbank.engine.group_rows import GroupRows
 from kvbank.engine.kv.cache import Chains, KVCache
 from kvbank.engine.kv.pages import OutOfPages
 from kvbank.engine.kv.victims import cache_output
@@ -63,7 +64,7 @@ class Finished:
 
 
 @dataclass
-class Scheduler:
+class Scheduler(GroupRows):
     model: CapacityModel
     kv: KVCache
     policy: AdmissionPolicy
@@ -123,7 +124,7 @@ class Scheduler:
         if rid in self.rows:
             return True
         req = self.running.get(rid)
-        return req is not None and req.group is not None and groups.scheduled(self, req)
+        return req is not None and req.group is not None and self._group_scheduled(req)
 
     def cancel(self, req: Request) -> None:
         """A waiting request leaves before admission (its client went away): its pins go."""
@@ -160,7 +161,7 @@ class Scheduler:
         self.stats.hit_tokens += (leased // max(1, len(req.layout))) * self.kv.page_size
         self.stats.prefill_tokens += req.num_tokens
         if req.group is not None:
-            groups.start(self, req)  # the other sequences take their pages; first rows
+            self._start_group(req)  # the other sequences take their pages; first rows
         else:
             self._prefill_row(req)
 
@@ -174,7 +175,7 @@ class Scheduler:
             if req.rid not in self.running:
                 continue  # preempted by an earlier row's shortage this step
             if req.group is not None:
-                if not groups.decode_rows(self, req):
+                if not self._group_decode_rows(req):
                     pending.append(req)
             elif len(req.prompt) + len(req.output) - req.num_computed == 1:
                 self._decode_row(req)
@@ -183,7 +184,7 @@ class Scheduler:
         for req in pending:
             if req.rid in self.running and self.budget_left > 0:
                 if req.group is not None:
-                    groups.prefill_rows(self, req)
+                    self._group_prefill_rows(req)
                 else:
                     self._prefill_row(req)
         for action in self.policy.admit():
@@ -254,7 +255,7 @@ class Scheduler:
         With `cache`, every computed page stays cached, its output's too, and it is requeued
         under its arrival time; readmission leases or reloads what is still there."""
         if req.group is not None:
-            groups.preempt(self, req)
+            self._preempt_group(req)
         row = self.rows.pop(req.rid, None)
         if row is not None:
             self.budget_left += row.count
@@ -269,7 +270,7 @@ class Scheduler:
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         if req.group is not None:
-            groups.finish(self, req, reason)
+            self._finish_in_group(req, reason)
             return
         if req.status is Status.RUNNING:
             self._leave(req)

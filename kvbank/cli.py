@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sidecar": ("kvbank.sidecar.server", "run the gRPC admission sidecar"),
     "status": ("kvbank.sidecar.status", "print a sidecar's pool, queue and reservations"),
     "operator": ("kvbank.operator.main", "run the Kubernetes operator"),
+    "picker": ("kvbank.picker.server", "run the endpoint picker for a Gateway API InferencePool"),
 }
 
 

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -33,16 +34,18 @@ class PeakShape(_message.Message):
     def __init__(self, labels: _Optional[_Iterable[str]] = ..., base: _Optional[_Iterable[int]] = ..., per_output: _Optional[_Iterable[int]] = ..., worst: _Optional[_Iterable[int]] = ..., output_budget: _Optional[int] = ..., prefill_chunks: _Optional[int] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("rid", "pages", "refusal", "shape")
+    __slots__ = ("rid", "pages", "refusal", "shape", "hold")
     RID_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     rid: str
     pages: int
     refusal: str
     shape: PeakShape
-    def __init__(self, rid: _Optional[str] = ..., pages: _Optional[int] = ..., refusal: _Optional[str] = ..., shape: _Optional[_Union[PeakShape, _Mapping]] = ...) -> None: ...
+    hold: str
+    def __init__(self, rid: _Optional[str] = ..., pages: _Optional[int] = ..., refusal: _Optional[str] = ..., shape: _Optional[_Union[PeakShape, _Mapping]] = ..., hold: _Optional[str] = ...) -> None: ...
 
 class EndStep(_message.Message):
     __slots__ = ()
@@ -380,3 +383,77 @@ class StatusReply(_message.Message):
     log_length: int
     followers: _containers.RepeatedCompositeFieldContainer[FollowerState]
     def __init__(self, pool: _Optional[_Union[PoolFigures, _Mapping]] = ..., waiting: _Optional[_Iterable[_Union[Waiting, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., next_seq: _Optional[int] = ..., session: _Optional[int] = ..., log_first_seq: _Optional[int] = ..., log_length: _Optional[int] = ..., followers: _Optional[_Iterable[_Union[FollowerState, _Mapping]]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("watcher_id", "heartbeat_ms")
+    WATCHER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    watcher_id: str
+    heartbeat_ms: int
+    def __init__(self, watcher_id: _Optional[str] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+
+class RoutingFigures(_message.Message):
+    __slots__ = ("ready", "total_pages", "usable_pages", "headroom_pages", "waiting_pages", "best_effort_room_pages", "holds", "held_pages", "version", "worst_request_pages")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    USABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HEADROOM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    WAITING_PAGES_FIELD_NUMBER: _ClassVar[int]
+    BEST_EFFORT_ROOM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_FIELD_NUMBER: _ClassVar[int]
+    HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORST_REQUEST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    total_pages: int
+    usable_pages: int
+    headroom_pages: int
+    waiting_pages: _containers.RepeatedScalarFieldContainer[int]
+    best_effort_room_pages: int
+    holds: int
+    held_pages: int
+    version: int
+    worst_request_pages: int
+    def __init__(self, ready: _Optional[bool] = ..., total_pages: _Optional[int] = ..., usable_pages: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., waiting_pages: _Optional[_Iterable[int]] = ..., best_effort_room_pages: _Optional[int] = ..., holds: _Optional[int] = ..., held_pages: _Optional[int] = ..., version: _Optional[int] = ..., worst_request_pages: _Optional[int] = ...) -> None: ...
+
+class HoldRequest(_message.Message):
+    __slots__ = ("hold_id", "pages", "ttl_ms", "kind", "max_ahead_pages")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NOW: _ClassVar[HoldRequest.Kind]
+        QUEUE: _ClassVar[HoldRequest.Kind]
+        BEST_EFFORT: _ClassVar[HoldRequest.Kind]
+    NOW: HoldRequest.Kind
+    QUEUE: HoldRequest.Kind
+    BEST_EFFORT: HoldRequest.Kind
+    HOLD_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MAX_AHEAD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    hold_id: str
+    pages: int
+    ttl_ms: int
+    kind: HoldRequest.Kind
+    max_ahead_pages: int
+    def __init__(self, hold_id: _Optional[str] = ..., pages: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., kind: _Optional[_Union[HoldRequest.Kind, str]] = ..., max_ahead_pages: _Optional[int] = ...) -> None: ...
+
+class HoldReply(_message.Message):
+    __slots__ = ("granted", "figures")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_FIELD_NUMBER: _ClassVar[int]
+    granted: bool
+    figures: RoutingFigures
+    def __init__(self, granted: _Optional[bool] = ..., figures: _Optional[_Union[RoutingFigures, _Mapping]] = ...) -> None: ...
+
+class UnholdRequest(_message.Message):
+    __slots__ = ("hold_id",)
+    HOLD_ID_FIELD_NUMBER: _ClassVar[int]
+    hold_id: str
+    def __init__(self, hold_id: _Optional[str] = ...) -> None: ...
+
+class UnholdReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

@@ -275,3 +275,177 @@ class Admission:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RoutingStub:
+    """What an endpoint picker reads of this sidecar's ledger and how it claims room there
+    (kvbank picker, docs/routing.md). A picker never changes the ledger: a hold only takes room
+    off the figures every picker sees, until the engine submits the request or the hold expires.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Watch = channel.unary_stream(
+                '/kvbank.v1.Routing/Watch',
+                request_serializer=kvbank_dot_proto_dot_admission__pb2.WatchRequest.SerializeToString,
+                response_deserializer=kvbank_dot_proto_dot_admission__pb2.RoutingFigures.FromString,
+                _registered_method=True)
+        self.Hold = channel.unary_unary(
+                '/kvbank.v1.Routing/Hold',
+                request_serializer=kvbank_dot_proto_dot_admission__pb2.HoldRequest.SerializeToString,
+                response_deserializer=kvbank_dot_proto_dot_admission__pb2.HoldReply.FromString,
+                _registered_method=True)
+        self.Unhold = channel.unary_unary(
+                '/kvbank.v1.Routing/Unhold',
+                request_serializer=kvbank_dot_proto_dot_admission__pb2.UnholdRequest.SerializeToString,
+                response_deserializer=kvbank_dot_proto_dot_admission__pb2.UnholdReply.FromString,
+                _registered_method=True)
+
+
+class RoutingServicer:
+    """What an endpoint picker reads of this sidecar's ledger and how it claims room there
+    (kvbank picker, docs/routing.md). A picker never changes the ledger: a hold only takes room
+    off the figures every picker sees, until the engine submits the request or the hold expires.
+    """
+
+    def Watch(self, request, context):
+        """The pod's routing figures now, then again each time they change (a report, a hold, a
+        session opened or dropped), and at least every `heartbeat_ms` so a picker can tell a
+        silent sidecar from a quiet one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Hold(self, request, context):
+        """Claim room for a request the picker routes here, keyed by the request id the picker puts
+        in the request's `x-kvbank-hold` header; the engine's Submit carries it back (Submit.hold)
+        and that releases it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unhold(self, request, context):
+        """Give a hold back early (the picker routed the request elsewhere, or the client left).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RoutingServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=kvbank_dot_proto_dot_admission__pb2.WatchRequest.FromString,
+                    response_serializer=kvbank_dot_proto_dot_admission__pb2.RoutingFigures.SerializeToString,
+            ),
+            'Hold': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hold,
+                    request_deserializer=kvbank_dot_proto_dot_admission__pb2.HoldRequest.FromString,
+                    response_serializer=kvbank_dot_proto_dot_admission__pb2.HoldReply.SerializeToString,
+            ),
+            'Unhold': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unhold,
+                    request_deserializer=kvbank_dot_proto_dot_admission__pb2.UnholdRequest.FromString,
+                    response_serializer=kvbank_dot_proto_dot_admission__pb2.UnholdReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvbank.v1.Routing', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvbank.v1.Routing', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Routing:
+    """What an endpoint picker reads of this sidecar's ledger and how it claims room there
+    (kvbank picker, docs/routing.md). A picker never changes the ledger: a hold only takes room
+    off the figures every picker sees, until the engine submits the request or the hold expires.
+    """
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvbank.v1.Routing/Watch',
+            kvbank_dot_proto_dot_admission__pb2.WatchRequest.SerializeToString,
+            kvbank_dot_proto_dot_admission__pb2.RoutingFigures.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Routing/Hold',
+            kvbank_dot_proto_dot_admission__pb2.HoldRequest.SerializeToString,
+            kvbank_dot_proto_dot_admission__pb2.HoldReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unhold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Routing/Unhold',
+            kvbank_dot_proto_dot_admission__pb2.UnholdRequest.SerializeToString,
+            kvbank_dot_proto_dot_admission__pb2.UnholdReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+STREAMS = ("/Follow", "/Watch")  # server-streaming methods: denied with a stream handler
 METADATA_KEY = "authorization"
 
 
@@ -46,4 +47,4 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         sent_bytes = sent.encode() if isinstance(sent, str) else sent
         if hmac.compare_digest(sent_bytes, self._expected):
             return await continuation(details)
-        return self._deny_stream if details.method.endswith("/Follow") else self._deny_unary
+        return self._deny_stream if details.method.endswith(STREAMS) else self._deny_unary

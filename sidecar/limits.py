@@ -54,6 +54,7 @@ def check_report(req: pb.ReportRequest) -> None:
             check_id(body.rid, f"{where}.rid")
         if kind == "submit":
             _check_text(body.refusal, MAX_REFUSAL_BYTES, f"{where}.refusal")
+            check_id(body.hold, f"{where}.hold")
         if kind in ("submit", "give_back") and body.HasField("shape"):
             _check_shape(body.shape, f"{where}.shape")
         elif kind == "advance":

@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from kvbank.capacity import pool_pages
+from kvbank.capacity import holdability, pool_pages
 from kvbank.manifests import ManifestError
 from kvbank.mode import LEDGER_MODE_NAMES
 from kvbank.poolfile import PoolFileError, read_pool
@@ -38,10 +38,12 @@ from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.auth import TokenInterceptor
 from kvbank.sidecar.decision_log import DecisionLog
 from kvbank.sidecar.reports import DEFAULT_MAX_WAITING
+from kvbank.sidecar.routing import RoutingService, RoutingView
 from kvbank.sidecar.service import AdmissionService
 from kvbank.sidecar.state import AdmissionState
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admission"].full_name
+ROUTING_NAME = pb.DESCRIPTOR.services_by_name["Routing"].full_name
 DEFAULT_LISTEN = "127.0.0.1:50051"
 
 
@@ -128,15 +130,17 @@ class Config:
     debug: bool
     policy: str | None = None  # None: the engine's (no pool, no --policy)
     max_waiting: int = DEFAULT_MAX_WAITING
+    worst_request_pages: int | None = None  # the --pool's worst-case request, for pickers
 
 
-def _read_pool(path: str) -> tuple[int, str]:
-    """The pool's pages and the ledger policy its spec.admission names."""
+def _read_pool(path: str) -> tuple[int, str, int]:
+    """The pool's pages, the ledger policy its spec.admission names and its worst-case
+    request's pages."""
     try:
         pool = read_pool(path, "this sidecar")
     except PoolFileError as exc:
         raise ConfigError(str(exc)) from exc
-    return pool_pages(pool), pool.admission.mode.name
+    return pool_pages(pool), pool.admission.mode.name, holdability(pool).worst_request_pages
 
 
 # A Unix socket's path must fit `sockaddr_un.sun_path` (108 bytes with its terminating NUL).
@@ -187,7 +191,7 @@ def is_loopback(listen: str) -> bool:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     try:
-        pages, pool_policy = _read_pool(args.pool) if args.pool else (None, None)
+        pages, pool_policy, worst = _read_pool(args.pool) if args.pool else (None, None, None)
         token = Path(args.token_file).read_text().strip() if args.token_file else None
         tls = None
         if bool(args.tls_cert_file) != bool(args.tls_key_file):
@@ -221,6 +225,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         debug=args.debug,
         policy=getattr(args, "policy", None) or pool_policy,
         max_waiting=args.max_waiting,
+        worst_request_pages=worst,
     )
 
 
@@ -263,6 +268,8 @@ async def serve(
         options=[("grpc.max_receive_message_length", limit)],
     )
     pb_grpc.add_AdmissionServicer_to_server(AdmissionService(state), server)
+    routing = RoutingView(state, config.worst_request_pages)
+    pb_grpc.add_RoutingServicer_to_server(RoutingService(routing), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     # With TLS every listener serves it, the Unix socket too, as loopback TCP does: one set of
@@ -281,7 +288,7 @@ async def serve(
         )
         metrics_note = f"{config.metrics_host}:{http.server_port}"
     await server.start()
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE_NAME, ROUTING_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     where = " and ".join(
         address if unix_path(address) is not None else f"{address.rsplit(':', 1)[0]}:{port}"
@@ -300,11 +307,18 @@ async def serve(
             state.expire()
             log.expire_followers()
 
-    chores = asyncio.create_task(housekeeping())
+    async def hold_expiry() -> None:
+        # Holds last seconds, leases tens of them: a hold goes within 50 ms of its ttl.
+        while True:
+            await asyncio.sleep(0.05)
+            routing.expire()
+
+    chores = [asyncio.create_task(housekeeping()), asyncio.create_task(hold_expiry())]
     try:
         await stop.wait()
     finally:
-        chores.cancel()
+        for chore in chores:
+            chore.cancel()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(config.grace_s)
         if http is not None:

@@ -91,6 +91,13 @@ class AdmissionState:
         self.metrics = SidecarMetrics(lambda: self.ledger)
         self.recorder = Recorder(self.log, self.metrics)
         self._session_ids = itertools.count(int(time.time() * 1000) << 8)
+        # Called after each change of the books with the pickers' holds the change submitted
+        # (sidecar/routing.py streams the figures to pickers).
+        self.on_change: list[Callable[[list[str]], None]] = []
+
+    def _changed(self, submitted: list[str] | None = None) -> None:
+        for call in self.on_change:
+            call(submitted or [])
 
     # ---- the engine session --------------------------------------------------------------------
 
@@ -139,6 +146,7 @@ class AdmissionState:
                     restored=pb.Restored(reserved=res.reserved, held=res.held),
                 )
             )
+        self._changed()
         return pb.OpenSessionReply(session=self.session.id, next_seq=ledger.next_seq)
 
     def expire(self) -> bool:
@@ -151,6 +159,7 @@ class AdmissionState:
         self.ledger = Ledger(self.pool_pages, debug=self.debug) if self.pool_pages else None
         self.recorder.arrived.clear()
         self.metrics.sessions_dropped.inc()
+        self._changed()
         return True
 
     # ---- reports -------------------------------------------------------------------------------
@@ -208,7 +217,12 @@ class AdmissionState:
         s.unapplied_idle = unapplied
         if waited:
             self.metrics.waits.inc()
-        return self.recorder.close(reply, req, s, ledger, stalled)
+        reply = self.recorder.close(reply, req, s, ledger, stalled)
+        if self.on_change:
+            self._changed(
+                [e.submit.hold or e.submit.rid for e in req.events if e.HasField("submit")]
+            )
+        return reply
 
     def _commit(self, ledger: Ledger) -> None:
         """`ledger` replaces the ledger; the steps it closed with a stalled request count."""

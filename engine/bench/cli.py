@@ -17,6 +17,7 @@ from typing import Any
 from kvbank.engine.admission.registry import policy_names
 from kvbank.engine.bench.classplot import plot_classes
 from kvbank.engine.bench.classtable import has_classes, render_classes
+from kvbank.engine.bench.cluster_cli import add_cluster_arguments, run_cluster_cli, wants_cluster
 from kvbank.engine.bench.plot import check_target, plot
 from kvbank.engine.bench.scenario import Scenario, ScenarioError, load_scenario
 from kvbank.engine.bench.simulate import RunResult, run_policy
@@ -118,6 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the ledger in the sidecar at ADDR instead of in-process (banker, peak, "
         "peak+backfill, banker+backfill; the sidecar must run the policy named)",
     )
+    add_cluster_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         from kvbank.engine.bench.vllm_cli import run_vllm
 
         return run_vllm(args, scenario)
+    if wants_cluster(args, scenario):
+        return run_cluster_cli(args, scenario)
     names = policy_names()
     policies = names if args.policy == "all" else [p.strip() for p in args.policy.split(",")]
     if getattr(args, "backfill", False):

@@ -41,6 +41,7 @@ class Outcome:
     completed: bool = False
     computed_to: int = 0  # highest position whose KV was ever written, plus one
     recomputed: int = 0  # positions whose KV was written again (after a preemption)
+    admitted_s: float | None = None  # the start of the step that first admitted it
 
     def on_tokens(self, count: int, now: float) -> None:
         if self.last_token_s is not None:

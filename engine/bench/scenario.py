@@ -74,6 +74,9 @@ class Workload:
     classes: tuple[RequestClass, ...]
     concurrency: int | None = None  # closed loop
     rate_per_s: float | None = None  # open loop (Poisson)
+    # Open loop: requests per arrival (a fan-out, a batch): each Poisson arrival brings a
+    # burst of this many at once. None: one at a time.
+    burst: Span | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class Scenario:
     time_limit_s: float
     workload: Workload
     host_pages: int = 0  # a host tier beside the device pool; 0: none
+    replicas: int = 1  # engines behind a router (the cluster bench); 1: one engine
     # Labels that attend to a window only, {label: ("sliding_window" | "attention_chunk",
     # tokens)}: vLLM (--engine vllm) runs them as such KV cache groups and frees what falls
     # out of the window; kvbank's own engine keeps every position of them.
@@ -162,7 +166,7 @@ def parse_scenario(data: Any, source: str = "scenario") -> Scenario:
     top = r.mapping(
         data,
         "",
-        {"name", "about", "pool", "model", "cost_model", "time_limit_s", "workload"},
+        {"name", "about", "pool", "model", "cost_model", "time_limit_s", "workload", "replicas"},
         {"name", "pool", "model", "workload"},
     )
     pool = r.mapping(
@@ -174,12 +178,15 @@ def parse_scenario(data: Any, source: str = "scenario") -> Scenario:
     model, tp, windows = _model(r, top.get("model", {}), page_size)
     cost = _cost(r, top.get("cost_model", {}))
     limit = r.number(top.get("time_limit_s", 3600), "time_limit_s", positive=True)
+    replicas = r.integer(top.get("replicas", 1), "replicas", 1)
     workload = _workload(r, top.get("workload", {}), set(model.kv_slots))
     if r.problems:
         raise ScenarioError(source, r.problems)
     name = top.get("name")
     about = str(top.get("about", ""))
-    return Scenario(str(name), about, pages, model, tp, cost, limit, workload, host_pages, windows)
+    return Scenario(
+        str(name), about, pages, model, tp, cost, limit, workload, host_pages, replicas, windows
+    )
 
 
 WINDOWS = ("sliding_window", "attention_chunk")
@@ -233,7 +240,7 @@ def _cost(r: _Reader, value: Any) -> CostModel:
 
 
 def _workload(r: _Reader, value: Any, labels: set[str]) -> Workload:
-    fields = {"concurrency", "rate_per_s", "requests", "seed", "classes"}
+    fields = {"concurrency", "rate_per_s", "requests", "seed", "classes", "burst"}
     body = r.mapping(value, "workload", fields, {"requests", "classes"})
     concurrency = rate = None
     if ("concurrency" in body) == ("rate_per_s" in body):
@@ -244,6 +251,11 @@ def _workload(r: _Reader, value: Any, labels: set[str]) -> Workload:
         concurrency = r.integer(body["concurrency"], "workload.concurrency", 1)
     if "rate_per_s" in body:
         rate = r.number(body["rate_per_s"], "workload.rate_per_s", positive=True)
+    burst = None
+    if "burst" in body:
+        if rate is None:
+            r.problems.append("workload.burst: bursts are open loop; set rate_per_s instead")
+        burst = r.span(body["burst"], "workload.burst", 1)
     requests = r.integer(body.get("requests", 1), "workload.requests", 1)
     seed = r.integer(body.get("seed", 0), "workload.seed")
     raw = body.get("classes", [])
@@ -251,7 +263,7 @@ def _workload(r: _Reader, value: Any, labels: set[str]) -> Workload:
         r.problems.append("workload.classes: must be a non-empty list of request classes")
         raw = []
     classes = tuple(_class(r, item, f"workload.classes[{i}]", labels) for i, item in enumerate(raw))
-    return Workload(requests, seed, classes, concurrency, rate)
+    return Workload(requests, seed, classes, concurrency, rate, burst)
 
 
 def _class(r: _Reader, value: Any, path: str, labels: set[str]) -> RequestClass:

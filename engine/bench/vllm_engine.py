@@ -5,13 +5,16 @@ VLLM_TARGET_DEVICE=cpu), from a model directory holding only a small Llama confi
 the scenario's KV labels is one KV cache group (`kv_cache_groups`): full attention, a sliding
 window or an attention chunk where the label sets one, and a Mamba state for a label of fixed
 tokens only. Prefix caching is on (off with a Mamba state, which kvbank counts in vLLM's mode
-"none" only), chunked prefill on, async scheduling off
-(the bench steps synchronously, as vLLM does with --no-async-scheduling). The pool is the
-scenario's: vLLM's null block is kvbank's sink page, so both have `pages - 1` usable pages.
+"none" only), chunked prefill on, async scheduling off (the bench steps synchronously, as vLLM
+does with --no-async-scheduling) unless asked for. The pool is the scenario's: vLLM's null
+block is kvbank's sink page, so both have `pages - 1` usable pages.
 
 `VllmBench.step()` is one engine step: vLLM schedules, the bench supplies the sampled tokens
 (the workload's output lengths, as kvbank's virtual runner does) and the step time from the
-scenario's cost model, and vLLM processes the result into its own outputs.
+scenario's cost model, and vLLM processes the result into its own outputs. Under async
+scheduling a step is stepped as vLLM's engine core steps its batch queue of two: schedule the
+next step, then process the output of the one before it (the first schedule after an idle
+engine is followed by a second before any output).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import math
 import os
 import tempfile
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,7 +124,9 @@ def kv_cache_groups(scenario: Scenario) -> list[KVCacheGroupSpec]:
     return groups
 
 
-def vllm_configs(scenario: Scenario, max_batch_tokens: int = MAX_BATCH_TOKENS) -> tuple[Any, Any]:
+def vllm_configs(
+    scenario: Scenario, async_scheduling: bool = False, max_batch_tokens: int = MAX_BATCH_TOKENS
+) -> tuple[Any, Any]:
     """vLLM's engine config and the KV cache groups of the scenario's pool."""
     model = scenario.model
     max_len = model.max_seq_len
@@ -137,7 +143,7 @@ def vllm_configs(scenario: Scenario, max_batch_tokens: int = MAX_BATCH_TOKENS) -
         max_model_len=max_len,
         is_encoder_decoder=False,
         enable_chunked_prefill=True,
-        async_scheduling=False,
+        async_scheduling=async_scheduling,
     )
     cache_config = CacheConfig(
         block_size=model.page_size, enable_prefix_caching=not has_state(scenario)
@@ -145,6 +151,9 @@ def vllm_configs(scenario: Scenario, max_batch_tokens: int = MAX_BATCH_TOKENS) -
     vllm_config = VllmConfig(
         model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
     )
+    # vLLM's CPU platform turns async scheduling off whatever it is asked; with no model run
+    # here the scheduler is stepped as a GPU's engine core steps it, so the setting is restored.
+    scheduler_config.async_scheduling = async_scheduling
     kv_cache_config = KVCacheConfig(
         num_blocks=scenario.pages, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups(scenario)
     )
@@ -155,8 +164,8 @@ def vllm_configs(scenario: Scenario, max_batch_tokens: int = MAX_BATCH_TOKENS) -
 def build_scheduler(
     scenario: Scenario, settings: Settings | None, backend: Any = None, configs: Any = None
 ) -> Any:
-    """Stock vLLM (`settings` None) or vLLM with kvbank's scheduler class; `configs` replaces
-    `vllm_configs(scenario)`."""
+    """Stock vLLM (`settings` None: its `Scheduler`, or `AsyncScheduler` under async scheduling)
+    or vLLM with kvbank's scheduler class; `configs` replaces `vllm_configs(scenario)`."""
     vllm_config, kv_cache_config = configs or vllm_configs(scenario)
     # vLLM schedules in blocks of every group's size (a Mamba state's, without prefix
     # caching, is max_model_len tokens) and hashes prompts by the page
@@ -170,6 +179,10 @@ def build_scheduler(
         log_stats=False,
     )
     if settings is None:
+        if vllm_config.scheduler_config.async_scheduling:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+            return AsyncScheduler(**args)
         return Scheduler(**args)
     from kvbank.vllm.scheduler import KvbankScheduler
 
@@ -200,8 +213,11 @@ class VllmBench:
         settings: Settings | None,
         backend: Any = None,
         configs: Any = None,
+        async_scheduling: bool = False,
     ) -> None:
+        """`configs` replaces `vllm_configs(scenario, async_scheduling)`."""
         self.scenario = scenario
+        configs = configs or vllm_configs(scenario, async_scheduling)
         self.sched = build_scheduler(scenario, settings, backend, configs)
         hash_fn = get_hash_fn_by_name(self.sched.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -209,6 +225,9 @@ class VllmBench:
         self._stop_after: dict[str, int] = {}
         self._bases: dict[str, int] = {}
         self.steps = 0
+        self.async_scheduling = bool(self.sched.scheduler_config.async_scheduling)
+        # Async scheduling: the scheduled steps whose output is not processed yet, newest first.
+        self._in_flight: deque[tuple[Any, Any]] = deque()
 
     @property
     def usable_pages(self) -> int:
@@ -235,9 +254,31 @@ class VllmBench:
         self.sched.add_request(request)
 
     def has_work(self) -> bool:
-        return self.sched.has_requests()
+        return self.sched.has_requests() or bool(self._in_flight)
 
     def step(self) -> StepTotals:
+        if not self.async_scheduling:
+            totals, out, runner_output = self._schedule()
+            self._process(totals, out, runner_output)
+            return totals
+        sched = self.sched
+        totals = StepTotals()
+        if sched.has_requests():
+            totals, out, runner_output = self._schedule()
+            self._in_flight.appendleft((out, runner_output))
+            if len(self._in_flight) < 2 and (
+                out.total_num_scheduled_tokens or sched.has_requests()
+            ):
+                return totals  # vLLM's engine core: the queue is not full, schedule again first
+        elif not self._in_flight:
+            return totals
+        out, runner_output = self._in_flight.pop()
+        self._process(totals, out, runner_output)
+        return totals
+
+    def _schedule(self) -> tuple[StepTotals, Any, Any]:
+        """vLLM schedules a step; the model's sampled tokens for it, known now (they depend only
+        on the request and the token's index)."""
         sched, cost = self.sched, self.scenario.cost
         before = {r.request_id: r.num_computed_tokens for r in sched.running}
         out = sched.schedule()
@@ -272,9 +313,9 @@ class VllmBench:
                 if not block.is_null
             )
             req_ids.append(rid)
-            sampled.append(
-                [self._next_token(rid, request.num_output_tokens + 1)] if samples else []
-            )
+            # Under async scheduling the token this row samples is the last placeholder.
+            index = request.num_output_tokens + max(1, request.num_output_placeholders)
+            sampled.append([self._next_token(rid, index)] if samples else [])
         totals.scheduled = len(req_ids)
         totals.unscheduled_running = sum(
             1 for r in sched.running if r.request_id not in out.num_scheduled_tokens
@@ -284,17 +325,20 @@ class VllmBench:
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
-        engine_outputs = sched.update_from_output(out, runner_output)
+        totals.seconds = (
+            cost.step_seconds(prefill, decode, pages) if req_ids else cost.step_base_ms / 1000
+        )
+        return totals, out, runner_output
+
+    def _process(self, totals: StepTotals, out: Any, runner_output: Any) -> None:
+        """vLLM processes a step's output into its own; `totals` gets them."""
+        engine_outputs = self.sched.update_from_output(out, runner_output)
         for outputs in engine_outputs.values():
             totals.outputs.extend(outputs.outputs)
         for output in totals.outputs:
             if output.finish_reason is not None:
                 self._stop_after.pop(output.request_id, None)
                 self._bases.pop(output.request_id, None)
-        totals.seconds = (
-            cost.step_seconds(prefill, decode, pages) if req_ids else cost.step_base_ms / 1000
-        )
-        return totals
 
     def _next_token(self, rid: str, index: int) -> int:
         """The `index`-th output token (1-based): the stop token at the workload's output

@@ -44,14 +44,15 @@ def run_vllm_policy(
     debug: bool = False,
     progress: bool = False,
     sidecar: str | None = None,
+    async_scheduling: bool = False,
 ) -> RunResult:
     """`sidecar` (host:port) keeps a kvbank policy's ledger in that `kvbank sidecar`, which
-    must run the same policy."""
+    must run the same policy; `async_scheduling` steps vLLM as its async scheduling does."""
     ledger_policy = VLLM_POLICIES[policy]
     settings = None
     if ledger_policy is not None:  # a bench waits for the sidecar's answers: the embedded run
         settings = Settings(ledger_policy, sidecar, blocking=True)
-    bench = VllmBench(scenario, settings)
+    bench = VllmBench(scenario, settings, async_scheduling=async_scheduling)
     workload = scenario.workload
     arrivals = Arrivals(workload)
     sent: dict[str, tuple[RequestSpec, float]] = {}

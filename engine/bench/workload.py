@@ -31,6 +31,7 @@ def generate(workload: Workload) -> Iterator[RequestSpec]:
     classes = workload.classes
     weights = [c.weight for c in classes]
     clock = 0.0
+    burst_left = 0  # requests still to come at `clock` in the current burst
     for index in range(workload.requests):
         cls = rng.choices(classes, weights)[0]
         prompt_len = cls.prompt_tokens.sample(rng)
@@ -48,7 +49,10 @@ def generate(workload: Workload) -> Iterator[RequestSpec]:
         prompt = prompt + _tokens(rng, prompt_len - len(prompt))
         arrival = None
         if workload.rate_per_s is not None:
-            clock += rng.expovariate(workload.rate_per_s)
+            if burst_left == 0:
+                clock += rng.expovariate(workload.rate_per_s)
+                burst_left = workload.burst.sample(rng) if workload.burst is not None else 1
+            burst_left -= 1
             arrival = clock
         yield RequestSpec(f"{cls.name}-{index}", cls, prompt, output, arrival)
 

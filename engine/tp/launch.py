@@ -322,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     parser.add_argument("--options", required=True, help="ServeOptions as JSON")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s rank {args.rank} %(name)s %(message)s")  # fmt: skip
+    log_format = f"%(asctime)s %(levelname)s rank {args.rank} %(name)s %(message)s"
+    logging.basicConfig(level=logging.INFO, format=log_format)
     options = ServeOptions(**json.loads(args.options))
     return run_rank(args.rank, args.world, args.master, options, args.host, args.port,
                     args.timeout)  # fmt: skip

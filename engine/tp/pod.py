@@ -144,7 +144,7 @@ def run_pod_rank(
     check_split(place, options)
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s rank {place.rank} %(name)s %(message)s",
+        format=f"%(asctime)s %(levelname)s rank {place.rank} %(name)s %(message)s",
         force=True,
     )
     log.info("pod rank %d of %d, rank 0's store at %s", place.rank, place.world, place.master)

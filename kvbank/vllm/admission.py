@@ -24,6 +24,15 @@ less what windows freed that the ledger still counts as their requests' (kvbank.
 Each of vLLM's KV cache groups is a label of the request's count (kvbank.vllm.layout); a hit,
 a pin and what a request holds are its blocks in every group, vLLM's null blocks left out.
 
+Under vLLM's async scheduling a step is scheduled while the model runs the previous one, and
+its output is processed after the next schedule: what the ledger is told after a step's output
+(num_computed_tokens, which already counts the next step's positions) covers every schedule
+before it, and the ledger's step k from then is vLLM's k-th schedule. Output tokens and
+releases are a step late, which counts a request's finish a step late, as vLLM frees its blocks
+(the ledger's curve of a request depends only on what it has written and may still produce).
+The one schedule that follows another with no output between (the first after the engine was
+idle) admits nothing: the ledger has not heard what the previous one allocated.
+
 The prefill bound a peak-fit admission is promised with is the one kvbank's engine keeps
 (`PrefillPace`, kvbank/ledger/policy.py): the scheduler puts decode rows before prefill chunks
 and keeps the running set below the token budget, so a prompt admitted behind `T` prefill tokens
@@ -93,6 +102,9 @@ class Admission:
         # decision is applied, and the last decision applied (each is applied once).
         self._pins: dict[str, list[list[Any]]] = {}
         self._last_seq = -1
+        # Whether the ledger has heard the progress of every schedule so far (a step's output
+        # was processed since the latest schedule); admissions wait for it.
+        self._reported = True
 
     # ---- arrivals ------------------------------------------------------------------------------
 
@@ -137,7 +149,13 @@ class Admission:
         sched = self.sched
         # Decode rows first, then prefill chunks in admission order: every running request
         # advances every step, which peak-fit's promises rely on.
-        sched.running.sort(key=lambda r: r.num_tokens_with_spec - r.num_computed_tokens > 1)
+        sched.running.sort(
+            key=lambda r: (
+                r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens > 1
+            )
+        )
+        if not self._reported:
+            return  # async scheduling, a schedule right after another: see the module docstring
         self._sync_supply()
         if self.backend.defers:
             self._admit_later()
@@ -325,12 +343,14 @@ class Admission:
             if grown:
                 self.backend.take(rid, grown)
         self._sync_supply()
+        self._reported = False
 
     # ---- after the model step ------------------------------------------------------------------
 
     def step_done(self, scheduled: dict[str, int]) -> None:
         """Release what finished; under peak-fit report every admitted request's progress and
         close the step in the ledger."""
+        self._reported = True
         finished = [rid for rid, e in self.admitted.items() if e.request.is_finished()]
         for rid in finished:
             self._release(rid)

@@ -1,14 +1,18 @@
-"""`KvbankScheduler`: vLLM v1's own `Scheduler`, with waiting requests admitted by kvbank's ledger.
+"""`KvbankScheduler`: vLLM v1's own scheduler, with waiting requests admitted by kvbank's ledger.
 
-    KVBANK_POLICY=peak+backfill vllm serve MODEL --no-async-scheduling \\
-        --scheduler-cls kvbank.vllm.KvbankScheduler
+    KVBANK_POLICY=peak+backfill vllm serve MODEL --scheduler-cls kvbank.vllm.KvbankScheduler
 
 vLLM keeps its scheduling, its KV cache manager and its prefix cache; kvbank decides only which
 waiting request may start (kvbank.vllm.admission), so a running request never needs preempting.
-Each of vLLM's KV cache groups (full attention, sliding window, chunked local, MLA, Mamba state)
-is a label of the ledger's count (kvbank.vllm.layout). Refused at start-up, with a message saying
-what to change: a bad KVBANK_* variable, a KV cache group kvbank cannot count (naming it), and
-async scheduling (this class schedules synchronously; vLLM enables async scheduling by default).
+vLLM builds the class it is named, so `KvbankScheduler` builds the variant vLLM's configuration
+asks for: over vLLM's `AsyncScheduler` under async scheduling (vLLM's default: the next step is
+scheduled while the model runs this one, each decode's next position held by an output
+placeholder), over its `Scheduler` with --no-async-scheduling. Each of vLLM's KV cache groups
+(full attention, sliding window, chunked local, MLA, Mamba state) is a label of the ledger's
+count (kvbank.vllm.layout). Refused at start-up, with a message saying what to change: a vLLM
+version outside `kvbank.vllm.versions.SUPPORTED`, a bad KVBANK_* variable, a KV cache group
+kvbank cannot count (naming it), and what kvbank's count does not cover with more than one step
+in flight (speculative decoding under async scheduling, pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from vllm.outputs import RequestError
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
@@ -28,6 +33,7 @@ from kvbank.vllm.admission import Admission
 from kvbank.vllm.groups import limits_of, read_groups
 from kvbank.vllm.layout import UnsupportedLayout, capacity_model, check_layout, page_size
 from kvbank.vllm.settings import Settings, from_env
+from kvbank.vllm.versions import check_vllm_version, installed_vllm_version
 
 log = logging.getLogger(__name__)
 # Requests tried behind a refused head each step, as kvbank's own engine tries.
@@ -70,9 +76,39 @@ def make_backend(
     return backend
 
 
+def check_steps_in_flight(vllm_config: Any) -> None:
+    """Refuse what kvbank's count of a request's pages does not cover once vLLM schedules a step
+    while another runs. Under async scheduling a step allocates for its drafts before the
+    previous step's drafts are verified, so a request may hold up to a draft length more than
+    kvbank reserves for it; pipeline parallelism keeps several steps in flight, and a request
+    then skips steps, which peak-fit's pace (every running request advances each step) does not
+    allow."""
+    async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+    if async_scheduling and vllm_config.speculative_config is not None:
+        raise UnsupportedLayout(
+            "kvbank does not count the pages of speculative decoding under vLLM's async "
+            "scheduling (a step allocates for drafts before the previous step's are verified); "
+            "start vllm serve with --no-async-scheduling, or without --speculative-config"
+        )
+    stages = vllm_config.parallel_config.pipeline_parallel_size
+    if stages > 1:
+        raise UnsupportedLayout(
+            f"kvbank's admission keeps its promises with at most one step in flight, and "
+            f"pipeline parallelism keeps {stages}; start vllm serve with "
+            "--pipeline-parallel-size 1"
+        )
+
+
 class KvbankScheduler(Scheduler):
     """See the module docstring. `settings` (tests, `kvbank bench`) replaces the environment;
-    `backend` replaces the one the settings name."""
+    `backend` replaces the one the settings name. Built under async scheduling, it is a
+    `KvbankAsyncScheduler`."""
+
+    def __new__(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> KvbankScheduler:
+        if cls is KvbankScheduler and vllm_config.scheduler_config.async_scheduling:
+            cls = KvbankAsyncScheduler
+        # Python runs the __init__ of the class built here, once.
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -83,15 +119,20 @@ class KvbankScheduler(Scheduler):
         backend: Any = None,
         **kwargs: Any,
     ) -> None:
+        check_vllm_version(installed_vllm_version())
         settings = settings if settings is not None else from_env(os.environ)
         groups = read_groups(kv_cache_config)
         speculative = getattr(vllm_config.speculative_config, "num_speculative_tokens", 0)
         check_layout(groups, speculative or 0)
-        if vllm_config.scheduler_config.async_scheduling:
+        async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        if async_scheduling != isinstance(self, AsyncScheduler):
             raise UnsupportedLayout(
-                "kvbank's scheduler class schedules synchronously and vLLM's async scheduling "
-                "is on; start vllm serve with --no-async-scheduling"
+                f"{type(self).__name__} is for vLLM "
+                f"{'with' if not async_scheduling else 'without'} async scheduling and it is "
+                f"{'on' if async_scheduling else 'off'}; name kvbank.vllm.KvbankScheduler in "
+                "--scheduler-cls, which follows vLLM's setting"
             )
+        check_steps_in_flight(vllm_config)
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         lookahead = self.num_spec_tokens + self.num_lookahead_tokens
         page = page_size(groups, self.block_size)
@@ -102,11 +143,13 @@ class KvbankScheduler(Scheduler):
         self.kvbank = Admission(self, model, backend, settings.policy, BACKFILL_DEPTH)
         self._kvbank_refusing: set[str] = set()  # refused, finished by the next step
         log.info(
-            "kvbank admission: %s, %s ledger, %d pages of %d tokens, KV cache groups %s",
+            "kvbank admission: %s, %s ledger, %d pages of %d tokens, %s scheduling, KV cache "
+            "groups %s",
             settings.policy,
             settings.sidecar or "embedded",
             total,
             page,
+            "async" if async_scheduling else "synchronous",
             ", ".join(g.describe() for g in groups),
         )
 
@@ -176,3 +219,10 @@ class KvbankScheduler(Scheduler):
         self._kvbank_refusing.clear()
         self.kvbank.step_done(scheduler_output.num_scheduled_tokens)
         return outputs
+
+
+class KvbankAsyncScheduler(KvbankScheduler, AsyncScheduler):
+    """`KvbankScheduler` over vLLM's `AsyncScheduler`, which vLLM's async scheduling needs: each
+    decode's next position is an output placeholder, so a request is scheduled again before its
+    last token is known. kvbank's side is unchanged (kvbank.vllm.admission: what each schedule
+    allocated is reported after it, releases and progress after each step's output)."""

@@ -22,7 +22,7 @@ from kvbank.engine.bench.scenario import (
 from kvbank.engine.request import make_request
 from tests.engine.engine_builders import tiny_model
 
-SCENARIOS = Path(__file__).resolve().parents[2].parent / "shared" / "scenarios"
+SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
 
 MIXED = """
 name: mixed

@@ -61,9 +61,18 @@ def test_the_core_loads_nothing_built_on_it() -> None:
 
 
 # The core's modules: everything under kvbank/ but the links to the parts built on it, the
-# command line that dispatches to them, and the vLLM plug-in (which may reach a sidecar).
+# command line that dispatches to them, the vLLM plug-in (which may reach a sidecar) and the
+# endpoint picker's service (which reads requests as the engine does; its rule is core).
 ABOVE = ("kvbank.engine", "kvbank.sidecar", "kvbank.operator")
-CORE_SKIP = {"engine", "sidecar", "operator", "proto", "vllm", "cli.py"}
+CORE_SKIP = {"engine", "sidecar", "operator", "proto", "vllm", "picker", "cli.py"}
+# What the picker's service may use of the engine: how the engine reads and tokenizes a request.
+PICKER_READS = (
+    "kvbank.engine.model.tokenizer",
+    "kvbank.engine.model.builtin",
+    "kvbank.engine.serve.http.errors",
+    "kvbank.engine.serve.http.schema",
+    "kvbank.engine.serve.http.tiers",
+)
 
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
@@ -100,6 +109,15 @@ def test_the_core_imports_nothing_built_on_it_not_even_lazily() -> None:
     modules = core_modules()
     assert ROOT / "kvbank" / "ledger" / "client.py" in modules
     assert not reaching_above(modules, ABOVE)
+
+
+def test_the_picker_rule_is_core_and_its_service_reads_requests_as_the_engine_does() -> None:
+    picker = sorted((ROOT / "kvbank" / "picker").glob("*.py"))
+    assert ROOT / "kvbank" / "picker" / "rule.py" in picker
+    assert not reaching_above([ROOT / "kvbank" / "picker" / "rule.py"], ABOVE)
+    reached = reaching_above(picker, ("kvbank.engine", "kvbank.operator"))
+    assert reached  # the service does read requests with the engine's parts
+    assert [r for r in reached if not r.endswith(PICKER_READS)] == []
 
 
 def test_the_vllm_plug_in_imports_the_ledger_client_not_the_engine() -> None:

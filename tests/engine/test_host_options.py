@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvbank import cli
-from kvbank.engine.serve.command import options_from_args
+from kvbank.engine.serve.flags import options_from_args
 from kvbank.modelpool import SpecError, parse_modelpool
 from tests.core.test_holdability import make_spec
 

@@ -16,7 +16,7 @@ from kvbank import cli
 from kvbank.capacity import CapacityModel
 from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig
-from kvbank.engine.serve.command import options_from_args
+from kvbank.engine.serve.flags import options_from_args
 from kvbank.engine.serve.stack import ServeOptions
 from kvbank.engine.tp.launch import _journal_requests, rank_command
 from kvbank.modelpool import KvSlot

@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from kvbank import cli
-from kvbank.engine.serve.command import options_from_args
+from kvbank.engine.serve.flags import options_from_args
 
 
 def parse(*argv: str):

@@ -157,14 +157,18 @@ def settled_status(client: SidecarClient, within: float = 10) -> PoolStatus:
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 def test_a_sidecar_killed_under_load_drains_the_engine_and_a_restart_serves_again(
-    builtin_model_dir: Path, pool_file: Path, tmp_path: Path
+    builtin_model_dir: Path, pool_file: Path, tmp_path: Path, tp: int
 ) -> None:
+    """Under tensor parallelism rank 0 alone talks to the sidecar; its followers replay its
+    answers, so the outage, the drain and the reconnect are rank 0's, and the ranks stay in
+    step through them (a follower out of step would stop every rank)."""
     address = f"127.0.0.1:{free_port()}"
     sidecar_log, serve_log = tmp_path / "sidecar.log", tmp_path / "serve.log"
     sidecars = [start_sidecar(address, pool_file, sidecar_log)]
     argv = serve_argv(builtin_model_dir, free_port(), "--pool", str(pool_file),
-                      "--sidecar", address)  # fmt: skip
+                      "--sidecar", address, "--tp", str(tp))  # fmt: skip
     try:
         with serving(argv, serve_log) as url, SidecarClient(address) as client:
             small = {"prompt": "x", "max_tokens": 4, "temperature": 0}
@@ -272,7 +276,7 @@ def test_a_flag_that_contradicts_the_pool_is_refused_naming_both(
 def test_serve_pool_takes_the_pool_limits_and_policy(pool_file: Path) -> None:
     import argparse
 
-    from kvbank.engine.serve.command import add_arguments, options_from_args
+    from kvbank.engine.serve.flags import add_arguments, options_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -292,7 +292,7 @@ class TestPodTemplate:
         """Every policy keeps its ledger in the sidecar, which reads the same spec.admission
         from --pool and so runs the same ledger."""
         from kvbank import cli
-        from kvbank.engine.serve.command import options_from_args
+        from kvbank.engine.serve.flags import options_from_args
 
         expected = {
             ("conservative", False): "banker",
@@ -532,7 +532,7 @@ class TestPodsStartWithoutAKubelet:
 
     def test_the_engine_reads_the_same_token(self, tmp_path: Path) -> None:
         from kvbank import cli
-        from kvbank.engine.serve.command import options_from_args
+        from kvbank.engine.serve.flags import options_from_args
 
         engine, _ = self._containers(tmp_path, Workload.STATEFUL_SET)
         argv = engine[1:]

@@ -106,7 +106,7 @@ class TestRender:
 
     def test_the_rendered_command_parses_as_kvbank_serve_does(self) -> None:
         from kvbank import cli
-        from kvbank.engine.serve.command import options_from_args
+        from kvbank.engine.serve.flags import options_from_args
 
         args = args_of(admission={"defaultClass": "best-effort",
                                   "bestEffort": {"maxPreemptions": 0, "victim": "cheapest",

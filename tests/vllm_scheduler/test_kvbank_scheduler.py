@@ -1,9 +1,12 @@
-"""kvbank's scheduler class in vLLM's real v1 scheduler and KV cache manager (CPU, no model)."""
+"""kvbank's scheduler class in vLLM's real v1 scheduler and KV cache manager (CPU, no model),
+stepped synchronously (--no-async-scheduling) and as vLLM's async scheduling steps it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from vllm.config import SpeculativeConfig
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -11,13 +14,16 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
 )
 from vllm.v1.structured_output import StructuredOutputManager
-from vllm_builders import PAGE, _configs, bench, drive, scenario
+from vllm_builders import MODES, PAGE, _configs, bench, drive, scenario
 
 from kvbank.engine.bench.vllm_engine import FinishReason, vllm_configs
 from kvbank.engine.bench.vllm_simulate import run_vllm_policy
 from kvbank.vllm import KvbankScheduler
+from kvbank.vllm import scheduler as scheduler_module
 from kvbank.vllm.layout import UnsupportedLayout
+from kvbank.vllm.scheduler import KvbankAsyncScheduler
 from kvbank.vllm.settings import Settings, SettingsError
+from kvbank.vllm.versions import SUPPORTED, UnsupportedVllm, check_vllm_version
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,13 +44,14 @@ SHARED = {
 }
 
 
-def test_stock_vllm_preempts_on_a_shared_prefix_and_kvbank_admission_never_does() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_stock_vllm_preempts_on_a_shared_prefix_and_kvbank_admission_never_does(mode: str) -> None:
     case = scenario(48, **SHARED)
-    stock = run_vllm_policy(case, "vllm").metrics
+    stock = run_vllm_policy(case, "vllm", async_scheduling=MODES[mode]).metrics
     assert stock["preemptions"] > 0
     assert stock["completed"] == 16
     for policy in ("vllm+banker", "vllm+peak+backfill"):
-        got = run_vllm_policy(case, policy, debug=True).metrics
+        got = run_vllm_policy(case, policy, debug=True, async_scheduling=MODES[mode]).metrics
         assert got["preemptions"] == 0, policy
         assert (got["completed"], got["hung"], got["invariant_breaches"]) == (16, 0, 0), policy
         assert got["prefix_hit_rate"] > 0.5, policy  # the shared prompt is reused
@@ -58,10 +65,11 @@ def test_peak_fit_admits_more_at_once_than_the_conservative_ledger() -> None:
     assert peak["requests_per_s"] >= banker["requests_per_s"]
 
 
-def test_a_loose_pool_runs_exactly_as_stock_vllm() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_a_loose_pool_runs_exactly_as_stock_vllm(mode: str) -> None:
     case = scenario(4096, **{**SHARED, "requests": 24})
-    stock = run_vllm_policy(case, "vllm").metrics
-    ours = run_vllm_policy(case, "vllm+peak+backfill").metrics
+    stock = run_vllm_policy(case, "vllm", async_scheduling=MODES[mode]).metrics
+    ours = run_vllm_policy(case, "vllm+peak+backfill", async_scheduling=MODES[mode]).metrics
     for key in ("completed", "duration_s", "steps", "max_running", "prefix_hit_rate"):
         assert ours[key] == stock[key], key
 
@@ -108,11 +116,87 @@ def test_a_mamba_state_under_prefix_caching_is_refused_at_start_up_naming_the_fl
     assert "--no-enable-prefix-caching" in message
 
 
-def test_async_scheduling_is_refused_with_the_flag_to_add() -> None:
-    vllm_config, kv_cache_config = vllm_configs(scenario(64))
-    vllm_config.scheduler_config.async_scheduling = True
-    with pytest.raises(UnsupportedLayout, match="--no-async-scheduling"):
+def test_the_class_vllm_is_named_builds_the_variant_of_vllms_scheduling() -> None:
+    for mode, async_scheduling in MODES.items():
+        sched = bench(64, "peak+backfill", async_scheduling=async_scheduling).sched
+        assert isinstance(sched, KvbankScheduler), mode
+        assert isinstance(sched, AsyncScheduler) == async_scheduling, mode
+        assert isinstance(sched, KvbankAsyncScheduler) == async_scheduling, mode
+
+
+def test_the_async_variant_named_under_synchronous_scheduling_is_refused() -> None:
+    vllm_config, kv_cache_config = _configs(64, 512)
+    with pytest.raises(UnsupportedLayout, match="name kvbank.vllm.KvbankScheduler"):
+        KvbankAsyncScheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=PAGE,
+            settings=Settings(),
+        )
+
+
+def test_speculative_decoding_under_async_scheduling_is_refused_with_the_flags() -> None:
+    vllm_config, kv_cache_config = vllm_configs(scenario(64), async_scheduling=True)
+    vllm_config.speculative_config = SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=2,
+        prompt_lookup_max=3,
+        prompt_lookup_min=1,
+        target_model_config=vllm_config.model_config,
+        target_parallel_config=vllm_config.parallel_config,
+    )
+    with pytest.raises(UnsupportedLayout) as refused:
         _construct(kv_cache_config, vllm_config, Settings())
+    assert "--no-async-scheduling" in str(refused.value)
+    assert "--speculative-config" in str(refused.value)
+
+
+def test_pipeline_parallelism_is_refused_with_the_flag() -> None:
+    vllm_config, kv_cache_config = vllm_configs(scenario(64), async_scheduling=True)
+    vllm_config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(UnsupportedLayout, match="--pipeline-parallel-size 1"):
+        _construct(kv_cache_config, vllm_config, Settings())
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.34.0rc1", "1.0.0", "nightly"])
+def test_an_unsupported_vllm_is_refused_at_start_up_naming_the_range(
+    monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    monkeypatch.setattr(scheduler_module, "installed_vllm_version", lambda: version)
+    with pytest.raises(UnsupportedVllm) as refused:
+        _construct(_configs(64, 512)[1], settings=Settings())
+    assert SUPPORTED == ">=0.32.0,<0.34"
+    assert SUPPORTED in str(refused.value)
+    assert "0.32 and 0.33.x" in str(refused.value)
+
+
+def test_the_supported_versions_and_their_builds_are_accepted() -> None:
+    for version in ("0.32.0", "0.32.1", "0.33.0", "0.33.2", "0.33.1.dev4+g1234abc", "0.32.0+cpu"):
+        check_vllm_version(version)
+    check_vllm_version(scheduler_module.installed_vllm_version())  # the one installed here
+
+
+def test_under_async_scheduling_a_decode_is_scheduled_before_its_token_is_known() -> None:
+    """vLLM's async scheduling, as the bench steps it: the schedule after the first (nothing
+    was output between them) schedules the first request's decode on a placeholder, and
+    admits nothing, since the ledger has not heard what the first one allocated; the request
+    that arrived between them is admitted at the next schedule."""
+    run = bench(64, "peak+backfill", async_scheduling=True)
+    sched = run.sched
+    run.add("a", [3] * 40, 8, 8)
+    run.step()  # a schedule, no output yet
+    assert sched.requests["a"].num_output_placeholders == 1
+    run.add("b", [4] * 40, 8, 8)
+    run.step()  # the second schedule, then the first one's output
+    assert sched.requests["a"].num_computed_tokens == 41  # its decode was scheduled
+    assert "b" in sched.kvbank.waiting  # not admitted at that schedule
+    run.step()
+    assert "b" in sched.kvbank.admitted
+    run.check_integrity()
+    seen = drive(run, {})
+    assert seen.preemptions == 0
+    assert run.sched.kvbank.backend.ledger.outstanding == 0
 
 
 def test_a_bad_policy_in_the_environment_is_refused_naming_the_variable(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -123,15 +207,17 @@ def test_a_bad_policy_in_the_environment_is_refused_naming_the_variable(monkeypa
     assert "peak+backfill" in str(refused.value)
 
 
-def test_a_request_the_pool_can_never_hold_finishes_with_the_reason() -> None:
-    run = bench(24, "peak+backfill")  # 23 usable pages: 368 tokens
+@pytest.mark.parametrize("mode", MODES)
+def test_a_request_the_pool_can_never_hold_finishes_with_the_reason(mode: str) -> None:
+    run = bench(24, "peak+backfill", async_scheduling=MODES[mode])  # 23 usable pages: 368 tokens
     seen = drive(run, {0: [("huge", [5] * 400, 100, 100), ("small", [7] * 32, 8, 100)]})
     assert seen.finished == {"huge": FinishReason.ERROR, "small": FinishReason.LENGTH}
     assert not run.sched.requests
 
 
-def test_aborts_while_waiting_and_while_running_return_every_page() -> None:
-    run = bench(24, "banker")
+@pytest.mark.parametrize("mode", MODES)
+def test_aborts_while_waiting_and_while_running_return_every_page(mode: str) -> None:
+    run = bench(24, "banker", async_scheduling=MODES[mode])
     pool = run.sched.kv_cache_manager.block_pool
     prompt = [9] * 160  # 10 pages each: the second waits for the first
     arrivals = {

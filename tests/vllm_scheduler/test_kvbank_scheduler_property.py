@@ -2,7 +2,7 @@
 admitted is never preempted, the ledger stays safe and agrees with vLLM's free blocks after
 every step, nothing hangs, and every request finishes (run to its end, refused as never
 holdable, or aborted by its client). Embedded ledger, and a real `kvbank sidecar` process,
-waited on and not."""
+waited on and not; vLLM stepped synchronously and as its async scheduling steps it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm_builders import PAGE, bench, drive
+from vllm_builders import MODES, PAGE, bench, drive
 
 from kvbank.engine.bench.vllm_engine import FinishReason
 from kvbank.vllm.scheduler import make_backend
@@ -37,8 +37,9 @@ request = st.tuples(
 workload = st.lists(request, min_size=1, max_size=24)
 
 
-def _run(pages: int, policy: str, requests: list, backend=None, pause_s=0.0) -> None:  # type: ignore[no-untyped-def]
-    run = bench(pages, policy, backend=backend)
+def _run(pages: int, policy: str, requests: list, mode: str, backend=None, pause_s=0.0) -> None:  # type: ignore[no-untyped-def]
+    run = bench(pages, policy, backend=backend, async_scheduling=MODES[mode])
+    assert run.async_scheduling == MODES[mode]  # vLLM's engine core steps it so
     arrivals: dict[int, list] = {}
     aborts: dict[int, list[str]] = {}
     for i, (prefix, own, max_tokens, output, at, abort) in enumerate(requests):
@@ -61,6 +62,7 @@ def _run(pages: int, policy: str, requests: list, backend=None, pause_s=0.0) -> 
     assert run.sched.kvbank.backend.outstanding() == 0
 
 
+@pytest.mark.parametrize("mode", MODES)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     pages=st.integers(16, 96),
@@ -68,9 +70,9 @@ def _run(pages: int, policy: str, requests: list, backend=None, pause_s=0.0) -> 
     requests=workload,
 )
 def test_random_workloads_never_preempt_what_kvbank_admitted(
-    pages: int, policy: str, requests: list
+    mode: str, pages: int, policy: str, requests: list
 ) -> None:
-    _run(pages, policy, requests)
+    _run(pages, policy, requests, mode)
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +106,18 @@ SIDECAR_PAGES = 48
 _sessions = iter(range(1 << 30))
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("blocking", [True, False], ids=["waits", "never-waits"])
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=workload)
-def test_random_workloads_over_a_real_sidecar(sidecar: str, blocking: bool, requests: list) -> None:
+def test_random_workloads_over_a_real_sidecar(
+    sidecar: str, blocking: bool, mode: str, requests: list
+) -> None:
     """Waiting for each answer (a bench's run), and as a served vLLM runs: no schedule waits,
     decisions are applied a schedule or more later, the head's cached blocks pinned until then."""
     settings_ = Settings("peak+backfill", sidecar, token="vllm-property", blocking=blocking)
     backend = make_backend(
         settings_, SIDECAR_PAGES, PAGE, 0, engine_id=f"vllm-property-{next(_sessions)}"
     )
-    _run(SIDECAR_PAGES, "peak+backfill", requests, backend, pause_s=0 if blocking else 0.001)
+    _run(SIDECAR_PAGES, "peak+backfill", requests, mode, backend, 0 if blocking else 0.001)
     assert backend.sessions_opened == 1  # no session was lost and re-opened

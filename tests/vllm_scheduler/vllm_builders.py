@@ -36,15 +36,26 @@ def scenario(pages: int, max_seq_len: int = 512, **workload: Any) -> Scenario:
     )
 
 
-@functools.lru_cache(maxsize=8)
-def _configs(pages: int, max_seq_len: int) -> tuple[Any, Any]:
-    return vllm_configs(scenario(pages, max_seq_len))
+# The two ways vLLM steps a scheduler: --no-async-scheduling, and async scheduling (its default).
+MODES = {"sync": False, "async": True}
 
 
-def bench(pages: int, policy: str | None, max_seq_len: int = 512, backend: Any = None) -> VllmBench:
-    """A scheduler over a `pages`-page pool: stock vLLM (policy None) or kvbank's class.
-    vLLM's configs are built once per pool (a ModelConfig costs a second)."""
-    vllm_config, kv_cache_config = _configs(pages, max_seq_len)
+@functools.lru_cache(maxsize=16)
+def _configs(pages: int, max_seq_len: int, async_scheduling: bool = False) -> tuple[Any, Any]:
+    return vllm_configs(scenario(pages, max_seq_len), async_scheduling)
+
+
+def bench(
+    pages: int,
+    policy: str | None,
+    max_seq_len: int = 512,
+    backend: Any = None,
+    async_scheduling: bool = False,
+) -> VllmBench:
+    """A scheduler over a `pages`-page pool: stock vLLM (policy None) or kvbank's class, stepped
+    synchronously or as async scheduling steps it. vLLM's configs are built once per pool and
+    mode (a ModelConfig costs a second)."""
+    vllm_config, kv_cache_config = _configs(pages, max_seq_len, async_scheduling)
     vllm_config.cache_config.num_gpu_blocks = pages
     settings = Settings(policy) if policy is not None else None
     return VllmBench(

@@ -87,7 +87,9 @@ class VllmServer:
         ]
         args += list(extra_args)
         if kvbank:
-            args += ["--scheduler-cls", "kvbank.vllm.KvbankScheduler", "--no-async-scheduling"]
+            # As a user starts it: vLLM's scheduling flags at their defaults (async scheduling,
+            # which vLLM's CPU platform turns off; kvbank's class follows vLLM's setting).
+            args += ["--scheduler-cls", "kvbank.vllm.KvbankScheduler"]
         root = Path(__file__).resolve().parents[2]
         environ = {
             **os.environ,

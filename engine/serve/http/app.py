@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +67,8 @@ if TYPE_CHECKING:
     from kvbank.engine.model.grammar import GrammarCompiler
 
 RETRY_AFTER_S = 1
+HOLD_HEADER = "x-kvbank-hold"  # set by kvbank picker (kvbank/picker/extproc.py)
+PICKED_RID = re.compile(r"(chatcmpl|cmpl)-[0-9a-f]{32}")
 TOKENIZER_THREADS = 2  # long prompts tokenize two at a time; the rest wait their turn
 
 
@@ -217,7 +220,9 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
 
     async def _generate(request: Request, prompts: list[list[int]], gen: Generation, chat: bool,
                         echo: list[str]) -> Response:  # fmt: skip
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rid = picked_rid(request.headers.get(HOLD_HEADER), chat) or (
+            ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        )
         submitted = time.monotonic()
         runs: list[Run] = []
         stop_ids = [*gen.stop_token_ids, *(() if gen.ignore_eos else served.extra_stop_ids)]
@@ -298,6 +303,16 @@ def create_app(served: Served, loop: EngineLoop, metrics: ServeMetrics) -> ASGIA
         return None
 
     return RequireApiKey(app, served.api_keys) if served.api_keys else app
+
+
+def picked_rid(hold: str | None, chat: bool) -> str | None:
+    """The request id `kvbank picker` chose for this request (its `x-kvbank-hold` header):
+    the engine's sidecar, seeing it submitted, releases the picker's hold on this pod's room
+    (sidecar/routing.py). Only the picker's own form is taken; anything else is ignored."""
+    if hold is None:
+        return None
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    return hold if PICKED_RID.fullmatch(hold) and hold.startswith(prefix) else None
 
 
 def sequence_sampling(sampling: SamplingParams, sequence: int) -> SamplingParams:

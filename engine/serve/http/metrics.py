@@ -5,7 +5,8 @@ are set by the engine thread after each step, so a scrape never touches the engi
 
 Three gauges carry the names the Gateway API Inference Extension's model-server protocol gives
 for vLLM-compatible servers, so its endpoint picker routes to kvbank unchanged:
-`vllm:num_requests_waiting`, `vllm:num_requests_running` and `vllm:kv_cache_usage_perc`. kvbank's
+`vllm:num_requests_waiting`, `vllm:num_requests_running` and `vllm:kv_cache_usage_perc`, with
+`vllm:cache_config_info` for the pool's page size and page count. kvbank's
 usage is the *promised* fraction of the pool (pages reserved for admitted requests, held or not
 yet taken, over usable pages), not the held one: a replica whose pages are all spoken for reads
 full before its requests have grown into them, so a gateway routes new work elsewhere.
@@ -15,14 +16,25 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvbank.capacity import worst_case
 from kvbank.engine.engine import Engine, RequestOutput
 from kvbank.engine.serve.http.class_metrics import PreemptionCounter, RecomputeMeter
 from kvbank.service_class import ServiceClass
 
 
 class ServeMetrics:
-    def __init__(self, total_pages: int) -> None:
+    def __init__(self, total_pages: int, page_size: int | None = None) -> None:
         self.registry = registry = CollectorRegistry()
+        if page_size is not None:
+            # vLLM's static cache figures, which GAIE's and llm-d's metric readers take the
+            # pool's block size and block count from (docs/routing.md).
+            Gauge(
+                "vllm:cache_config_info",
+                "the KV cache's configuration, in its labels (value 1): tokens per page "
+                "(block_size) and pages in the pool (num_gpu_blocks)",
+                ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+                registry=registry,
+            ).labels(str(page_size), str(total_pages), "True").set(1)
         self.requests = Counter(
             "kvbank_requests", "HTTP generation requests by outcome", ["outcome"], registry=registry
         )
@@ -138,6 +150,19 @@ class ServeMetrics:
             registry=registry,
         )
         self.usable_pages = max(1, total_pages - 1)  # the sink page holds nothing
+        # For pickers configured by metrics alone (llm-d's metrics extractor, docs/routing.md):
+        # what the ledger would admit now, in pages and in the pool's worst-case requests.
+        self.headroom = Gauge(
+            "kvbank_headroom_pages",
+            "pages a request admitted now may take with every promise kept (the ledger's)",
+            registry=registry,
+        )
+        self.admissible_worst_case = Gauge(
+            "kvbank_admissible_worst_case_requests",
+            "worst-case requests of this pool the ledger would admit now, one after another",
+            registry=registry,
+        )
+        self._worst_pages: int | None = None
         self._hit_tokens_seen = 0
         self._stalled_seen = 0
         self.total_pages.set(total_pages)
@@ -168,6 +193,13 @@ class ServeMetrics:
         self.gateway_waiting.set(engine.num_waiting)
         self.gateway_running.set(engine.num_running)
         promised = kv.pool.held + outstanding
+        backend = engine.backend or getattr(engine.policy, "backend", None)
+        if backend is not None:  # a baseline keeps no ledger, so it has no headroom to show
+            if self._worst_pages is None:
+                self._worst_pages = max(1, worst_case(engine.config.model)[1].total)
+            headroom = max(0, int(backend.headroom()))
+            self.headroom.set(headroom)
+            self.admissible_worst_case.set(headroom // self._worst_pages)
         self.gateway_usage.set(min(1.0, promised / self.usable_pages))
         self._preempted.observe(engine, [o.rid for o in outputs if o.finished])
         stalled = getattr(engine.policy, "stalled_steps", 0)  # only peak-fit ledgers count them

@@ -1,0 +1,205 @@
+"""The picker's one gRPC client of the pods' sidecars: a `Watch` stream per pod keeps its
+routing figures, and `Hold` claims room on the pod a request is routed to.
+
+A pod is a candidate only while its stream is live: a stream that breaks, or sends nothing for
+`loss_after_s` (its sidecar heartbeats every `heartbeat_s`), takes the pod out of the
+candidates at once, with a log line and `kvbank_picker_pod_losses_total`; the watch then
+reconnects with a capped backoff. Policies: a Hold gets `hold_timeout_s` and no retry (the
+picker re-picks among the others); an error on it counts as losing the pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvbank.picker.metrics import PickerMetrics
+from kvbank.picker.rule import PodFigures
+from kvbank.proto import admission_pb2 as pb
+from kvbank.proto import admission_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvbank.picker")
+
+
+@dataclass(frozen=True)
+class Pod:
+    endpoint: str  # ip:port the gateway sends traffic to (the x-gateway-destination-endpoint)
+    sidecar: str  # the pod's sidecar, host:port
+
+
+@dataclass(frozen=True)
+class Link:
+    """How the picker reaches sidecars: their token and CA, and its timings."""
+
+    token: str | None = None
+    ca_pem: bytes | None = None
+    heartbeat_s: float = 0.25
+    loss_after_s: float = 0.75
+    hold_timeout_s: float = 0.25
+    watcher_id: str = "kvbank-picker"
+
+
+@dataclass
+class Watched:
+    pod: Pod
+    figures: pb.RoutingFigures | None = None
+    live: bool = False
+    heard: bool = False  # the first attempt has ended (figures or a failure)
+    stub: pb_grpc.RoutingStub | None = None
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def pod_figures(self) -> PodFigures | None:
+        f = self.figures
+        if f is None or not self.live:
+            return None
+        return PodFigures(
+            name=self.pod.endpoint,
+            usable_pages=f.usable_pages,
+            headroom_pages=f.headroom_pages,
+            waiting_pages=tuple(f.waiting_pages),
+            best_effort_room_pages=f.best_effort_room_pages,
+            ready=f.ready,
+        )
+
+
+class Sidecars:
+    def __init__(self, pods: list[Pod], link: Link, metrics: PickerMetrics) -> None:
+        self.link = link
+        self.metrics = metrics
+        self.watched = {pod.endpoint: Watched(pod) for pod in pods}
+        self._channels: list[grpc.aio.Channel] = []
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        if self.link.ca_pem is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=self.link.ca_pem)
+            channel = grpc.aio.secure_channel(target, creds)
+        else:
+            channel = grpc.aio.insecure_channel(target)
+        self._channels.append(channel)
+        return channel
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.link.token}"),) if self.link.token else ()
+
+    def start(self) -> None:
+        for watched in self.watched.values():
+            watched.stub = pb_grpc.RoutingStub(self._channel(watched.pod.sidecar))
+            watched.task = asyncio.create_task(self._watch(watched))
+
+    async def close(self) -> None:
+        for watched in self.watched.values():
+            if watched.task is not None:
+                watched.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watched.task
+        for channel in self._channels:
+            await channel.close()
+
+    @property
+    def synced(self) -> bool:
+        """Every pod's first watch has answered or failed: the candidates are known."""
+        return all(w.heard for w in self.watched.values())
+
+    def candidates(self) -> list[PodFigures]:
+        return [f for w in self.watched.values() if (f := w.pod_figures()) is not None]
+
+    def lose(self, watched: Watched, why: str) -> None:
+        if watched.live:
+            watched.live = False
+            self.metrics.pod_lost(watched.pod.endpoint)
+            log.warning(
+                "kvbank picker: lost the sidecar of pod %s (%s): it leaves the candidates; %s",
+                watched.pod.endpoint,
+                watched.pod.sidecar,
+                why,
+            )
+        watched.heard = True
+
+    async def _watch(self, watched: Watched) -> None:
+        backoff = 0.05
+        request = pb.WatchRequest(
+            watcher_id=self.link.watcher_id, heartbeat_ms=int(self.link.heartbeat_s * 1000)
+        )
+        assert watched.stub is not None
+        while True:
+            call = watched.stub.Watch(request, metadata=self._metadata())
+            try:
+                while True:
+                    figures = await asyncio.wait_for(call.read(), self.link.loss_after_s)
+                    if figures is grpc.aio.EOF:
+                        raise ConnectionError("the sidecar ended the stream")
+                    known = watched.figures
+                    # A Hold's reply may be newer than a stream message still on its way.
+                    if known is None or not watched.live or figures.version >= known.version:
+                        watched.figures = figures
+                    if not watched.live:
+                        log.info("kvbank picker: watching pod %s", watched.pod.endpoint)
+                    watched.live = watched.heard = True
+                    self.metrics.pod_live(watched.pod.endpoint, True)
+                    backoff = 0.05
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except TimeoutError:
+                call.cancel()
+                self.lose(watched, f"no figures for {self.link.loss_after_s} s")
+            except (grpc.aio.AioRpcError, ConnectionError) as exc:
+                call.cancel()
+                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                self.lose(watched, f"the stream broke: {detail}")
+            self.metrics.pod_live(watched.pod.endpoint, False)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    async def hold(
+        self,
+        endpoint: str,
+        hold_id: str,
+        pages: int,
+        kind: pb.HoldRequest.Kind,
+        ttl_s: float,
+        max_ahead_pages: int | None = None,
+    ) -> bool | None:
+        """Claim `pages` on the pod: True granted, False refused (its room went to another
+        pick; its figures are updated from the reply), None: the sidecar did not answer in
+        time (the pick goes elsewhere)."""
+        watched = self.watched[endpoint]
+        assert watched.stub is not None
+        request = pb.HoldRequest(
+            hold_id=hold_id,
+            pages=pages,
+            ttl_ms=int(ttl_s * 1000),
+            kind=kind,
+            max_ahead_pages=max_ahead_pages,
+        )
+        started = time.perf_counter()
+        try:
+            reply = await watched.stub.Hold(
+                request, timeout=self.link.hold_timeout_s, metadata=self._metadata()
+            )
+        except grpc.aio.AioRpcError as exc:
+            # Only the watch stream decides a pod's liveness; a slow hold is only this pick's.
+            self.metrics.hold_failures.labels(exc.code().name).inc()
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.lose(watched, f"a hold failed: {exc.details()}")
+            return None
+        finally:
+            self.metrics.hold_latency.observe(time.perf_counter() - started)
+        if reply.figures.version >= (watched.figures.version if watched.figures else 0):
+            watched.figures = reply.figures
+        return bool(reply.granted)
+
+    async def unhold(self, endpoint: str, hold_id: str) -> None:
+        watched = self.watched[endpoint]
+        assert watched.stub is not None
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await watched.stub.Unhold(
+                pb.UnholdRequest(hold_id=hold_id),
+                timeout=self.link.hold_timeout_s,
+                metadata=self._metadata(),
+            )
