@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,10 @@ class Scenario:
     workload: Workload
     host_pages: int = 0  # a host tier beside the device pool; 0: none
     replicas: int = 1  # engines behind a router (the cluster bench); 1: one engine
+    # Labels that attend to a window only, {label: ("sliding_window" | "attention_chunk",
+    # tokens)}: vLLM (--engine vllm) runs them as such KV cache groups and frees what falls
+    # out of the window; kvbank's own engine keeps every position of them.
+    kv_windows: Mapping[str, tuple[str, int]] = field(default_factory=dict)
 
 
 class _Reader:
@@ -171,7 +175,7 @@ def parse_scenario(data: Any, source: str = "scenario") -> Scenario:
     pages = r.integer(pool.get("pages", 2), "pool.pages", 2)
     page_size = r.integer(pool.get("page_size", 1), "pool.page_size", 1)
     host_pages = r.integer(pool.get("host_pages", 0), "pool.host_pages")
-    model, tp = _model(r, top.get("model", {}), page_size)
+    model, tp, windows = _model(r, top.get("model", {}), page_size)
     cost = _cost(r, top.get("cost_model", {}))
     limit = r.number(top.get("time_limit_s", 3600), "time_limit_s", positive=True)
     replicas = r.integer(top.get("replicas", 1), "replicas", 1)
@@ -180,32 +184,45 @@ def parse_scenario(data: Any, source: str = "scenario") -> Scenario:
         raise ScenarioError(source, r.problems)
     name = top.get("name")
     about = str(top.get("about", ""))
-    return Scenario(str(name), about, pages, model, tp, cost, limit, workload, host_pages, replicas)
+    return Scenario(
+        str(name), about, pages, model, tp, cost, limit, workload, host_pages, replicas, windows
+    )
 
 
-def _model(r: _Reader, value: Any, page_size: int) -> tuple[CapacityModel, int]:
+WINDOWS = ("sliding_window", "attention_chunk")
+
+
+def _model(
+    r: _Reader, value: Any, page_size: int
+) -> tuple[CapacityModel, int, dict[str, tuple[str, int]]]:
     fields = {"kv_slots", "max_seq_len", "max_tokens_default", "speculative_tokens", "tp"}
     body = r.mapping(value, "model", fields, {"kv_slots", "max_seq_len"})
     slots: dict[str, KvSlot] = {}
+    windows: dict[str, tuple[str, int]] = {}
     raw_slots = body.get("kv_slots", {})
     if not isinstance(raw_slots, Mapping) or not raw_slots:
         r.problems.append("model.kv_slots: must map at least one label to its slot")
         raw_slots = {}
     for label, slot in raw_slots.items():
         path = f"model.kv_slots.{label}"
-        spec = r.mapping(slot, path, {"prompt", "output", "fixed"}, set())
+        spec = r.mapping(slot, path, {"prompt", "output", "fixed", *WINDOWS}, set())
         slots[str(label)] = KvSlot(
             r.integer(spec.get("prompt", 0), f"{path}.prompt"),
             r.integer(spec.get("output", 0), f"{path}.output"),
             r.integer(spec.get("fixed", 0), f"{path}.fixed"),
         )
+        given = [name for name in WINDOWS if name in spec]
+        if len(given) > 1:
+            r.problems.append(f"{path}: give one of {' or '.join(WINDOWS)}, not both")
+        elif given:
+            windows[str(label)] = (given[0], r.integer(spec[given[0]], f"{path}.{given[0]}", 1))
     max_seq_len = r.integer(body.get("max_seq_len", 2), "model.max_seq_len", 2)
     max_tokens = r.integer(
         body.get("max_tokens_default", max_seq_len - 1), "model.max_tokens_default", 1
     )
     spec_tokens = r.integer(body.get("speculative_tokens", 0), "model.speculative_tokens")
     tp = r.integer(body.get("tp", 1), "model.tp", 1)
-    return CapacityModel(slots, page_size, max_seq_len, max_tokens, spec_tokens), tp
+    return CapacityModel(slots, page_size, max_seq_len, max_tokens, spec_tokens), tp, windows
 
 
 def _cost(r: _Reader, value: Any) -> CostModel:

@@ -25,26 +25,45 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout: engine/bench/
 
 
 def scenario_refusal(scenario: Scenario) -> str | None:
-    """Why vLLM cannot run this scenario as written, or None. vLLM's KV cache is one label
-    written once per prompt and output token; it has no fixed tokens per label."""
-    slots = scenario.model.kv_slots
-    if len(slots) != 1:
-        return (
-            f"the model has {len(slots)} KV labels ({', '.join(slots)}); vLLM's KV cache has "
-            "one (a full-attention layer group), so this scenario runs on --engine kvbank only"
-        )
-    label, slot = next(iter(slots.items()))
-    if (slot.prompt, slot.output) != (1, 1) or slot.fixed:
+    """Why vLLM cannot run this scenario as written, or None. Each KV label is one of vLLM's KV
+    cache groups (kvbank.engine.bench.vllm_engine.kv_cache_groups): attention, written once
+    per prompt and output token (full, or a `sliding_window` or `attention_chunk` label), or a
+    Mamba state, a label of fixed tokens only, 1 + speculative_tokens pages (vLLM's mode
+    "none": the run has no prefix caching). vLLM writes every group for every request and has
+    no per-request fixed tokens."""
+    model = scenario.model
+    state_tokens = (1 + model.speculative_tokens) * model.page_size
+    attention = 0
+    for label, slot in model.kv_slots.items():
+        if (slot.prompt, slot.output, slot.fixed) == (1, 1, 0):
+            attention += 1
+            continue
+        if (slot.prompt, slot.output) == (0, 0) and slot.fixed and label not in scenario.kv_windows:
+            if slot.fixed == state_tokens:
+                continue
+            return (
+                f"label {label!r} is a state of {slot.fixed} fixed tokens; vLLM's Mamba state "
+                f"holds 1 + speculative_tokens pages (fixed: {state_tokens}), so this scenario "
+                "runs on --engine kvbank only"
+            )
         return (
             f"label {label!r} writes {slot.prompt} per prompt token, {slot.output} per output "
-            f"token and {slot.fixed} fixed tokens; vLLM writes exactly one slot per token and "
-            "no fixed tokens, so this scenario runs on --engine kvbank only"
+            f"token and {slot.fixed} fixed tokens; vLLM's KV cache groups write one slot per "
+            "token (attention) or hold a fixed state, so this scenario runs on --engine "
+            "kvbank only"
         )
+    if not attention:
+        return "the model has no attention label; vLLM's bench needs one to size its blocks"
     for cls in scenario.workload.classes:
         if any(cls.fixed_label_tokens.values() if cls.fixed_label_tokens else ()):
             return (
                 f"class {cls.name!r} sets fixed_label_tokens; vLLM has no fixed tokens per "
                 "label, so this scenario runs on --engine kvbank only"
+            )
+        if cls.only_labels is not None and cls.only_labels != set(model.kv_slots):
+            return (
+                f"class {cls.name!r} sets only_labels; vLLM writes every KV cache group for "
+                "every request, so this scenario runs on --engine kvbank only"
             )
     return None
 

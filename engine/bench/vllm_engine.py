@@ -1,10 +1,13 @@
 """vLLM's real v1 scheduler and KV cache manager for `kvbank bench --engine vllm`, with no model.
 
-Built as vLLM's own scheduler tests build one (a VllmConfig, a KVCacheConfig of one
-full-attention group, no GPU: VLLM_TARGET_DEVICE=cpu), from a model directory holding only a
-small Llama config.json. Prefix caching is on, chunked prefill on, async scheduling off (the
-bench steps synchronously, as vLLM does with --no-async-scheduling) unless asked for. The pool
-is the scenario's: vLLM's null block is kvbank's sink page, so both have `pages - 1` usable pages.
+Built as vLLM's own scheduler tests build one (a VllmConfig, a KVCacheConfig, no GPU:
+VLLM_TARGET_DEVICE=cpu), from a model directory holding only a small Llama config.json. Each of
+the scenario's KV labels is one KV cache group (`kv_cache_groups`): full attention, a sliding
+window or an attention chunk where the label sets one, and a Mamba state for a label of fixed
+tokens only. Prefix caching is on (off with a Mamba state, which kvbank counts in vLLM's mode
+"none" only), chunked prefill on, async scheduling off (the bench steps synchronously, as vLLM
+does with --no-async-scheduling) unless asked for. The pool is the scenario's: vLLM's null
+block is kvbank's sink page, so both have `pages - 1` usable pages.
 
 `VllmBench.step()` is one engine step: vLLM schedules, the bench supplies the sampled tokens
 (the workload's output lengths, as kvbank's virtual runner does) and the step time from the
@@ -17,6 +20,7 @@ engine is followed by a second before any output).
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import zlib
@@ -35,7 +39,15 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import FinishReason
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -44,7 +56,7 @@ from kvbank.engine.bench.scenario import Scenario
 from kvbank.engine.bench.virtual import EOS_TOKEN_ID, VOCAB
 from kvbank.vllm.settings import Settings
 
-__all__ = ["FinishReason", "VllmBench", "build_scheduler", "vllm_configs"]
+__all__ = ["FinishReason", "VllmBench", "build_scheduler", "kv_cache_groups", "vllm_configs"]
 
 MAX_BATCH_TOKENS = 2048  # kvbank's EngineConfig defaults, so both engines batch alike
 MAX_RUNNING = 256
@@ -73,8 +85,49 @@ def model_dir(max_model_len: int) -> Path:
     return path
 
 
-def vllm_configs(scenario: Scenario, async_scheduling: bool = False) -> tuple[Any, Any]:
-    """vLLM's engine config and one full-attention KV cache group of the scenario's pool."""
+def has_state(scenario: Scenario) -> bool:
+    """Whether a label is a Mamba state (fixed tokens only): vLLM then runs without prefix
+    caching, its mode "none"."""
+    return any(
+        (slot.prompt, slot.output) == (0, 0) and slot.fixed
+        for slot in scenario.model.kv_slots.values()
+    )
+
+
+def kv_cache_groups(scenario: Scenario) -> list[KVCacheGroupSpec]:
+    """One KV cache group per label of the scenario, in its order, every page of one size (a
+    block of one float32 K and V head per token), as vLLM's hybrid allocator pools them."""
+    model = scenario.model
+    page = model.page_size
+    common: dict[str, Any] = dict(block_size=page, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    page_bytes = FullAttentionSpec(**common).page_size_bytes
+    groups = []
+    for i, (label, slot) in enumerate(model.kv_slots.items()):
+        window = scenario.kv_windows.get(label)
+        spec: KVCacheSpec
+        if (slot.prompt, slot.output) == (0, 0):
+            spec = MambaSpec(
+                block_size=model.max_seq_len,  # without prefix caching: one block a request
+                shapes=((1,),),
+                dtypes=(torch.float32,),
+                page_size_padded=page_bytes,
+                mamba_cache_mode="none",
+                num_speculative_blocks=model.speculative_tokens,
+            )
+        elif window is None:
+            spec = FullAttentionSpec(**common)
+        elif window[0] == "sliding_window":
+            spec = SlidingWindowSpec(**common, sliding_window=window[1])
+        else:
+            spec = ChunkedLocalAttentionSpec(**common, attention_chunk_size=window[1])
+        groups.append(KVCacheGroupSpec([f"model.layers.{i}.{label}"], spec))
+    return groups
+
+
+def vllm_configs(
+    scenario: Scenario, async_scheduling: bool = False, max_batch_tokens: int = MAX_BATCH_TOKENS
+) -> tuple[Any, Any]:
+    """vLLM's engine config and the KV cache groups of the scenario's pool."""
     model = scenario.model
     max_len = model.max_seq_len
     model_config = ModelConfig(
@@ -85,27 +138,24 @@ def vllm_configs(scenario: Scenario, async_scheduling: bool = False) -> tuple[An
         seed=0,
     )
     scheduler_config = SchedulerConfig(
-        max_num_seqs=MAX_RUNNING,
-        max_num_batched_tokens=MAX_BATCH_TOKENS,
+        max_num_seqs=min(MAX_RUNNING, max_batch_tokens),
+        max_num_batched_tokens=max_batch_tokens,
         max_model_len=max_len,
         is_encoder_decoder=False,
         enable_chunked_prefill=True,
         async_scheduling=async_scheduling,
     )
-    cache_config = CacheConfig(block_size=model.page_size, enable_prefix_caching=True)
+    cache_config = CacheConfig(
+        block_size=model.page_size, enable_prefix_caching=not has_state(scenario)
+    )
     vllm_config = VllmConfig(
         model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
     )
     # vLLM's CPU platform turns async scheduling off whatever it is asked; with no model run
     # here the scheduler is stepped as a GPU's engine core steps it, so the setting is restored.
     scheduler_config.async_scheduling = async_scheduling
-    spec = FullAttentionSpec(
-        block_size=model.page_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
     kv_cache_config = KVCacheConfig(
-        num_blocks=scenario.pages,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+        num_blocks=scenario.pages, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups(scenario)
     )
     cache_config.num_gpu_blocks = scenario.pages
     return vllm_config, kv_cache_config
@@ -117,11 +167,15 @@ def build_scheduler(
     """Stock vLLM (`settings` None: its `Scheduler`, or `AsyncScheduler` under async scheduling)
     or vLLM with kvbank's scheduler class; `configs` replaces `vllm_configs(scenario)`."""
     vllm_config, kv_cache_config = configs or vllm_configs(scenario)
+    # vLLM schedules in blocks of every group's size (a Mamba state's, without prefix
+    # caching, is max_model_len tokens) and hashes prompts by the page
+    sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
     args: dict[str, Any] = dict(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=scenario.model.page_size,
+        block_size=math.lcm(scenario.model.page_size, *sizes),
+        hash_block_size=scenario.model.page_size,
         log_stats=False,
     )
     if settings is None:
@@ -252,7 +306,12 @@ class VllmBench:
                 decode += 1
             else:
                 prefill += count
-            pages += len(sched.kv_cache_manager.get_blocks(rid).blocks[0])
+            pages += sum(
+                1
+                for group in sched.kv_cache_manager.get_blocks(rid).blocks
+                for block in group
+                if not block.is_null
+            )
             req_ids.append(rid)
             # Under async scheduling the token this row samples is the last placeholder.
             index = request.num_output_tokens + max(1, request.num_output_placeholders)

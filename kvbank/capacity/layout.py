@@ -217,7 +217,7 @@ def pool_layout(layout: ModelLayout, settings: EngineSettings) -> PoolLayout:
         for index in range(pieces):
             label = group.kind.value if pieces == 1 else f"{group.kind.value}.{index}"
             layers = len(range(index, group.layers, pieces))  # vLLM deals layers i::pieces
-            groups.append(_pool_group(group, label, layers, page_size, settings))
+            groups.append(pool_group(group.kind, group.window, label, layers, page_size, settings))
     return PoolLayout(
         layout.model_type,
         tuple(groups),
@@ -252,16 +252,19 @@ def _allocated_groups(layout: ModelLayout, settings: EngineSettings) -> tuple[La
     return tuple(allocated)
 
 
-def _pool_group(
-    group: LayerGroup, label: str, layers: int, page_size: int, settings: EngineSettings
+def pool_group(
+    kind: Kind, window: int, label: str, layers: int, page_size: int, settings: EngineSettings
 ) -> PoolGroup:
+    """One KV cache group's label and worst-case rule (the module docstring). `pool_layout` calls
+    it for the groups it derives from a model; the vLLM plug-in (kvbank/vllm/layout.py) for the
+    groups a running vLLM made, so both count alike."""
     step = settings.in_flight_tokens
     cap: int | None = None
     state = 0
-    if group.kind is Kind.SLIDING:
-        cap = _cdiv(group.window - 1 + step, page_size) + 1
-    elif group.kind is Kind.CHUNKED:
-        cap = _cdiv(group.window + step, page_size) + (1 if group.window % page_size else 0)
-    elif group.kind.is_state:
+    if kind is Kind.SLIDING:
+        cap = _cdiv(window - 1 + step, page_size) + 1
+    elif kind is Kind.CHUNKED:
+        cap = _cdiv(window + step, page_size) + (1 if window % page_size else 0)
+    elif kind.is_state:
         state = 1 + settings.speculative_tokens
-    return PoolGroup(label, group.kind, layers, group.window, cap, state)
+    return PoolGroup(label, kind, layers, window, cap, state)

@@ -18,7 +18,11 @@ order (FIFO, as the ledger decides). Each step, before vLLM schedules:
 After each schedule the blocks every admitted request holds are compared with what the ledger
 knows and the difference is reported as taken; after each model step finishes, releases and
 (under peak-fit) every request's progress come from vLLM's own request state. The supply is
-vLLM's free block count: free and evictable cached blocks together, as vLLM allocates from both.
+vLLM's free block count: free and evictable cached blocks together, as vLLM allocates from both,
+less what windows freed that the ledger still counts as their requests' (kvbank.vllm.groups).
+
+Each of vLLM's KV cache groups is a label of the request's count (kvbank.vllm.layout); a hit,
+a pin and what a request holds are its blocks in every group, vLLM's null blocks left out.
 
 Under vLLM's async scheduling a step is scheduled while the model runs the previous one, and
 its output is processed after the next schedule: what the ledger is told after a step's output
@@ -43,11 +47,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbank.capacity import CapacityModel, RequestShape, count_pages, refusal
+from kvbank.capacity import CapacityModel, PageCount, RequestShape, count_pages, refusal
 from kvbank.ledger import Admitted, Hit, InvariantBreach, UnknownRequest, peak_shape
 from kvbank.ledger.client import LedgerClient, ask_in_order
 from kvbank.ledger.policy import PrefillPace
-from kvbank.vllm.layout import LABEL
+from kvbank.vllm.groups import Holding, Tables, hit_credit, steady_groups, window_overlap
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +61,14 @@ class Entry:
     """An admitted request, as the ledger counts it."""
 
     request: Any  # vllm.v1.request.Request
-    held: int  # pages the ledger counts as held (hit, then what vLLM allocated)
-    pin: list[Any] = field(default_factory=list)  # hit blocks pinned until vLLM holds them
+    holding: Holding  # pages the ledger counts as held, per group (hit, then vLLM's blocks)
+    pin: list[list[Any]] = field(default_factory=list)  # per group, the hit pinned until vLLM
+    # holds it
     chunks: int | None = None  # peak-fit: prefill steps it may still take (None: prefilled)
+
+    @property
+    def pinned(self) -> list[Any]:
+        return [block for group in self.pin for block in group]
 
 
 class Admission:
@@ -76,6 +85,10 @@ class Admission:
         self.peak = policy != "banker"
         self.total_pages = sched.kv_cache_manager.block_pool.num_gpu_blocks
         self.pool = sched.kv_cache_manager.block_pool
+        self.tables = Tables(sched.kv_cache_manager)
+        self.groups = len(model.kv_slots)
+        self.steady = steady_groups(model)
+        self.counts: dict[str, PageCount] = {}  # each waiting request's count
         self.waiting: OrderedDict[str, Any] = OrderedDict()  # not yet admitted, FIFO
         self.admitted: dict[str, Entry] = {}  # admission order
         self.refused: list[tuple[str, str]] = []  # (rid, why), for the caller to finish
@@ -83,11 +96,11 @@ class Admission:
         self.stalled_steps = 0
         self.pace = PrefillPace.of(sched.max_num_running_reqs, sched.max_num_scheduled_tokens)
         self.depth = depth
-        self._peeked: dict[str, list[Any]] = {}
+        self._peeked: dict[str, list[list[Any]]] = {}
         self._sharing_changed = False
         # A sidecar the schedule never waits on: the head's cached blocks pinned until its
         # decision is applied, and the last decision applied (each is applied once).
-        self._pins: dict[str, list[Any]] = {}
+        self._pins: dict[str, list[list[Any]]] = {}
         self._last_seq = -1
         # Whether the ledger has heard the progress of every schedule so far (a step's output
         # was processed since the latest schedule); admissions wait for it.
@@ -107,6 +120,7 @@ class Admission:
         pages = count.total
         rid = request.request_id
         self.waiting[rid] = request
+        self.counts[rid] = count
         if self.peak:
             self.backend.submit(rid, pages, shape=peak_shape(self.model, shape, count=count))
         else:
@@ -117,7 +131,8 @@ class Admission:
         """A request left (aborted) wherever it was."""
         pins = self._pins.pop(rid, None)
         if pins:
-            self.pool.free_blocks(pins)
+            self.pool.free_blocks(_flat(pins))
+        self.counts.pop(rid, None)
         if self.waiting.pop(rid, None) is not None:
             with contextlib.suppress(UnknownRequest):
                 self.backend.cancel(rid)
@@ -168,29 +183,41 @@ class Admission:
         """Pin more of the head's computed blocks, in prefix order, within the ledger's
         headroom: a block only the cache held (free to vLLM) leaves the supply, and one a
         single running request holds no longer returns when it finishes; each costs a page.
-        The hit reported is the pinned blocks, held, with no idle part."""
+        The hit reported is the pinned blocks, held, with no idle part. With several groups
+        (or a window's) the hit is pinned whole or not at all, once: a longer hit moves a
+        window, so its blocks are not a prefix of the shorter hit's."""
         head = next(iter(self.waiting.values()), None)
         if head is None:
             return
         rid = head.request_id
-        pinned = self._pins.setdefault(rid, [])
-        blocks = list(self.sched.kv_cache_manager.get_computed_blocks(head)[0].blocks[0])
+        pinned = self._pins.setdefault(rid, [[] for _ in range(self.groups)])
+        hit = self.tables.hit(head)
         budget = self.backend.headroom()
-        new: list[Any] = []
+        new: list[list[Any]] = [[] for _ in range(self.groups)]
         spent = 0
-        for block in blocks[len(pinned) :]:
-            cost = 1 if block.ref_cnt == 0 or (block.ref_cnt == 1 and self.peak) else 0
-            if spent + cost > budget:
-                break
-            spent += cost
-            new.append(block)
-        if not new:
+        if self.groups == 1 and self.steady[0]:
+            for block in hit[0][len(pinned[0]) :]:
+                cost = _pin_cost(block, self.peak, self.steady[0])
+                if spent + cost > budget:
+                    break
+                spent += cost
+                new[0].append(block)
+        elif not _flat(pinned):
+            spent = sum(
+                _pin_cost(block, self.peak, keep)
+                for group, keep in zip(hit, self.steady, strict=True)
+                for block in group
+            )
+            if spent <= budget:
+                new = hit
+        if not _flat(new):
             return
-        shared = any(block.ref_cnt == 1 for block in new)
-        self.pool.touch(new)
-        pinned += new
+        shared = any(block.ref_cnt == 1 for block in _flat(new))
+        self.pool.touch(_flat(new))
+        for group, more in zip(pinned, new, strict=True):
+            group += more
         self.backend.note_pin(spent)
-        self.backend.report_hits({rid: Hit(len(pinned), 0, 0)})
+        self.backend.report_hits({rid: Hit(len(_flat(pinned)), 0, 0)})
         if shared and self.peak:
             for entry in self.admitted.values():
                 self.backend.set_exclusive(entry.request.request_id, self._exclusive(entry))
@@ -204,29 +231,42 @@ class Admission:
             if not isinstance(decision, Admitted):
                 raise InvariantBreach(f"the sidecar refused {rid!r}: {decision}")
             request = self.waiting.pop(rid, None)
-            pins = self._pins.pop(rid, [])
-            if request is None:  # it left while the decision was on its way
-                if pins:
-                    self.pool.free_blocks(pins)
+            pins = self._pins.pop(rid, [[] for _ in range(self.groups)])
+            count = self.counts.pop(rid, None)
+            if request is None or count is None:  # it left while the decision was on its way
+                if _flat(pins):
+                    self.pool.free_blocks(_flat(pins))
                 self.backend.release(rid)
                 continue
-            if decision.hit.pages > len(pins):
-                raise InvariantBreach(
-                    f"request {rid!r} was admitted with a {decision.hit.pages}-block hit but "
-                    f"only {len(pins)} blocks are pinned for it"
-                )
-            extra = pins[decision.hit.pages :]
-            if extra:
-                self.pool.free_blocks(extra)
-            pins = pins[: decision.hit.pages]
+            pins = self._keep_pinned(rid, pins, decision.hit.pages)
             chunks = None
             if self.peak:
                 chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens)
                 self.backend.start(rid, chunks)  # before vLLM takes the prompt's blocks
-            self.admitted[rid] = Entry(request, decision.hit.pages, pins, chunks)
+            holding = Holding.of(self.model, request, count, pins)
+            self.admitted[rid] = Entry(request, holding, pins, chunks)
             if decision.hit.pages:
                 self._sharing_changed = True
             self.sched._enqueue_waiting_request(request)  # as vLLM queues an arrival
+
+    def _keep_pinned(self, rid: str, pins: list[list[Any]], hit: int) -> list[list[Any]]:
+        """The pins an admission with a `hit`-block hit keeps (it was decided on an earlier
+        report, so on fewer pins or none); the others are dropped."""
+        pinned = len(_flat(pins))
+        whole = self.groups > 1 or not self.steady[0]
+        if hit > pinned or (whole and hit not in (0, pinned)):
+            raise InvariantBreach(
+                f"request {rid!r} was admitted with a {hit}-block hit but {pinned} blocks are "
+                f"pinned for it"
+            )
+        if self.groups == 1 and self.steady[0]:
+            kept = [pins[0][:hit]]
+        else:
+            kept = pins if hit else [[] for _ in pins]
+        dropped = [b for group, keep in zip(pins, kept, strict=True) for b in group[len(keep) :]]
+        if dropped:
+            self.pool.free_blocks(dropped)
+        return kept
 
     def _queue(self) -> list[Any]:
         return list(self.waiting.values())
@@ -248,26 +288,26 @@ class Admission:
         if self._in_flight() >= self.pace.running_cap:
             return None, None
         chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens) if self.peak else None
-        blocks = list(self.sched.kv_cache_manager.get_computed_blocks(request)[0].blocks[0])
-        self._peeked[request.request_id] = blocks
-        shared = [b for b in blocks if b.ref_cnt > 0]
-        return Hit(len(shared), 0, sum(1 for b in shared if b.ref_cnt == 1)), chunks
+        hit = self.tables.hit(request)
+        self._peeked[request.request_id] = hit
+        credit, sole = hit_credit(hit, self.steady)
+        return Hit(credit, 0, sole), chunks
 
     def _started(self, decision: Admitted) -> None:
         rid = decision.rid
         request = self.waiting.pop(rid, None)
         if request is None:
             raise InvariantBreach(f"request {rid!r} was admitted but is not waiting")
-        pin = self._peeked.pop(rid, [])
-        idle = sum(1 for b in pin if b.ref_cnt == 0)
+        pin = self._peeked.pop(rid, [[] for _ in range(self.groups)])
+        taken = len(_flat(pin)) - decision.hit.pages  # idle blocks and window copies
         chunks = None
         if self.peak:
             chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens)
-        self.pool.touch(pin)
-        self.admitted[rid] = Entry(request, decision.hit.pages, pin, chunks)
-        if idle:
-            self.backend.take(rid, idle)  # the pin took them off the free supply
-            self.admitted[rid].held += idle
+        self.pool.touch(_flat(pin))
+        holding = Holding.of(self.model, request, self.counts.pop(rid), pin)
+        self.admitted[rid] = Entry(request, holding, pin, chunks)
+        if taken:
+            self.backend.take(rid, taken)  # the pin took them off the supply
         if decision.hit.pages:
             self._sharing_changed = True
         self.sched._enqueue_waiting_request(request)  # as vLLM queues an arrival
@@ -285,28 +325,23 @@ class Admission:
             request = entry.request
             if request.status != running:
                 continue
-            table = self.sched.kv_cache_manager.get_blocks(rid).blocks[0]
-            held = len(table)
             if entry.pin:
-                if held < len(entry.pin):
-                    # The ledger counted the pinned hit as held; pages vLLM did not adopt
-                    # would go back to the supply while still counted: refuse, loudly.
-                    raise InvariantBreach(
-                        f"vLLM started {rid!r} with {held} blocks, fewer than the "
-                        f"{len(entry.pin)} cached blocks kvbank pinned for it"
-                    )
-                self.pool.free_blocks(entry.pin)
+                # vLLM holds the hit now; pinned blocks it did not adopt (a window that a
+                # longer hit moved) stay counted as the request's, as freed ones do
+                self.pool.free_blocks(entry.pinned)
                 entry.pin = []
-            if held > entry.held:
+            holding = entry.holding
+            shared = holding.shared
+            grown = holding.hold(rid, self.tables.held(rid))
+            if holding.shared > shared:
                 # vLLM caches a prompt's full blocks as it allocates them, so a request
                 # scheduled after another in the same step can hit blocks the other has just
                 # taken: pages it holds without taking them from the supply, which the other
                 # no longer returns alone. The ledger counts them as taken (the request needs
                 # no more of them) and hears the exact exclusive counts at this step's end.
-                if any(block.ref_cnt > 1 for block in table[entry.held :]):
-                    self._sharing_changed = True
-                self.backend.take(rid, held - entry.held)
-                entry.held = held
+                self._sharing_changed = True
+            if grown:
+                self.backend.take(rid, grown)
         self._sync_supply()
         self._reported = False
 
@@ -335,7 +370,7 @@ class Admission:
             elif rid not in scheduled:
                 continue  # a decode step skipped: stalled
             exclusive = self._exclusive(entry) if recount else None
-            written = {LABEL: request.num_computed_tokens}
+            written = entry.holding.written(request.num_computed_tokens, request.num_prompt_tokens)
             self.backend.advance(
                 rid, request.num_output_tokens, written, entry.chunks or 0, exclusive
             )
@@ -350,35 +385,73 @@ class Admission:
         self.stalled_steps = self.backend.stalled_steps()
 
     def _exclusive(self, entry: Entry) -> int:
-        """Pages only this request holds (a pinned hit counts as its own)."""
-        if entry.pin:
-            table = entry.pin
-        else:
-            table = self.sched.kv_cache_manager.get_blocks(entry.request.request_id).blocks[0]
-        return sum(1 for b in table if b.ref_cnt == 1)
+        """Pages that come back when this request finishes: those only it holds (a pinned hit
+        counts as its own) and those a window freed that the ledger still counts."""
+        holding = entry.holding
+        rid = entry.request.request_id
+        holding.recount(rid, entry.pin if entry.pin else self.tables.held(rid))
+        return holding.exclusive
 
     def _release(self, rid: str) -> None:
         entry = self.admitted.pop(rid)
         if entry.pin:
-            self.pool.free_blocks(entry.pin)
+            self.pool.free_blocks(entry.pinned)
         self.backend.release(rid)
         if self.admitted:
             self._sharing_changed = True
 
     def _sync_supply(self) -> None:
-        self.backend.set_supply(self.pool.get_num_free_blocks(), 0)
+        self.backend.set_supply(self._supply(), 0)
+
+    def _supply(self) -> int:
+        """vLLM's free blocks less those windows freed that the ledger still counts as their
+        requests' (kvbank.vllm.groups): they may take them again."""
+        free = self.pool.get_num_free_blocks()
+        freed = sum(entry.holding.freed for entry in self.admitted.values())
+        overlap = 0
+        if not all(self.steady):
+            held = [entry.holding.window_ids for entry in self.admitted.values()]
+            held += [
+                [b.block_id for group, keep in zip(pins, self.steady, strict=True)
+                 if not keep for b in group]
+                for pins in self._pins.values()
+            ]  # fmt: skip
+            overlap = window_overlap(held)
+        if freed + overlap > free:
+            raise InvariantBreach(
+                f"admitted requests freed {freed} blocks they may take again and share "
+                f"{overlap} window blocks but vLLM has only {free} free"
+            )
+        return free - freed - overlap
 
     def check_integrity(self) -> None:
-        """The ledger safe and agreeing with vLLM's free blocks; no admitted request preempted."""
+        """The ledger safe and agreeing with vLLM's free blocks; no admitted request preempted
+        or holding more in a group than its count."""
         if self.preemptions:
             raise InvariantBreach(
                 f"vLLM preempted {self.preemptions} request(s) that kvbank admitted"
             )
-        self.backend.check_integrity(self.pool.get_num_free_blocks(), 0)
+        running = _running()
+        for rid, entry in self.admitted.items():
+            if entry.request.status == running and not entry.pin:
+                entry.holding.recount(rid, self.tables.held(rid))  # raises past its count
+        self.backend.check_integrity(self._supply(), 0)
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+
+def _flat(groups: list[list[Any]]) -> list[Any]:
+    return [block for group in groups for block in group]
+
+
+def _pin_cost(block: Any, peak: bool, steady: bool) -> int:
+    """A page of headroom for a block only the cache held (it leaves the free supply), for any
+    block of a window or state group (kvbank.vllm.groups: a copy is a page) and, under
+    peak-fit, for one a single running request holds (it no longer returns when that request
+    finishes)."""
+    return 1 if not steady or block.ref_cnt == 0 or (block.ref_cnt == 1 and peak) else 0
 
 
 def _running() -> Any:

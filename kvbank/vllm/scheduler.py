@@ -7,11 +7,12 @@ waiting request may start (kvbank.vllm.admission), so a running request never ne
 vLLM builds the class it is named, so `KvbankScheduler` builds the variant vLLM's configuration
 asks for: over vLLM's `AsyncScheduler` under async scheduling (vLLM's default: the next step is
 scheduled while the model runs this one, each decode's next position held by an output
-placeholder), over its `Scheduler` with --no-async-scheduling. Refused at start-up, with a
-message saying what to change: a vLLM version outside `kvbank.vllm.versions.SUPPORTED`, a bad
-KVBANK_* variable, a KV layout kvbank cannot count (several KV cache groups: sliding-window or
-hybrid models), and what kvbank's count does not cover with more than one step in flight
-(speculative decoding under async scheduling, pipeline parallelism).
+placeholder), over its `Scheduler` with --no-async-scheduling. Each of vLLM's KV cache groups
+(full attention, sliding window, chunked local, MLA, Mamba state) is a label of the ledger's
+count (kvbank.vllm.layout). Refused at start-up, with a message saying what to change: a vLLM
+version outside `kvbank.vllm.versions.SUPPORTED`, a bad KVBANK_* variable, a KV cache group
+kvbank cannot count (naming it), and what kvbank's count does not cover with more than one step
+in flight (speculative decoding under async scheduling, pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -29,27 +30,14 @@ from vllm.v1.request import RequestStatus
 
 from kvbank.ledger import PeakPolicy
 from kvbank.vllm.admission import Admission
-from kvbank.vllm.layout import GroupSpec, UnsupportedLayout, capacity_model, check_layout
+from kvbank.vllm.groups import limits_of, read_groups
+from kvbank.vllm.layout import UnsupportedLayout, capacity_model, check_layout, page_size
 from kvbank.vllm.settings import Settings, from_env
 from kvbank.vllm.versions import check_vllm_version, installed_vllm_version
 
 log = logging.getLogger(__name__)
 # Requests tried behind a refused head each step, as kvbank's own engine tries.
 BACKFILL_DEPTH = 32
-
-
-def kv_groups(kv_cache_config: Any) -> list[GroupSpec]:
-    groups = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        groups.append(
-            GroupSpec(
-                type(spec).__name__,
-                len(group.layer_names),
-                getattr(spec, "sliding_window", None),
-            )
-        )
-    return groups
 
 
 def make_backend(
@@ -133,7 +121,9 @@ class KvbankScheduler(Scheduler):
     ) -> None:
         check_vllm_version(installed_vllm_version())
         settings = settings if settings is not None else from_env(os.environ)
-        check_layout(kv_groups(kv_cache_config))
+        groups = read_groups(kv_cache_config)
+        speculative = getattr(vllm_config.speculative_config, "num_speculative_tokens", 0)
+        check_layout(groups, speculative or 0)
         async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         if async_scheduling != isinstance(self, AsyncScheduler):
             raise UnsupportedLayout(
@@ -145,19 +135,22 @@ class KvbankScheduler(Scheduler):
         check_steps_in_flight(vllm_config)
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         lookahead = self.num_spec_tokens + self.num_lookahead_tokens
-        model = capacity_model(self.block_size, self.max_model_len, lookahead)
+        page = page_size(groups, self.block_size)
+        model = capacity_model(groups, limits_of(vllm_config, page, self.max_model_len, lookahead))
         total = self.kv_cache_manager.block_pool.num_gpu_blocks
         if backend is None:
-            backend = make_backend(settings, total, self.block_size, lookahead)
+            backend = make_backend(settings, total, page, lookahead)
         self.kvbank = Admission(self, model, backend, settings.policy, BACKFILL_DEPTH)
         self._kvbank_refusing: set[str] = set()  # refused, finished by the next step
         log.info(
-            "kvbank admission: %s, %s ledger, %d pages of %d tokens, %s scheduling",
+            "kvbank admission: %s, %s ledger, %d pages of %d tokens, %s scheduling, KV cache "
+            "groups %s",
             settings.policy,
             settings.sidecar or "embedded",
             total,
-            self.block_size,
+            page,
             "async" if async_scheduling else "synchronous",
+            ", ".join(g.describe() for g in groups),
         )
 
     # ---- requests ------------------------------------------------------------------------------

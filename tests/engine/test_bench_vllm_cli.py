@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvbank.cli import main
-from kvbank.vllm.layout import GroupSpec, UnsupportedLayout, capacity_model, check_layout
+from kvbank.vllm.layout import GroupSpec, Limits, UnsupportedLayout, capacity_model, check_layout
 from kvbank.vllm.settings import Settings, SettingsError, from_env
 
 ONE_LABEL = """
@@ -34,7 +34,11 @@ def _bench(tmp_path: Path, text: str, *args: str) -> int:
     [
         (
             ONE_LABEL.replace("{main: {prompt: 1, output: 1}}", "{a: {prompt: 1}, b: {fixed: 8}}"),
-            "the model has 2 KV labels (a, b)",
+            "label 'a' writes 1 per prompt token",
+        ),
+        (
+            ONE_LABEL.replace("output: 1}}", "output: 1}, s: {fixed: 8}}"),
+            "holds 1 + speculative_tokens pages (fixed: 4)",
         ),
         (ONE_LABEL.replace("output: 1}}", "output: 1, fixed: 16}}"), "16 fixed tokens"),
         (ONE_LABEL.replace("{prompt: 1, output: 1}}", "{prompt: 2, output: 1}}"), "2 per prompt"),
@@ -131,16 +135,25 @@ def test_an_empty_token_file_is_refused(tmp_path: Path) -> None:
     assert (got.sidecar, got.token) == ("127.0.0.1:5", "s3cret")
 
 
-def test_only_one_full_attention_group_is_counted() -> None:
-    check_layout([GroupSpec("FullAttentionSpec", 32)])
-    with pytest.raises(UnsupportedLayout, match="MambaSpec"):
-        check_layout([GroupSpec("FullAttentionSpec", 4), GroupSpec("MambaSpec", 28)])
-    with pytest.raises(UnsupportedLayout, match="sliding window 4096"):
-        check_layout([GroupSpec("FullAttentionSpec", 32, sliding_window=4096)])
+def test_each_group_is_a_label_with_its_own_rule() -> None:
+    groups = [
+        GroupSpec("FullAttentionSpec", 4, block_size=16),
+        GroupSpec("SlidingWindowSpec", 28, sliding_window=4096, block_size=16),
+        GroupSpec("MambaSpec", 8, block_size=4096),
+    ]
+    model = capacity_model(groups, Limits(16, 32768, 0, max_num_batched_tokens=2048))
+    assert list(model.kv_slots) == ["g0-full", "g1-sliding", "g2-mamba2"]
+    assert model.label_caps == {"g1-sliding": (4095 + 2048 + 15) // 16 + 1}
+    assert model.kv_slots["g2-mamba2"].fixed == 16  # one page of state
+    with pytest.raises(UnsupportedLayout, match="CrossAttentionSpec"):
+        check_layout([GroupSpec("FullAttentionSpec", 4), GroupSpec("CrossAttentionSpec", 4)])
+    with pytest.raises(UnsupportedLayout, match="mamba_cache_mode align"):
+        check_layout([GroupSpec("MambaSpec", 4, mamba_cache_mode="align")])
+    check_layout([GroupSpec("FullAttentionSpec", 32, sliding_window=4096)])  # every position
 
 
 def test_the_capacity_model_is_vllms_block_size_and_limits() -> None:
-    model = capacity_model(block_size=16, max_model_len=4096, lookahead_tokens=2)
+    model = capacity_model([GroupSpec("FullAttentionSpec", 32)], Limits(16, 4096, 2))
     assert (model.page_size, model.max_seq_len, model.max_tokens) == (16, 4096, 4095)
     assert model.speculative_tokens == 2
 
@@ -165,3 +178,23 @@ def test_the_bench_runs_itself_under_vllms_python_and_prints_the_same_fields(
     assert own == 0
     fields = set(json.loads(capfd.readouterr().out)[0])
     assert fields <= set(runs[0])  # every field kvbank's engine prints, and `engine`
+
+
+def test_a_hybrid_scenario_is_one_kv_cache_group_per_label() -> None:
+    from kvbank.engine.bench.scenario import load_scenario
+    from kvbank.engine.bench.vllm_cli import scenario_refusal
+
+    root = Path(__file__).resolve().parents[2]
+    hybrid = load_scenario(root / "scenarios" / "hybrid-window.yaml")
+    assert hybrid.kv_windows == {"window": ("sliding_window", 256)}
+    assert scenario_refusal(hybrid) is None
+
+
+def test_a_label_with_both_a_window_and_a_chunk_is_refused(tmp_path: Path) -> None:
+    text = ONE_LABEL.replace("output: 1}}", "output: 1, sliding_window: 8, attention_chunk: 8}}")
+    path = tmp_path / "scenario.yaml"
+    path.write_text(text)
+    from kvbank.engine.bench.scenario import ScenarioError, load_scenario
+
+    with pytest.raises(ScenarioError, match="give one of sliding_window or attention_chunk"):
+        load_scenario(path)

@@ -11,7 +11,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    SlidingWindowSpec,
+    MambaSpec,
 )
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm_builders import MODES, PAGE, _configs, bench, drive, scenario
@@ -102,19 +102,18 @@ def _construct(kv_cache_config: KVCacheConfig, vllm_config=None, settings=None) 
     )
 
 
-def test_several_kv_cache_groups_are_refused_at_start_up_naming_them() -> None:
+def test_a_mamba_state_under_prefix_caching_is_refused_at_start_up_naming_the_flag() -> None:
     full = FullAttentionSpec(block_size=PAGE, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    window = SlidingWindowSpec(
-        block_size=PAGE, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=128
-    )
-    hybrid = [KVCacheGroupSpec(["full.0"], full), KVCacheGroupSpec(["swa.0", "swa.1"], window)]
+    state = MambaSpec(
+        block_size=PAGE, shapes=((1,),), dtypes=(torch.float32,),
+        page_size_padded=full.page_size_bytes, mamba_cache_mode="align",
+    )  # fmt: skip
+    hybrid = [KVCacheGroupSpec(["full.0"], full), KVCacheGroupSpec(["mamba.0", "mamba.1"], state)]
     with pytest.raises(UnsupportedLayout) as refused:
         _construct(_kv_config(hybrid), settings=Settings())
     message = str(refused.value)
-    assert "2 KV cache groups" in message
-    assert "SlidingWindowSpec (2 layers, sliding window 128)" in message
-    with pytest.raises(UnsupportedLayout, match="SlidingWindowSpec .* full attention only"):
-        _construct(_kv_config([KVCacheGroupSpec(["swa.0"], window)]), settings=Settings())
+    assert "MambaSpec (2 layers, mamba_cache_mode align)" in message
+    assert "--no-enable-prefix-caching" in message
 
 
 def test_the_class_vllm_is_named_builds_the_variant_of_vllms_scheduling() -> None:

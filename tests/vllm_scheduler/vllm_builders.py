@@ -80,11 +80,13 @@ def drive(
     max_steps: int = 20000,
     check: bool = True,
     pause_s: float = 0.0,
+    on_step: Any = None,
 ) -> Drive:
     """Step until nothing is left: `arrivals[step]` are (rid, prompt, max_tokens, output
     tokens) added before that step, `aborts[step]` rids aborted before it. Checks the ledger
     after every step; raises if the run does not end within `max_steps`. `pause_s` after each
-    step stands in for the model's forward pass (a sidecar's reply has that long to arrive)."""
+    step stands in for the model's forward pass (a sidecar's reply has that long to arrive).
+    `on_step()`, if given, runs after every step's check."""
     seen = Drive()
     aborts = aborts or {}
     last = max([*arrivals, *aborts, 0])
@@ -105,6 +107,8 @@ def drive(
         seen.preemptions += totals.preempted
         if check:
             run.check_integrity()
+        if on_step is not None:
+            on_step()
         for out in totals.outputs:
             seen.tokens[out.request_id] = seen.tokens.get(out.request_id, 0) + len(
                 out.new_token_ids

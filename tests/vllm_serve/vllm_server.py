@@ -41,7 +41,7 @@ def free_port() -> int:
 class VllmServer:
     """One `vllm serve` process. `kvbank`: run vLLM's scheduler with kvbank's admission
     (`--scheduler-cls kvbank.vllm.KvbankScheduler`); `env` adds the plug-in's KVBANK_*
-    settings."""
+    settings; `extra_args` more `vllm serve` flags."""
 
     def __init__(
         self,
@@ -52,6 +52,7 @@ class VllmServer:
         blocks: int,
         max_model_len: int,
         env: Mapping[str, str] | None = None,
+        extra_args: Iterable[str] = (),
     ) -> None:
         self.kvbank = kvbank
         self.log_path = log_path
@@ -84,6 +85,7 @@ class VllmServer:
             "--seed",
             "0",
         ]
+        args += list(extra_args)
         if kvbank:
             # As a user starts it: vLLM's scheduling flags at their defaults (async scheduling,
             # which vLLM's CPU platform turns off; kvbank's class follows vLLM's setting).
