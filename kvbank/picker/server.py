@@ -29,7 +29,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from kvbank.picker.body import DEFAULT_MAX_BODY_BYTES, Counter
+from kvbank.picker.discovery import Discovery, Target
 from kvbank.picker.extproc import ExternalProcessor, Settings
+from kvbank.picker.kube import PodApi
 from kvbank.picker.metrics import PickerMetrics
 from kvbank.picker.sidecars import Link, Pod, Sidecars
 from kvbank.poolfile import PoolFileError, read_pool
@@ -51,8 +53,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="IP:PORT=SIDECAR",
         help="a pod of the pool: the endpoint the gateway sends to, and its sidecar's "
-        "HOST:PORT; again for each pod",
+        "HOST:PORT; again for each pod (or find them with --selector)",
     )
+    parser.add_argument(
+        "--selector",
+        metavar="LABELS",
+        help="find the pods in Kubernetes instead: the Ready Pods this label selector matches "
+        "(the InferencePool's spec.selector, e.g. kvbank.dev/pool=llama,kvbank.dev/rank=0)",
+    )
+    parser.add_argument("--namespace", help="the pods' namespace (default: the picker's own)")
+    parser.add_argument(
+        "--target-port", type=int, default=8000, help="with --selector: the engine's port"
+    )
+    parser.add_argument(
+        "--sidecar-port", type=int, default=50051, help="with --selector: the sidecar's port"
+    )
+    parser.add_argument("--kubeconfig", help="with --selector, outside a pod: the kubeconfig")
     parser.add_argument("--pool", required=True, metavar="FILE", help="the pool's ModelPool")
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--model-dir", help="the model folder whose tokenizer.json the pods use")
@@ -86,6 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Config:
     listen: str
     pods: tuple[Pod, ...]
+    target: Target | None  # find the pods in Kubernetes (then `pods` is empty)
     counter: Counter
     link: Link
     metrics_port: int
@@ -93,6 +110,7 @@ class Config:
     hold_ttl_s: float
     max_body_bytes: int
     grace_s: float
+    kubeconfig: str | None = None
 
 
 def parse_pod(text: str) -> Pod:
@@ -106,11 +124,36 @@ def parse_pod(text: str) -> Pod:
     return Pod(endpoint, sidecar)
 
 
+SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def own_namespace(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        return SA_NAMESPACE.read_text().strip()
+    except OSError:
+        raise ConfigError(
+            "--selector needs --namespace outside a pod (no ServiceAccount namespace to read)"
+        ) from None
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     from kvbank.engine.model.tokenizer import Tokenizer  # only the picker pays for it
 
-    if not args.pod:
-        raise ConfigError("give the pool's pods with --pod IP:PORT=SIDECAR (once for each)")
+    if not args.pod and not args.selector:
+        raise ConfigError(
+            "give the pool's pods with --pod IP:PORT=SIDECAR (once for each), or find them in "
+            "Kubernetes with --selector LABELS"
+        )
+    if args.pod and args.selector:
+        raise ConfigError("give the pods with --pod or find them with --selector, not both")
+    target = None
+    if args.selector:
+        ports = (args.target_port, args.sidecar_port)
+        if not all(0 < p < 65536 for p in ports):
+            raise ConfigError("--target-port and --sidecar-port must be ports (1-65535)")
+        target = Target(own_namespace(args.namespace), args.selector, *ports)
     pods = tuple(parse_pod(p) for p in args.pod)
     if len({p.endpoint for p in pods}) != len(pods):
         raise ConfigError("a --pod endpoint is given twice; give each pod once")
@@ -143,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return Config(
         listen=args.listen,
         pods=pods,
+        target=target,
         counter=counter,
         link=link,
         metrics_port=args.metrics_port,
@@ -150,12 +194,24 @@ def config_from_args(args: argparse.Namespace) -> Config:
         hold_ttl_s=args.hold_ttl_s,
         max_body_bytes=args.max_body_bytes,
         grace_s=args.grace_s,
+        kubeconfig=args.kubeconfig,
     )
 
 
+def pods_text(config: Config) -> str:
+    t = config.target
+    if t is None:
+        return f"{len(config.pods)} pods"
+    return f"the Ready pods of {t.selector} in {t.namespace}"
+
+
 async def serve(
-    config: Config, stop: asyncio.Event, on_ready: Callable[[int], None] | None = None
+    config: Config,
+    stop: asyncio.Event,
+    on_ready: Callable[[int], None] | None = None,
+    pod_api: Callable[[], PodApi] | None = None,
 ) -> None:
+    """`pod_api` makes the Kubernetes client discovery uses (tests give their own)."""
     metrics = PickerMetrics()
     sidecars = Sidecars(list(config.pods), config.link, metrics)
     settings = Settings(config.counter, config.max_body_bytes, config.hold_ttl_s)
@@ -175,10 +231,17 @@ async def serve(
     await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
     for name in READY_SERVICES:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    discovery = None
+    if config.target is not None:
+        from kvbank.picker.kube import KubePodApi
+
+        discovery = Discovery(pod_api() if pod_api else KubePodApi(config.kubeconfig),
+                              config.target, sidecars)  # fmt: skip
+        discovery.start()
     sidecars.start()
     await server.start()
     print(f"kvbank picker: serving ext_proc on {config.listen.rsplit(':', 1)[0]}:{port} for "
-          f"{len(config.pods)} pods", flush=True)  # fmt: skip
+          f"{pods_text(config)}", flush=True)  # fmt: skip
 
     async def readiness() -> None:
         while not sidecars.synced:
@@ -195,6 +258,8 @@ async def serve(
         ready.cancel()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(config.grace_s)
+        if discovery is not None:
+            await discovery.stop()
         await sidecars.close()
         if http is not None:
             http.shutdown()

@@ -30,6 +30,9 @@ log = logging.getLogger("kvbank.picker")
 class Pod:
     endpoint: str  # ip:port the gateway sends traffic to (the x-gateway-destination-endpoint)
     sidecar: str  # the pod's sidecar, host:port
+    # The name its sidecar's certificate is checked against when `sidecar` is an IP the
+    # certificate does not name (a discovered pod: its StatefulSet DNS name).
+    tls_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,38 +75,70 @@ class Sidecars:
         self.link = link
         self.metrics = metrics
         self.watched = {pod.endpoint: Watched(pod) for pod in pods}
-        self._channels: list[grpc.aio.Channel] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._started = False
+        # False while a discovery has not listed the pods yet: the candidates are not known.
+        self.listed = True
 
-    def _channel(self, target: str) -> grpc.aio.Channel:
+    def _channel(self, pod: Pod) -> grpc.aio.Channel:
         if self.link.ca_pem is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=self.link.ca_pem)
-            channel = grpc.aio.secure_channel(target, creds)
-        else:
-            channel = grpc.aio.insecure_channel(target)
-        self._channels.append(channel)
-        return channel
+            options = [("grpc.ssl_target_name_override", pod.tls_name)] if pod.tls_name else []
+            return grpc.aio.secure_channel(pod.sidecar, creds, options=options)
+        return grpc.aio.insecure_channel(pod.sidecar)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.link.token}"),) if self.link.token else ()
 
+    def _start_one(self, watched: Watched) -> None:
+        channel = self._channels[watched.pod.endpoint] = self._channel(watched.pod)
+        watched.stub = pb_grpc.RoutingStub(channel)
+        watched.task = asyncio.create_task(self._watch(watched))
+
     def start(self) -> None:
+        self._started = True
         for watched in self.watched.values():
-            watched.stub = pb_grpc.RoutingStub(self._channel(watched.pod.sidecar))
-            watched.task = asyncio.create_task(self._watch(watched))
+            self._start_one(watched)
+
+    async def _stop_one(self, watched: Watched) -> None:
+        if watched.task is not None:
+            watched.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watched.task
+        channel = self._channels.pop(watched.pod.endpoint, None)
+        if channel is not None:
+            await channel.close()
 
     async def close(self) -> None:
-        for watched in self.watched.values():
-            if watched.task is not None:
-                watched.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watched.task
-        for channel in self._channels:
-            await channel.close()
+        for watched in list(self.watched.values()):
+            await self._stop_one(watched)
+
+    async def add(self, pod: Pod) -> None:
+        """A pod joins (discovery saw it Ready); a pod known under this endpoint with another
+        sidecar is replaced."""
+        known = self.watched.get(pod.endpoint)
+        if known is not None and known.pod == pod:
+            return
+        if known is not None:
+            await self.remove(pod.endpoint, "its sidecar changed")
+        watched = self.watched[pod.endpoint] = Watched(pod)
+        log.info("kvbank picker: pod %s joins (sidecar %s)", pod.endpoint, pod.sidecar)
+        if self._started:
+            self._start_one(watched)
+
+    async def remove(self, endpoint: str, why: str) -> None:
+        """A pod leaves the candidates for good (unready, or gone): its watch stops."""
+        watched = self.watched.pop(endpoint, None)
+        if watched is None:
+            return
+        log.info("kvbank picker: pod %s leaves the candidates (%s)", endpoint, why)
+        self.metrics.pod_live(endpoint, False)
+        await self._stop_one(watched)
 
     @property
     def synced(self) -> bool:
         """Every pod's first watch has answered or failed: the candidates are known."""
-        return all(w.heard for w in self.watched.values())
+        return self.listed and all(w.heard for w in self.watched.values())
 
     def candidates(self) -> list[PodFigures]:
         return [f for w in self.watched.values() if (f := w.pod_figures()) is not None]
@@ -167,9 +202,10 @@ class Sidecars:
     ) -> bool | None:
         """Claim `pages` on the pod: True granted, False refused (its room went to another
         pick; its figures are updated from the reply), None: the sidecar did not answer in
-        time (the pick goes elsewhere)."""
-        watched = self.watched[endpoint]
-        assert watched.stub is not None
+        time, or the pod left meanwhile (the pick goes elsewhere)."""
+        watched = self.watched.get(endpoint)
+        if watched is None or watched.stub is None:
+            return None
         request = pb.HoldRequest(
             hold_id=hold_id,
             pages=pages,
@@ -195,8 +231,9 @@ class Sidecars:
         return bool(reply.granted)
 
     async def unhold(self, endpoint: str, hold_id: str) -> None:
-        watched = self.watched[endpoint]
-        assert watched.stub is not None
+        watched = self.watched.get(endpoint)
+        if watched is None or watched.stub is None:
+            return
         with contextlib.suppress(grpc.aio.AioRpcError):
             await watched.stub.Unhold(
                 pb.UnholdRequest(hold_id=hold_id),

@@ -99,11 +99,14 @@ class ThreadPicker(threading.Thread):
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
+        self.pod_api: Any = None  # a Kubernetes client for discovery (`--selector`)
 
     def run(self) -> None:
         async def main() -> None:
             self._loop, self._stop_event = asyncio.get_running_loop(), asyncio.Event()
-            await server.serve(self.config, self._stop_event, self._on_ready)
+            api = self.pod_api
+            await server.serve(self.config, self._stop_event, self._on_ready,
+                               (lambda: api) if api is not None else None)  # fmt: skip
 
         asyncio.run(main())
 
