@@ -133,6 +133,12 @@ class Deployment:
     template: PodTemplate = field(default_factory=PodTemplate)
     engine: Engine = field(default_factory=Engine)
     api_key: SecretKey | None = None
+    # spec.routing.picker: "kvbank" renders an InferencePool and `kvbank picker` over the pool's
+    # rank-0 pods (kvbank.operator.render.picker); "none" keeps the traffic Service alone.
+    picker: str = "none"
+
+
+PICKERS = ("none", "kvbank")
 
 
 # ---- field readers ----------------------------------------------------------------------
@@ -301,6 +307,16 @@ def parse_deployment(doc: Any) -> Deployment:
     api_key = None
     if "apiKeySecret" in spec:
         api_key = _secret_key(r, spec["apiKeySecret"], "spec.apiKeySecret", DEFAULT_API_KEY)
+    picker = _picker(r, spec.get("routing"))
     if r.errors:
         raise SpecError(r.errors)
-    return Deployment(source, template, engine, api_key)
+    return Deployment(source, template, engine, api_key, picker)
+
+
+def _picker(r: FieldReader, obj: Any) -> str:
+    routing = r.mapping(obj, "spec.routing", required=False)
+    if routing is None:
+        return "none"
+    r.unknown(routing, "spec.routing", {"picker"})
+    picker = r.string(routing, "picker", "spec.routing", required=False, choices=PICKERS)
+    return picker or "none"

@@ -49,7 +49,7 @@ MAX_MODEL_NAME_LENGTH = 253
 SPEC_FIELDS = ("model", "replicas", "tensorParallel", "gpu", "kv", "kvSlots", "limits", "admission")
 # Where the pods run, what they mount and which engine they start: read by the operator alone
 # (kvbank.deployment, with spec.model.source), so this reader only lets them through.
-POD_FIELDS = ("template", "engine", "apiKeySecret")
+POD_FIELDS = ("template", "engine", "apiKeySecret", "routing")
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,13 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): ("leaderworkersets", True),
     (KVBANK, "ModelPool"): ("modelpools", True),
+    # What `spec.routing.picker: kvbank` renders (render.picker).
+    ("v1", "ServiceAccount"): ("serviceaccounts", True),
+    ("apps/v1", "Deployment"): ("deployments", True),
+    ("rbac.authorization.k8s.io/v1", "Role"): ("roles", True),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): ("rolebindings", True),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("networkpolicies", True),
+    ("inference.networking.k8s.io/v1", "InferencePool"): ("inferencepools", True),
     (KVBANK, "CapacityPolicy"): ("capacitypolicies", False),
     ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration"): (
         "validatingwebhookconfigurations",

@@ -66,6 +66,7 @@ from kvbank.operator.render.status import ACCEPTED, READY, Condition, conditions
 from kvbank.operator.render.token import MissingSidecarToken, token_secret
 from kvbank.operator.render.workloads import workload_refusal
 from kvbank.operator.repair import stored_differs, why_repair
+from kvbank.operator.routing_status import routable
 from kvbank.operator.weights_status import WEIGHTS, source_condition
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
@@ -221,7 +222,8 @@ async def converge(
     applied = (
         [f"{secret['kind']}/{secret['metadata']['name']}"] if not repair_only or restored else []
     )
-    for manifest in rendered.manifests:
+    manifests, routing = await routable(cluster, owner, accepted.deployment, rendered.manifests)
+    for manifest in manifests:
         what = f"{manifest['kind']}/{manifest['metadata']['name']}"
         if repair_only:
             api_version, kind, namespace, name = identity(manifest)
@@ -253,6 +255,8 @@ async def converge(
     )
     weights = await source_condition(cluster, owner.namespace, accepted.deployment)
     updates = [Condition(ACCEPTED, True, "Holdable", text)]
+    if routing is not None:
+        updates.append(routing)
     current = status_now.get("conditions")
     if not (weights.status and _failed_check(current)):
         updates.append(weights)  # a failed check in the pods outranks a bound claim

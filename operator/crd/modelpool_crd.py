@@ -265,6 +265,7 @@ def _spec() -> Schema:
             "template": pod_schema.template(),
             "engine": pod_schema.engine(),
             "apiKeySecret": pod_schema.api_key_secret(),
+            "routing": pod_schema.routing(),
         },
         required=("model", "gpu", "kv", "limits"),
         rules=structure_rules() + spec_rules(),

@@ -19,6 +19,7 @@ from kvbank.deployment import (
     MAX_ENGINE_ARGS,
     MAX_GPUS_PER_RANK,
     MAX_ITEMS,
+    PICKERS,
     QUANTITY,
     RENDERED_FLAGS,
     SELINUX_TYPES,
@@ -210,3 +211,18 @@ def api_key_secret() -> Schema:
         **_secret_key(DEFAULT_API_KEY),
         "description": "a Secret of this namespace whose key holds the API keys, one a line",
     }
+
+
+def routing() -> Schema:
+    return obj(
+        {
+            "picker": {
+                **enum(
+                    PICKERS,
+                    "kvbank: an InferencePool over the pool's rank-0 pods and `kvbank picker` as "
+                    "its endpoint picker (docs/routing.md); none: the traffic Service alone",
+                ),
+                "default": "none",
+            }
+        }
+    )

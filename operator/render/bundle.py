@@ -13,6 +13,7 @@ from kvbank.modelpool import ModelPool
 from kvbank.operator.render.engine_config import config_data, config_hash, config_map
 from kvbank.operator.render.engines import pods_per_group
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
+from kvbank.operator.render.picker import render_picker
 from kvbank.operator.render.services import disruption_budget, headless_service, traffic_service
 from kvbank.operator.render.sidecar_tls import PoolTLS
 from kvbank.operator.render.token import token_secret
@@ -49,5 +50,15 @@ def render_pool(
         traffic_service(owner, settings, kind, pods_per_group(pool, deployment or Deployment())),
         disruption_budget(owner),
         workload(kind, pool, owner, settings, digest, secret["metadata"]["name"], deployment, tls),
+        *render_picker(
+            pool,
+            owner,
+            settings,
+            kind,
+            deployment or Deployment(),
+            digest,
+            secret["metadata"]["name"],
+            tls,
+        ),
     ]
     return Rendered(secret, manifests, digest, kind)
