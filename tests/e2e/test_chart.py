@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import itertools
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,7 @@ from e2e_kube import CHART, FIRST_USE_TIMEOUT, ROOT, Tools, ensure_tools
 from e2e_kube import example as load_example
 
 from kvbank.capacity import holdability
+from kvbank.deployment import parse_deployment
 from kvbank.modelpool import parse_modelpool
 from kvbank.operator import config as operator_config
 from kvbank.operator.cluster import RESOURCES
@@ -312,8 +314,13 @@ def test_rbac_covers_every_kind_the_builders_apply(helm: Tools) -> None:
     pool = parse_modelpool(example)
     owner = Owner(pool.name, pool.namespace, "0000")
     settings = RenderSettings(sidecar_token="t0ken")
-    for workload in Workload:
-        rendered = render_pool(pool, holdability(pool), owner, example["spec"], settings, workload)
+    routed = {**example, "spec": {**example["spec"], "routing": {"picker": "kvbank"}}}
+    for workload, doc in itertools.product(Workload, (example, routed)):
+        deployment = parse_deployment(doc)
+        rendered = render_pool(pool, holdability(pool), owner, doc["spec"], settings, workload,
+                               deployment)  # fmt: skip
+        kinds = {m["kind"] for m in rendered.manifests}
+        assert ("InferencePool" in kinds) == (doc is routed)
         # Created only (operator/render/token.py): exactly create, nothing that returns data.
         secret = rendered.token_secret
         assert RESOURCES[(secret["apiVersion"], secret["kind"])][0] == "secrets"
@@ -325,6 +332,10 @@ def test_rbac_covers_every_kind_the_builders_apply(helm: Tools) -> None:
             # Server-side apply is a PATCH, authorised as create when the object is new; the
             # repair timer reads each one back.
             assert {"create", "patch", "get"} <= granted(docs, group, plural), kind
+            # RBAC lets the operator grant only what it holds itself.
+            for rule in manifest.get("rules", []) if kind == "Role" else []:
+                for group, resource in itertools.product(rule["apiGroups"], rule["resources"]):
+                    assert set(rule["verbs"]) <= granted(docs, group, resource), rule
 
 
 def test_cert_manager_mode_renders_a_certificate_and_no_secret_rights(

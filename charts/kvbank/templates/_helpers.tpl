@@ -118,6 +118,24 @@ cluster-wide, a Role's in each of operator.watchNamespaces. */}}
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
   verbs: [create, patch, get]
+# A pool with spec.routing.picker: kvbank (operator/render/picker.py): the picker's Deployment,
+# ServiceAccount, Role and RoleBinding, NetworkPolicies, and the InferencePool (where its CRD
+# is installed).
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [create, patch, get]
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [create, patch, get]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [create, patch, get]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [create, patch, get]
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [create, patch, get]
 # A pool's copy of the sidecar token (operator/render/token.py) and its sidecar certificate
 # (operator/pool_tls.py): created, and the certificate renewed by a whole-object update.
 # Never get, list, watch or patch: each of those returns a Secret's data, and patch (as
@@ -131,10 +149,12 @@ cluster-wide, a Role's in each of operator.watchNamespaces. */}}
   resources: [persistentvolumeclaims]
   verbs: [get]
 # The status timer reads a pool's pods (readiness, rank-0 addresses, weights-check failures);
-# it writes none: the traffic Service selects by labels the workload controller stamps.
+# it writes none: the traffic Service selects by labels the workload controller stamps. get
+# and watch only because the picker's Role grants them, and RBAC lets the operator grant
+# only what it holds (no escalate or bind verbs).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [get, list, watch]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
