@@ -71,7 +71,8 @@ class Discovery:
         self._applier = asyncio.create_task(self._apply())
 
         def post(change: Callable[[], Awaitable[None]]) -> None:
-            loop.call_soon_threadsafe(self._changes.put_nowait, change)
+            if not self._stop.is_set():  # after stop the loop may be gone
+                loop.call_soon_threadsafe(self._changes.put_nowait, change)
 
         self._thread = threading.Thread(
             target=self._run, args=(post,), name="kvbank-picker-discovery", daemon=True

@@ -2,6 +2,8 @@
 
     kvbank picker --pool pool.yaml --model-dir /models/llama \\
         --pod 10.0.0.5:8000=10.0.0.5:50051 --pod 10.0.0.6:8000=10.0.0.6:50051
+    kvbank picker --pool pool.yaml --model-dir /models/llama \\
+        --selector kvbank.dev/pool=llama --namespace team-a   # the Ready pods, from Kubernetes
 
 Serves Envoy's `ext_proc` on `--listen` (GAIE's port 9002 by default) and gRPC health with the
 protocol's services: `liveness` (the process answers), `readiness` and

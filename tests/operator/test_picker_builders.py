@@ -15,7 +15,7 @@ from pod_security import violations
 from kvbank.capacity import holdability
 from kvbank.deployment import parse_deployment
 from kvbank.modelpool import SpecError, parse_modelpool
-from kvbank.operator.reconcile import reconcile
+from kvbank.operator.reconcile import reconcile, repair
 from kvbank.operator.render.bundle import render_pool
 from kvbank.operator.render.names import Owner, RenderSettings, Workload, selector_labels
 from kvbank.operator.render.picker import (
@@ -186,3 +186,14 @@ def test_without_the_inference_pool_crd_the_pool_says_so_and_the_picker_still_ru
     doc = cluster.one("ModelPool", "llama")
     asyncio.run(reconcile(cluster, SETTINGS, doc, now="2026-01-01T00:01:00Z"))
     assert len(cluster.kinds("InferencePool")) == 1
+
+
+def test_the_repair_timer_puts_back_a_picker_object_that_vanished() -> None:
+    cluster, _ = _reconcile((INFERENCE_API_VERSION,))
+    del cluster.objects[("apps/v1", "Deployment", "team-a", "llama-picker")]
+    del cluster.objects[(INFERENCE_API_VERSION, "InferencePool", "team-a", "llama")]
+    doc = cluster.one("ModelPool", "llama")
+    outcome = asyncio.run(repair(cluster, SETTINGS, doc, now="2026-01-01T00:01:00Z"))
+    assert outcome is not None
+    assert sorted(outcome.applied) == ["Deployment/llama-picker (missing)",
+                                       "InferencePool/llama (missing)"]  # fmt: skip
