@@ -119,6 +119,12 @@ def test_the_rendered_picker_passes_validation_as_the_operator_and_goes_with_its
     bad["spec"]["targetPorts"] = [{"number": 8000}, {"number": 8001}]
     out = tools.kubectl("apply", "--server-side", "-f", "-", stdin=json.dumps(bad))
     assert out.returncode != 0 and "targetPorts" in out.stderr
+    # The selector docs/routing.md gives for removing them by hand names exactly these.
+    kinds = "inferencepool,deployment,service,serviceaccount,role,rolebinding,networkpolicy"
+    selector = "kvbank.dev/pool=llama,app.kubernetes.io/component in (picker,inference-pool)"
+    named = tools.ok("get", kinds, "-n", ns, "-l", selector, "-o", "name").split()
+    assert sorted(n.split("/", 1)[1] for n in named) == sorted(k[1] for k in picker_kinds)
+    assert f"-l '{selector.replace('llama', 'NAME')}'" in (ROOT / "docs" / "routing.md").read_text()
     tools.ok("delete", "modelpool", "llama", "-n", ns, "--wait=false")
 
     def gone() -> bool | None:

@@ -197,3 +197,18 @@ def test_the_repair_timer_puts_back_a_picker_object_that_vanished() -> None:
     assert outcome is not None
     assert sorted(outcome.applied) == ["Deployment/llama-picker (missing)",
                                        "InferencePool/llama (missing)"]  # fmt: skip
+
+
+def test_the_rendered_command_line_is_one_kvbank_picker_reads() -> None:
+    import argparse
+
+    from kvbank.picker import server
+
+    dep = _render(tls=PoolTLS("llama-sidecar-tls", "abc"))[("Deployment", "llama-picker")]
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    server.add_arguments(parser)
+    parsed = parser.parse_args(args[2:])
+    assert (parsed.selector, parsed.namespace, parsed.pod) == (
+        "app.kubernetes.io/name=kvbank,kvbank.dev/pool=llama", "team-a", [])  # fmt: skip
+    assert parsed.listen == f"0.0.0.0:{PICKER_PORT}"
