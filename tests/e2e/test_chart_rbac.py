@@ -164,8 +164,8 @@ ACCOUNT = "kvbank-operator"
 UNWATCHED = "team-c"
 WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection", "*"})
 GUARDED = ("secrets", "pods", "configmaps")
-# One row of `kubectl auth can-i --list`: RESOURCE [URLS] [NAMES] [VERBS].
-CAN_I_ROW = re.compile(r"^(\S+)\s+\[([^\]]*)\]\s+\[([^\]]*)\]\s+\[([^\]]*)\]\s*$")
+# A row of `kubectl auth can-i --list`: RESOURCE [URLS] [NAMES] [VERBS]; URL rows lack RESOURCE.
+CAN_I_ROW = re.compile(r"^(\S*)\s+\[([^\]]*)\]\s+\[([^\]]*)\]\s+\[([^\]]*)\]\s*$")
 
 
 @pytest.fixture(scope="module")
