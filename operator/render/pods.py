@@ -227,6 +227,10 @@ def pod_template(
         "spec": {
             "securityContext": pod_security_context(template.security),
             "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+            # A Service named vllm in the namespace (a pool named vllm has one) would put
+            # VLLM_PORT=tcp://... into the environment, which vLLM reads as its own port
+            # setting and refuses; nothing in the pod reads Service variables.
+            **({"enableServiceLinks": False} if is_vllm(deployment) else {}),
             "initContainers": [harden(c) for c in parts.init_containers],
             "containers": [harden(engine), harden(sidecar)],
             "volumes": [*volumes, socket_volume(), *scratch_volumes()],

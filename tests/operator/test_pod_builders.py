@@ -306,6 +306,8 @@ class TestEngineCommand:
                 template["metadata"]["labels"].get("inference.networking.k8s.io/engine-type")
                 == label
             )
+            # No VLLM_PORT=tcp://... from a Service named vllm: vLLM refuses to start on it.
+            assert template["spec"].get("enableServiceLinks", True) is (label is None)
 
     def test_vllm_gets_every_key_of_the_secret_after_one_api_key_flag(self) -> None:
         pool = parse_modelpool(pool_doc())
