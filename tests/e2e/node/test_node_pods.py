@@ -7,7 +7,8 @@ on a PersistentVolume, apply ModelPools, and talk to the engines through their S
 The tests run in file order and share one cluster and release (module fixtures): each step
 builds on what the previous ones left, and the last uninstalls the chart. The node has no GPU;
 it advertises nvidia.com/gpu as an extended resource, so the pods that ask for one schedule, and
-the engine runs the built-in model on CPU."""
+the engine runs the built-in model on CPU. The `engine: vllm` pool asks for no GPU
+(gpusPerRank 0) and runs vLLM's CPU build, from the kvbank-vllm image `make images` builds."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -27,8 +29,9 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e_kube import CHART, FIRST_USE_TIMEOUT, wait_for
+from e2e_kube import CHART, FIRST_USE_TIMEOUT, ROOT, wait_for
 from node_kube import (
+    CLUSTER,
     UP_TIMEOUT,
     Node,
     cluster_down,
@@ -89,6 +92,7 @@ def chart_values(node: Node) -> list[str]:
     that live status and drift repair show within a test's patience."""
     engine_repo, engine_tag = node.image("kvbank")
     operator_repo, operator_tag = node.image("kvbank-operator")
+    vllm_repo, vllm_tag = node.image("kvbank-vllm")
     sets = {
         "operator.image.repository": operator_repo,
         "operator.image.tag": operator_tag,
@@ -96,6 +100,8 @@ def chart_values(node: Node) -> list[str]:
         "engine.image.repository": engine_repo,
         "engine.image.tag": engine_tag,
         "engine.image.pullPolicy": "Never",
+        "engine.vllm.image.repository": vllm_repo,
+        "engine.vllm.image.tag": vllm_tag,
         "operator.statusInterval": "5",
         "pools.repairInterval": "5",
         # Idle engines stop at once; a test machine has no requests to let finish.
@@ -130,6 +136,26 @@ def test_the_node_is_ready_and_advertises_gpus(session: Session) -> None:
     ready = [c for c in node["status"]["conditions"] if c["type"] == "Ready"]
     assert ready and ready[0]["status"] == "True"
     assert node["status"]["allocatable"]["nvidia.com/gpu"] == "4"
+
+
+def test_the_cluster_prints_how_to_reach_it_and_install_the_chart_from_its_images(
+    session: Session,
+) -> None:
+    """What `make cluster-up` prints after `cluster.sh up`: the kubeconfig, the tools, and a
+    helm install that runs the images it imported, as the session's own install does."""
+    out = subprocess.run(
+        ["bash", str(CLUSTER), "usage", str(session.node.work)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert (
+        f"export KUBECONFIG={session.tools.kubeconfig} PATH={session.tools.bin}:$PATH" in out.stdout
+    )
+    sets = chart_values(session.node)
+    for key in ("operator.image.tag", "engine.image.tag", "engine.vllm.image.tag"):
+        [value] = [v for v in sets if v.startswith(f"{key}=")]
+        assert f"--set {value} " in out.stdout, out.stdout
+    assert f"helm install kvbank {CHART} -n kvbank-system" in out.stdout
 
 
 def test_the_operator_runs_as_a_pod_under_its_service_account(session: Session) -> None:
@@ -205,6 +231,31 @@ def pool(name: str, tensor_parallel: int) -> dict[str, Any]:
     }
 
 
+VLLM_POOL = "vllm"
+# Only to start sooner on two busy cores: the model's own dtype (vLLM's CPU default would cast
+# it to bfloat16), no torch.compile (a minute), the worker inside the engine-core process.
+VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni"]
+# What Gateway API inference gateways read of a vLLM pod (the model-server protocol).
+GATEWAY_METRICS = (
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:cache_config_info",
+)
+
+
+def vllm_pool() -> dict[str, Any]:
+    """The same model under `vllm serve` with kvbank's scheduler class, on CPU (no GPU asked:
+    the operator renders what vLLM's CPU build needs)."""
+    doc = pool(VLLM_POOL, 1)
+    # vLLM's CPU attention takes blocks of a multiple of 32 tokens.
+    doc["spec"]["kv"] = {"pageSize": 32, "pages": 256}
+    doc["spec"]["engine"] = {"kind": "vllm", "args": VLLM_ARGS}
+    # vLLM's engine core talks to its worker through /dev/shm (160 MiB; a container's own is 64).
+    doc["spec"]["template"] = {"resources": {"gpusPerRank": 0}, "shmSize": "512Mi"}
+    return doc
+
+
 def complete(port: int, prompt: str, max_tokens: int = 16, timeout: float = 120) -> dict[str, Any]:
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}).encode()
     request = urllib.request.Request(
@@ -222,6 +273,9 @@ def test_a_pool_with_weights_on_a_claim_serves_a_completion_through_its_service(
 ) -> None:
     weights_volume(session)
     out = session.tools.apply(pool("single", 1))
+    assert out.returncode == 0, out.stderr
+    # vLLM's pool loads (about a minute) while the tests before its own run.
+    out = session.tools.apply(vllm_pool())
     assert out.returncode == 0, out.stderr
     [pod] = ready_pods(session.tools, NAMESPACE, POOL_SELECTOR.format("single"), 1)
     assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] in ("1", 1)
@@ -270,6 +324,46 @@ def test_a_tensor_parallel_pool_spans_two_pods_and_finds_rank_0_by_dns(session: 
         result = complete(port, "two ranks decode")
     # Decoding needs both ranks (their torch.distributed group spans the two pods).
     assert result["usage"]["completion_tokens"] > 0
+
+
+def test_a_vllm_pool_serves_a_completion_through_its_service_and_reports_status(
+    session: Session,
+) -> None:
+    tools = session.tools
+    started = time.monotonic()
+    [pod] = ready_pods(tools, NAMESPACE, POOL_SELECTOR.format(VLLM_POOL), 1)
+    print(f"vLLM pod ready {time.monotonic() - started:.1f} s after its test began")
+    engine = pod["spec"]["containers"][0]
+    assert engine["image"] == session.node.images["kvbank-vllm"]
+    assert pod["metadata"]["labels"]["inference.networking.k8s.io/engine-type"] == "vllm"
+    assert "nvidia.com/gpu" not in engine["resources"].get("limits", {})
+    with port_forward(tools, NAMESPACE, f"service/{VLLM_POOL}", 80) as port:
+        result = complete(port, "vLLM admits through kvbank")
+    assert result["choices"][0]["text"], result
+    assert result["usage"]["completion_tokens"] > 0
+
+    # The pages the webhook judged are the pages vLLM allocated and the sidecar's ledger counts.
+    with (
+        port_forward(tools, NAMESPACE, f"pod/{pod['metadata']['name']}", 8000) as port,
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response,
+    ):
+        metrics = response.read().decode()
+    missing = [name for name in GATEWAY_METRICS if f"\n{name}{{" not in metrics]
+    assert missing == [], f"the engine's /metrics lacks {missing}"
+    [info] = [line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info{")]
+    assert 'num_gpu_blocks="256"' in info and 'block_size="32"' in info, info
+    status = sidecar_status(tools, NAMESPACE, pod["metadata"]["name"])
+    assert int(status["pool"]["totalPages"]) == 256
+    assert status["running"] == []
+
+    def reported() -> dict[str, Any] | None:
+        doc = tools.get("modelpool", VLLM_POOL, NAMESPACE)
+        conditions = {c["type"]: c for c in (doc or {}).get("status", {}).get("conditions", [])}
+        ready = conditions.get("Ready", {}).get("status") == "True"
+        live = (doc or {}).get("status", {}).get("live") or {}
+        return doc if ready and live.get("pagesTotal") == 256 else None
+
+    wait_for(f"ModelPool {VLLM_POOL} Ready with its live pages", reported, 60, every=1)
 
 
 def _refusal(exc: urllib.error.HTTPError) -> str:
@@ -437,3 +531,36 @@ def test_helm_uninstall_after_the_pools_leaves_nothing_behind(session: Session) 
         return len(containerd_tasks()) == 2
 
     wait_for("the node running only CoreDNS", only_dns, 120)
+
+
+NODE_COMPONENTS = (
+    "containerd",
+    "kube-scheduler",
+    "kube-controller-manager",
+    "kubelet",
+    "kube-proxy",
+)
+
+
+def test_make_cluster_down_leaves_nothing_running(session: Session) -> None:
+    """`make cluster-down` (the fixture's own teardown then finds nothing to do): every process
+    the cluster started has exited, and its bridge, firewall chains, mounts and sockets are gone."""
+    work = session.node.work
+    pid_files = [work / f"{name}.pid" for name in (*NODE_COMPONENTS, "controlplane")]
+    pids = [int(path.read_text()) for path in pid_files if path.exists()]
+    assert len(pids) == len(pid_files), [str(p) for p in pid_files if not p.exists()]
+    out = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "cluster-down", f"CLUSTER_DIR={work}"],
+        capture_output=True, text=True, timeout=360, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    assert alive == [], f"still running after cluster-down: {alive}"
+    assert [p for p in pid_files if p.exists()] == []
+    link = subprocess.run(["ip", "link", "show", "kvbank0"], capture_output=True, check=False)
+    assert link.returncode != 0, "the bridge kvbank0 is still there"
+    rules = subprocess.run(["iptables", "-S"], capture_output=True, text=True, check=True).stdout
+    assert "KVBANK-NODE-GUARD" not in rules, rules
+    mounts = Path("/proc/mounts").read_text()
+    assert "/var/lib/kvbank-node" not in mounts and "/run/kvbank-node" not in mounts
+    assert not Path("/run/kvbank-node/containerd.sock").exists()
