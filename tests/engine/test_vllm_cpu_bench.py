@@ -114,6 +114,8 @@ def test_guidellm_runs_the_workload_at_a_constant_rate() -> None:
     )
     assert command[command.index("--profile") + 1] == "kind=constant,rate=2"
     assert command[command.index("--constraint") + 1] == "kind=max_requests,count=64"
+    # guidellm 0.8.1 takes the seed as `value` and refuses any other key.
+    assert command[command.index("--seed") + 1] == "kind=static,value=0"
     data = command[command.index("--data") + 1]
     assert data.startswith("kind=synthetic_text,")
     assert "prompt_tokens_min=16" in data and "output_tokens_max=400" in data
