@@ -72,7 +72,7 @@ RENDERED_FLAGS = {
     "vllm": (
         "--port", "--scheduler-cls", "--block-size", "--num-gpu-blocks-override",
         "--max-model-len", "--tensor-parallel-size", "--api-key", "--served-model-name",
-        "--gpu-memory-utilization", "--no-async-scheduling", "--async-scheduling",
+        "--gpu-memory-utilization",
     ),
 }  # fmt: skip
 

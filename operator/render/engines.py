@@ -160,10 +160,7 @@ def vllm_args(
         "vllm", "serve", model_path(settings, pool.model_name),
         "--served-model-name", pool.model_name,
         "--gpu-memory-utilization", str(pool.gpu.memory_utilization),
-        "--scheduler-cls", VLLM_SCHEDULER,
-        # kvbank's scheduler admits before each step; vLLM's async scheduling would run a step
-        # ahead of the ledger, so the class refuses to start under it.
-        "--no-async-scheduling",
+        "--scheduler-cls", VLLM_SCHEDULER,  # vLLM's default scheduling, async included
         "--block-size", str(pool.kv.page_size),
         "--num-gpu-blocks-override", str(pool_pages(pool)),
         "--max-model-len", str(pool.limits.max_seq_len),
