@@ -102,6 +102,11 @@ class Admission:
         # decision is applied, and the last decision applied (each is applied once).
         self._pins: dict[str, list[list[Any]]] = {}
         self._last_seq = -1
+        # Blocks freed by unpinning requests that left while a report was in flight: its answer
+        # may admit them with those pins as their hit, which the ledger then counts as held
+        # until the release that follows the answer. Until every answer is known they stay out
+        # of the supply the ledger hears, as they were while pinned.
+        self._unpinned_in_flight = 0
         # Whether the ledger has heard the progress of every schedule so far (a step's output
         # was processed since the latest schedule); admissions wait for it.
         self._reported = True
@@ -131,6 +136,8 @@ class Admission:
         """A request left (aborted) wherever it was."""
         pins = self._pins.pop(rid, None)
         if pins:
+            if not self.backend.settled():
+                self._unpinned_in_flight += sum(1 for b in _flat(pins) if b.ref_cnt == 1)
             self.pool.free_blocks(_flat(pins))
         self.counts.pop(rid, None)
         if self.waiting.pop(rid, None) is not None:
@@ -175,6 +182,9 @@ class Admission:
         backend = self.backend
         self._apply(backend.collect())
         if backend.settled():
+            # Every answer is known: a request that left was either admitted, and released by
+            # `_apply` ahead of the supply below, or never will be.
+            self._unpinned_in_flight = 0
             self._pin_head()
             self._sync_supply()
         self._apply(backend.poll(max(0, self.pace.running_cap - self._in_flight())))
@@ -406,7 +416,7 @@ class Admission:
     def _supply(self) -> int:
         """vLLM's free blocks less those windows freed that the ledger still counts as their
         requests' (kvbank.vllm.groups): they may take them again."""
-        free = self.pool.get_num_free_blocks()
+        free = max(0, self.pool.get_num_free_blocks() - self._unpinned_in_flight)
         freed = sum(entry.holding.freed for entry in self.admitted.values())
         overlap = 0
         if not all(self.steady):

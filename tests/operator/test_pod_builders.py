@@ -254,7 +254,8 @@ class TestEngineCommand:
         assert command.args == [
             "vllm", "serve", "/models/llama-3.1-8b-instruct",
             "--served-model-name", "llama-3.1-8b-instruct", "--gpu-memory-utilization", "0.9",
-            "--scheduler-cls", "kvbank.vllm.KvbankScheduler", "--block-size", "16", "--num-gpu-blocks-override", "20000",
+            "--scheduler-cls", "kvbank.vllm.KvbankScheduler", "--block-size", "16",
+            "--num-gpu-blocks-override", "20000",
             "--max-model-len", "8192", "--port", "8000", "--tensor-parallel-size", "2",
             "--enforce-eager",
         ]  # fmt: skip
