@@ -268,7 +268,19 @@ def serving_refusals(model: ConfiguredModel, deployment: Deployment) -> tuple[st
                 f"spec.engine.args[{index}]: sets {flag}, which decides the KV layout judged "
                 f"from the model's config.json; drop it and set {VLLM_LAYOUT_FLAGS[flag]}"
             )
+    state = [g for g in model.pool.groups if g.kind.is_state]
+    if state and NO_PREFIX_CACHING not in deployment.engine.args:
+        described = ", ".join(f"{g.label} ({g.layers} layers)" for g in state[:MAX_GROUPS])
+        refusals.append(
+            f"spec.engine.args: this model keeps {state[0].kind.value} state ({described}), "
+            f"which kvbank's scheduler counts as vLLM holds it without prefix caching (vLLM's "
+            f"prefix caching keeps such state longer, and kvbank's scheduler class refuses it "
+            f"at start-up); add {NO_PREFIX_CACHING} to spec.engine.args"
+        )
     return tuple(refusals)
+
+
+NO_PREFIX_CACHING = "--no-enable-prefix-caching"
 
 
 MAX_GROUPS = 6  # named in a refusal; a config has at most a few

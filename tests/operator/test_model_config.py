@@ -330,6 +330,15 @@ class TestReconcile:
             "spec.limits.maxNumBatchedTokens"
         )
 
+    def test_a_vllm_model_with_mamba_state_must_turn_prefix_caching_off(self) -> None:
+        jamba = (CONFIGS / "jamba-v0.1.json").read_text()
+        cluster = cluster_with(config_map({"config.json": jamba}))
+        (line,) = [v for v in judged(cluster, oss_doc()).violations if "prefix caching" in v]
+        assert line.startswith("spec.engine.args: this model keeps mamba state (")
+        assert line.endswith("add --no-enable-prefix-caching to spec.engine.args")
+        off = oss_doc(engine={"kind": "vllm", "args": ["--no-enable-prefix-caching"]})
+        assert not [v for v in judged(cluster, off).violations if "prefix caching" in v]
+
     def test_repair_renders_only_the_config_judged(self) -> None:
         cluster = cluster_with(config_map(), stored(oss_doc()))
         asyncio.run(reconcile(cluster, SETTINGS, cluster.one("ModelPool", "oss"), NOW))
