@@ -197,7 +197,9 @@ class ServeMetrics:
         if backend is not None:  # a baseline keeps no ledger, so it has no headroom to show
             if self._worst_pages is None:
                 self._worst_pages = max(1, worst_case(engine.config.model)[1].total)
-            headroom = max(0, int(backend.headroom()))
+            # A figure read, not an answer: under tensor parallelism rank 0's recording wrapper
+            # would hand it to the followers, which never ask it (`inner`: the ledger itself).
+            headroom = max(0, int(getattr(backend, "inner", backend).headroom()))
             self.headroom.set(headroom)
             self.admissible_worst_case.set(headroom // self._worst_pages)
         self.gateway_usage.set(min(1.0, promised / self.usable_pages))
