@@ -247,3 +247,19 @@ def unreachable_message(
         )
         return f"cannot reach the sidecar at {address} ({exc.message}); is it running, and {tls}"
     return f"the sidecar at {address} answered {exc}"
+
+
+def routing_channel(
+    address: str, ca_pem: bytes | None = None, tls_name: str | None = None
+) -> tuple[grpc.aio.Channel, pb_grpc.RoutingStub]:
+    """An asyncio channel to a sidecar's Routing service and its stub, for an endpoint picker:
+    TLS when `ca_pem` is given, checked against `tls_name` when the address is not the name
+    the certificate holds. Opened here, beside the engine's client, like every channel to a
+    sidecar."""
+    if ca_pem is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+        options = [("grpc.ssl_target_name_override", tls_name)] if tls_name else []
+        channel = grpc.aio.secure_channel(address, creds, options=options)
+    else:
+        channel = grpc.aio.insecure_channel(address)
+    return channel, pb_grpc.RoutingStub(channel)

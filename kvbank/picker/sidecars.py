@@ -22,6 +22,7 @@ from kvbank.picker.metrics import PickerMetrics
 from kvbank.picker.rule import PodFigures
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
+from kvbank.sidecar.client import routing_channel
 
 log = logging.getLogger("kvbank.picker")
 
@@ -80,19 +81,13 @@ class Sidecars:
         # False while a discovery has not listed the pods yet: the candidates are not known.
         self.listed = True
 
-    def _channel(self, pod: Pod) -> grpc.aio.Channel:
-        if self.link.ca_pem is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=self.link.ca_pem)
-            options = [("grpc.ssl_target_name_override", pod.tls_name)] if pod.tls_name else []
-            return grpc.aio.secure_channel(pod.sidecar, creds, options=options)
-        return grpc.aio.insecure_channel(pod.sidecar)
-
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.link.token}"),) if self.link.token else ()
 
     def _start_one(self, watched: Watched) -> None:
-        channel = self._channels[watched.pod.endpoint] = self._channel(watched.pod)
-        watched.stub = pb_grpc.RoutingStub(channel)
+        pod = watched.pod
+        channel, watched.stub = routing_channel(pod.sidecar, self.link.ca_pem, pod.tls_name)
+        self._channels[pod.endpoint] = channel
         watched.task = asyncio.create_task(self._watch(watched))
 
     def start(self) -> None:
