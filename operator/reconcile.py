@@ -22,13 +22,12 @@ new config is refused, the pods keep the copy last accepted and the Accepted con
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from kvbank.capacity import Holdability, holdability
+from kvbank.capacity import holdability
 from kvbank.capacity.configured import ConfigSourceError
 from kvbank.deployment import Deployment, parse_deployment
 from kvbank.modelpool import KIND, ModelPool, SpecError, parse_modelpool
@@ -43,7 +42,6 @@ from kvbank.operator.cluster import (
     identity,
 )
 from kvbank.operator.model_config import (
-    KvGroupFigures,
     config_map_of,
     configured,
     pinned,
@@ -67,6 +65,7 @@ from kvbank.operator.render.token import MissingSidecarToken, token_secret
 from kvbank.operator.render.workloads import workload_refusal
 from kvbank.operator.repair import stored_differs, why_repair
 from kvbank.operator.routing_status import routable
+from kvbank.operator.verdicts import Accepted, recall, remember
 from kvbank.operator.weights_status import WEIGHTS, source_condition
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
@@ -167,20 +166,6 @@ async def _refuse_workload(
     update = Condition(ACCEPTED, False, "NeedsLeaderWorkerSet", text)
     await patch_status(cluster, owner, status_patch(doc, [update], now))
     return Outcome(False, text)
-
-
-@dataclass(frozen=True)
-class Accepted:
-    """What a judged (or earlier accepted) pool renders from. A fromConfig pool's `pool` is
-    pinned to its layout (`model_config.pinned`); `model_config` is the config.json it was
-    judged on, as the ranks get it, and `groups` its figures per KV group."""
-
-    pool: ModelPool
-    held: Holdability
-    deployment: Deployment
-    kind: Workload
-    model_config: str | None = None
-    groups: tuple[KvGroupFigures, ...] = ()
 
 
 async def converge(
@@ -320,7 +305,7 @@ async def reconcile(
     if decision.layout is not None and around.model_config is not None:
         pool = pinned(pool, decision.layout, decision.held.pages)
         text = served_text(around.model_config)
-    _remember(held_key(doc, text), (decision.held, decision.groups))
+    remember(doc, text, (decision.held, decision.groups))
     accepted = Accepted(pool, decision.held, decision.deployment, kind, text, decision.groups)
     return await converge(cluster, settings, doc, accepted, now, issuer=issuer)
 
@@ -344,26 +329,6 @@ async def rejudge(
             continue  # deleted, or its spec moved on since it was indexed
         outcomes.append(await reconcile(cluster, settings, doc, issuer=issuer))
     return outcomes
-
-
-# Holdability per (pool uid, generation, config digest): the repair timer renders the generation
-# (and, for a fromConfig pool, the config.json) reconcile judged without searching the worst
-# case again. Bounded: old generations are dropped.
-HeldKey = tuple[str, int, str]
-Judged = tuple[Holdability, tuple[KvGroupFigures, ...]]  # the verdict, a configured pool's groups
-HELD: dict[HeldKey, Judged] = {}
-MAX_HELD = 4096
-
-
-def held_key(doc: Mapping[str, Any], model_config: str | None) -> HeldKey:
-    digest = "" if model_config is None else hashlib.sha256(model_config.encode()).hexdigest()
-    return str(doc["metadata"]["uid"]), int(doc["metadata"].get("generation") or 0), digest
-
-
-def _remember(key: HeldKey, judged: Judged) -> None:
-    if len(HELD) >= MAX_HELD:
-        HELD.clear()
-    HELD[key] = judged
 
 
 def _accepted_generation(doc: Mapping[str, Any]) -> bool:
@@ -392,11 +357,10 @@ async def repair(
     now = now or utc_now()
     if pool.from_config is not None:
         return await _repair_configured(cluster, settings, doc, pool, deployment, now, issuer)
-    key = held_key(doc, None)
-    judged = HELD.get(key)
+    judged = recall(doc, None)
     if judged is None:
         judged = await asyncio.to_thread(holdability, pool), ()
-        _remember(key, judged)
+        remember(doc, None, judged)
     held = judged[0]
     kind = await choose_workload(cluster, doc)
     accepted = Accepted(pool, held, deployment, kind)
@@ -422,7 +386,7 @@ async def _repair_configured(
         return await reconcile(cluster, settings, doc, now, issuer)
     assert found is not None and layout is not None
     text = served_text(found)
-    judged = HELD.get(held_key(doc, text))
+    judged = recall(doc, text)
     if judged is None:
         return await reconcile(cluster, settings, doc, now, issuer)
     held, groups = judged
