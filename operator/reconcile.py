@@ -50,7 +50,7 @@ from kvbank.operator.model_config import (
     served_text,
 )
 from kvbank.operator.pool_tls import ensure_pool_tls
-from kvbank.operator.pruning import prune_config_maps
+from kvbank.operator.pruning import prune_config_maps, prune_picker
 from kvbank.operator.render.bundle import render_pool
 from kvbank.operator.render.names import (
     LWS_API_VERSION,
@@ -64,7 +64,7 @@ from kvbank.operator.render.status import ACCEPTED, READY, Condition, conditions
 from kvbank.operator.render.token import MissingSidecarToken, token_secret
 from kvbank.operator.render.workloads import workload_refusal
 from kvbank.operator.repair import stored_differs, why_repair
-from kvbank.operator.routing_status import routable
+from kvbank.operator.routing_status import routable, without_routing
 from kvbank.operator.verdicts import Accepted, recall, remember
 from kvbank.operator.weights_status import WEIGHTS, source_condition
 
@@ -233,6 +233,8 @@ async def converge(
     await prune_config_maps(
         cluster, owner.namespace, owner.name, config_name(owner.name, rendered.config_hash)
     )
+    if not repair_only:  # what a pool no longer renders goes at the reconcile that stops it
+        await prune_picker(cluster, owner, accepted.deployment.picker)
     held, generation = accepted.held, int(doc["metadata"].get("generation") or 0)
     text = (
         f"worst-case request {held.worst_request_pages} pages; the pool ({held.pages} pages) "
@@ -242,7 +244,7 @@ async def converge(
     updates = [Condition(ACCEPTED, True, "Holdable", text)]
     if routing is not None:
         updates.append(routing)
-    current = status_now.get("conditions")
+    current = status_now.get("conditions") if routing is not None else without_routing(status_now)
     if not (weights.status and _failed_check(current)):
         updates.append(weights)  # a failed check in the pods outranks a bound claim
     status: dict[str, Any] = {

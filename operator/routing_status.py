@@ -5,11 +5,12 @@ Without it (the Gateway API Inference Extension's CRDs are not installed), the I
 left out of what is applied and the condition says so, with what to install; the picker's
 Deployment, Service, RBAC and NetworkPolicies are still applied, so the picker is running and
 ready when the CRD arrives, and the next reconcile or repair pass (every repair interval)
-applies the InferencePool. A pool with `picker: none` has no Routing condition."""
+applies the InferencePool. A pool with `picker: none` has no Routing condition: one switched
+back to none loses it with the picker's objects (`kvbank.operator.pruning.prune_picker`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvbank.deployment import Deployment
@@ -55,3 +56,10 @@ async def routable(
     )
     kept = [m for m in manifests if not is_inference_pool(m)]
     return kept, Condition(ROUTING, False, "InferencePoolCRDMissing", text)
+
+
+def without_routing(status: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The pool's conditions less its Routing one, which would still name the InferencePool of
+    a picker since removed."""
+    kept = (c for c in status.get("conditions") or () if isinstance(c, Mapping))
+    return [dict(c) for c in kept if c.get("type") != ROUTING]

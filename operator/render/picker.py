@@ -5,7 +5,9 @@ Service, and the picker itself: a Deployment of PICKER_REPLICAS that finds the p
 may only get/list/watch Pods in the pool's namespace, and two NetworkPolicies: the picker's own
 (the gateway in, the sidecars, DNS and the API server out), and one that opens the rank pods'
 sidecar port to the picker (NetworkPolicies add up: the chart's closes it to all but the ranks
-and the operator). Every object is owned by the ModelPool, so it goes with it.
+and the operator). Every object is owned by the ModelPool, so it goes with it, and carries the
+pool's label and a component of PICKER_OBJECTS, so a pool switched back to `picker: none` has
+them removed (`kvbank.operator.pruning.prune_picker`).
 
 The picker pods carry labels of their own (`app.kubernetes.io/name: kvbank-picker`), never the
 rank selector's, so no Service, budget or InferencePool of the pool ever selects them."""
@@ -47,6 +49,20 @@ PICKER_PORT = 9002  # GAIE's endpoint picker port
 PICKER_METRICS_PORT = 9090
 PICKER_REPLICAS = 2
 LABEL_PICKER = f"{API_GROUP}/picker"
+PICKER_COMPONENT = "picker"
+INFERENCE_POOL_COMPONENT = "inference-pool"
+# (apiVersion, kind, app.kubernetes.io/component) of every object render_picker renders, in the
+# order a pool switched back to `picker: none` has them deleted: the InferencePool first, so
+# nothing routes to a picker being removed, then the reverse of the apply order.
+PICKER_OBJECTS: tuple[tuple[str, str, str], ...] = (
+    (INFERENCE_API_VERSION, INFERENCE_POOL, INFERENCE_POOL_COMPONENT),
+    ("apps/v1", "Deployment", PICKER_COMPONENT),
+    ("v1", "Service", PICKER_COMPONENT),
+    ("networking.k8s.io/v1", "NetworkPolicy", PICKER_COMPONENT),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding", PICKER_COMPONENT),
+    ("rbac.authorization.k8s.io/v1", "Role", PICKER_COMPONENT),
+    ("v1", "ServiceAccount", PICKER_COMPONENT),
+)
 # The tokenizer and the count are the picker's work: a few MiB of tokenizer, one body at a time
 # per stream. No CPU limit (a throttled picker delays every request's first byte).
 PICKER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
@@ -67,7 +83,7 @@ def picker_pod_labels(pool: str) -> dict[str, str]:
     return {
         **picker_selector(pool),
         "app.kubernetes.io/instance": pool,
-        "app.kubernetes.io/component": "picker",
+        "app.kubernetes.io/component": PICKER_COMPONENT,
         "app.kubernetes.io/managed-by": MANAGED_BY,
     }
 
@@ -84,7 +100,7 @@ def inference_pool(
     return {
         "apiVersion": INFERENCE_API_VERSION,
         "kind": INFERENCE_POOL,
-        "metadata": metadata(owner.name, owner, "inference-pool"),
+        "metadata": metadata(owner.name, owner, INFERENCE_POOL_COMPONENT),
         "spec": {
             "selector": {"matchLabels": rank0_selector(owner, workload, per_group)},
             "targetPorts": [{"number": settings.http_port}],
@@ -186,7 +202,7 @@ def picker_deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": metadata(picker_name(owner.name), owner, "picker"),
+        "metadata": metadata(picker_name(owner.name), owner, PICKER_COMPONENT),
         "spec": {
             "replicas": PICKER_REPLICAS,
             "selector": {"matchLabels": picker_selector(owner.name)},
@@ -218,7 +234,7 @@ def picker_service(owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(picker_name(owner.name), owner, "picker"),
+        "metadata": metadata(picker_name(owner.name), owner, PICKER_COMPONENT),
         "spec": {
             "type": "ClusterIP",
             "selector": picker_selector(owner.name),
@@ -242,13 +258,13 @@ def picker_rbac(owner: Owner) -> list[dict[str, Any]]:
         {
             "apiVersion": "v1",
             "kind": "ServiceAccount",
-            "metadata": metadata(name, owner, "picker"),
+            "metadata": metadata(name, owner, PICKER_COMPONENT),
             "automountServiceAccountToken": True,
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
-            "metadata": metadata(name, owner, "picker"),
+            "metadata": metadata(name, owner, PICKER_COMPONENT),
             "rules": [
                 {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
             ],
@@ -256,7 +272,7 @@ def picker_rbac(owner: Owner) -> list[dict[str, Any]]:
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
-            "metadata": metadata(name, owner, "picker"),
+            "metadata": metadata(name, owner, PICKER_COMPONENT),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
         },
@@ -275,7 +291,7 @@ def picker_network_policies(owner: Owner, settings: RenderSettings) -> list[dict
     own = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": metadata(picker_name(owner.name), owner, "picker"),
+        "metadata": metadata(picker_name(owner.name), owner, PICKER_COMPONENT),
         "spec": {
             "podSelector": {"matchLabels": picker_selector(owner.name)},
             "policyTypes": ["Ingress", "Egress"],
@@ -293,7 +309,7 @@ def picker_network_policies(owner: Owner, settings: RenderSettings) -> list[dict
     into_ranks = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": metadata(f"{picker_name(owner.name)}-to-sidecars", owner, "picker"),
+        "metadata": metadata(f"{picker_name(owner.name)}-to-sidecars", owner, PICKER_COMPONENT),
         "spec": {
             "podSelector": {"matchLabels": selector_labels(owner.name)},
             "policyTypes": ["Ingress"],

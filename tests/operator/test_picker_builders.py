@@ -1,6 +1,6 @@
 """`spec.routing.picker: kvbank`: the InferencePool, the picker's Deployment, Service, RBAC and
-NetworkPolicies, exact where it matters; and reconcile's Routing condition with the
-InferencePool API served or not."""
+NetworkPolicies, exact where it matters; reconcile's Routing condition with the InferencePool
+API served or not; and a pool switched back to `picker: none` losing them, and nothing else."""
 
 from __future__ import annotations
 
@@ -17,9 +17,16 @@ from kvbank.deployment import parse_deployment
 from kvbank.modelpool import SpecError, parse_modelpool
 from kvbank.operator.reconcile import reconcile, repair
 from kvbank.operator.render.bundle import render_pool
-from kvbank.operator.render.names import Owner, RenderSettings, Workload, selector_labels
+from kvbank.operator.render.names import (
+    LABEL_POOL,
+    Owner,
+    RenderSettings,
+    Workload,
+    selector_labels,
+)
 from kvbank.operator.render.picker import (
     INFERENCE_API_VERSION,
+    PICKER_OBJECTS,
     PICKER_PORT,
     picker_selector,
     render_picker,
@@ -197,6 +204,80 @@ def test_the_repair_timer_puts_back_a_picker_object_that_vanished() -> None:
     assert outcome is not None
     assert sorted(outcome.applied) == ["Deployment/llama-picker (missing)",
                                        "InferencePool/llama (missing)"]  # fmt: skip
+
+
+def test_every_picker_object_carries_the_labels_its_removal_selects_on() -> None:
+    found = set()
+    for (kind, _), obj in _render().items():
+        labels = obj["metadata"]["labels"]
+        assert labels[LABEL_POOL] == "llama", kind
+        found.add((obj["apiVersion"], kind, labels["app.kubernetes.io/component"]))
+    assert found == set(PICKER_OBJECTS)
+    assert PICKER_OBJECTS[0][1] == "InferencePool"  # deleted first: nothing routes to the rest
+
+
+def _switch_to_none(cluster: FakeCluster, routing: dict[str, Any] | None) -> dict[str, Any]:
+    doc = cluster.one("ModelPool", "llama")
+    doc["spec"].pop("routing")
+    if routing is not None:
+        doc["spec"]["routing"] = routing
+    doc["metadata"]["generation"] += 1
+    cluster.put(doc)
+    outcome = asyncio.run(reconcile(cluster, SETTINGS, doc, now="2026-01-01T00:02:00Z"))
+    assert outcome.accepted, outcome.message
+    return cluster.one("ModelPool", "llama")
+
+
+def _names(cluster: FakeCluster, kind: str) -> list[str]:
+    return sorted(o["metadata"]["name"] for o in cluster.kinds(kind))
+
+
+@pytest.mark.parametrize("routing", [{"picker": "none"}, {}, None])
+def test_switching_back_to_none_removes_what_the_pool_owns_of_the_picker(
+    routing: dict[str, Any] | None,
+) -> None:
+    cluster, _ = _reconcile((INFERENCE_API_VERSION,))
+    picker = cluster.one("Service", "llama-picker")
+    # The picker's labels on objects this pool does not own: someone else's, never deleted.
+    for name, refs in (("mine", []), ("theirs", [{**picker["metadata"]["ownerReferences"][0],
+                                                  "uid": "uid-other"}])):  # fmt: skip
+        cluster.put({**picker, "metadata": {**picker["metadata"], "name": name, "uid": name,
+                                            "ownerReferences": refs}})  # fmt: skip
+    status = _switch_to_none(cluster, routing)
+    for kind in ("InferencePool", "Deployment", "NetworkPolicy", "Role", "RoleBinding",
+                 "ServiceAccount"):  # fmt: skip
+        assert cluster.kinds(kind) == [], kind
+    assert _names(cluster, "Service") == ["llama", "llama-ranks", "mine", "theirs"]
+    assert _names(cluster, "StatefulSet") == ["llama"]
+    assert [c["type"] for c in status["status"]["conditions"] if c["type"] == "Routing"] == []
+    # The InferencePool first, so that nothing routes to a picker being removed; the spec
+    # change's old ConfigMap is pruned as at any roll.
+    deleted = [what for verb, what in cluster.calls if verb == "delete"]
+    assert [what for what in deleted if not what.startswith("ConfigMap/")] == [
+        "InferencePool/llama", "Deployment/llama-picker", "Service/llama-picker",
+        "NetworkPolicy/llama-picker", "NetworkPolicy/llama-picker-to-sidecars",
+        "RoleBinding/llama-picker", "Role/llama-picker", "ServiceAccount/llama-picker",
+    ]  # fmt: skip
+
+
+def test_without_the_inference_pool_api_the_switch_back_does_not_look_for_one() -> None:
+    cluster, _ = _reconcile(())
+    cluster.calls.clear()
+    _switch_to_none(cluster, {"picker": "none"})
+    assert ("list", "InferencePool") not in cluster.calls
+    assert ("list", "Deployment") in cluster.calls
+    assert cluster.kinds("Deployment") == [] and cluster.kinds("ServiceAccount") == []
+
+
+def test_the_repair_timer_of_a_pool_without_a_picker_lists_no_picker_kind() -> None:
+    cluster, _ = _reconcile((INFERENCE_API_VERSION,))
+    _switch_to_none(cluster, {"picker": "none"})
+    cluster.calls.clear()
+    outcome = asyncio.run(repair(cluster, SETTINGS, cluster.one("ModelPool", "llama"),
+                                 now="2026-01-01T00:03:00Z"))  # fmt: skip
+    assert outcome is not None and outcome.applied == ()
+    kinds = {what for verb, what in cluster.calls if verb == "list"}
+    assert not kinds & {kind for _, kind, _ in PICKER_OBJECTS}, kinds
 
 
 def test_the_rendered_command_line_is_one_kvbank_picker_reads() -> None:
