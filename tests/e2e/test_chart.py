@@ -24,6 +24,7 @@ from kvbank.operator.cluster import RESOURCES
 from kvbank.operator.policy import parse_capacity_policy
 from kvbank.operator.render.bundle import render_pool
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
+from kvbank.operator.render.picker import PICKER_OBJECTS
 
 KUBE_VERSION = "1.36.0"
 pytestmark = pytest.mark.timeout(FIRST_USE_TIMEOUT)
@@ -279,14 +280,19 @@ def granted(docs: list[dict[str, Any]], group: str, resource: str) -> set[str]:
     return verbs
 
 
+# What the operator deletes (operator/pruning.py): ConfigMaps of earlier spec versions, and the
+# kinds the picker renders once a pool is back to `spec.routing.picker: none`.
+DELETED = {"configmaps"} | {RESOURCES[(v, kind)][0] for v, kind, _ in PICKER_OBJECTS}
+
+
 def test_rbac_is_least_privilege(helm: Tools) -> None:
     docs = render(helm)
     everything = [*rules(docs, "ClusterRole"), *rules(docs, "Role")]
     for rule in everything:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
         assert not {"deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"])
-        if "delete" in rule["verbs"]:  # only a pool's ConfigMaps of earlier spec versions
-            assert rule["resources"] == ["configmaps"], rule
+        if "delete" in rule["verbs"]:  # a pool's old ConfigMaps, the picker's objects it owns
+            assert set(rule["resources"]) <= DELETED, rule
     secrets = [r for r in everything if "secrets" in r["resources"]]
     assert secrets == [
         # The pools' token and certificate Secrets, in their namespaces: created, certificates
@@ -336,6 +342,10 @@ def test_rbac_covers_every_kind_the_builders_apply(helm: Tools) -> None:
             for rule in manifest.get("rules", []) if kind == "Role" else []:
                 for group, resource in itertools.product(rule["apiGroups"], rule["resources"]):
                     assert set(rule["verbs"]) <= granted(docs, group, resource), rule
+    # A pool back to `picker: none` has the picker's objects listed by label and deleted.
+    for api_version, kind, _ in PICKER_OBJECTS:
+        plural = RESOURCES[(api_version, kind)][0]
+        assert {"list", "delete"} <= granted(docs, api_version.rpartition("/")[0], plural), kind
 
 
 def test_cert_manager_mode_renders_a_certificate_and_no_secret_rights(

@@ -106,9 +106,11 @@ cluster-wide, a Role's in each of operator.watchNamespaces. */}}
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [create, patch, get, list, watch, delete]
+# list and delete on Services, and on each of the picker's kinds below: a pool switched back
+# to spec.routing.picker: none has the picker's objects it owns deleted (operator/pruning.py).
 - apiGroups: [""]
   resources: [services]
-  verbs: [create, patch, get]
+  verbs: [create, patch, get, list, delete]
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [create, patch, get]
@@ -120,22 +122,22 @@ cluster-wide, a Role's in each of operator.watchNamespaces. */}}
   verbs: [create, patch, get]
 # A pool with spec.routing.picker: kvbank (operator/render/picker.py): the picker's Deployment,
 # ServiceAccount, Role and RoleBinding, NetworkPolicies, and the InferencePool (where its CRD
-# is installed).
+# is installed); listed by label and deleted when the pool goes back to picker: none.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [create, patch, get]
+  verbs: [create, patch, get, list, delete]
 - apiGroups: [""]
   resources: [serviceaccounts]
-  verbs: [create, patch, get]
+  verbs: [create, patch, get, list, delete]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
-  verbs: [create, patch, get]
+  verbs: [create, patch, get, list, delete]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [create, patch, get]
+  verbs: [create, patch, get, list, delete]
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
-  verbs: [create, patch, get]
+  verbs: [create, patch, get, list, delete]
 # A pool's copy of the sidecar token (operator/render/token.py) and its sidecar certificate
 # (operator/pool_tls.py): created, and the certificate renewed by a whole-object update.
 # Never get, list, watch or patch: each of those returns a Secret's data, and patch (as
