@@ -2,9 +2,12 @@
 installed (tests/data/inferencepool-crd.yaml, written from the extension's published API), every
 object the operator renders for a routed pool is applied by server-side apply as the chart's
 operator ServiceAccount and passes the server's validation (its RBAC lets the operator create
-the picker's Role without escalate), and deleting the pool takes them all. Then the picker's
-discovery, as the rendered picker ServiceAccount, lists and watches Pod objects whose status
-the test patches Ready and unready (no kubelet runs: the pods never start)."""
+the picker's Role without escalate), and deleting the pool takes them all. The operator's
+reconcile, as that ServiceAccount, renders them for a routed pool and deletes them when the pool
+is switched back to `picker: none`, keeping the pool's own objects and one it does not own.
+Then the picker's discovery, as the rendered picker ServiceAccount, lists and watches Pod
+objects whose status the test patches Ready and unready (no kubelet runs: the pods never
+start)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from e2e_kube import (
     ROOT,
     TOOLS,
     Tools,
+    condition,
     ensure_tools,
     example,
     free_port,
@@ -36,6 +40,8 @@ from e2e_kube import (
 from kvbank.capacity import holdability
 from kvbank.deployment import parse_deployment
 from kvbank.modelpool import parse_modelpool
+from kvbank.operator.kube import KubeClient, load_api_client
+from kvbank.operator.reconcile import reconcile
 from kvbank.operator.render.bundle import render_pool
 from kvbank.operator.render.names import Owner, RenderSettings, Workload
 from kvbank.picker.discovery import Discovery, Target
@@ -119,7 +125,7 @@ def test_the_rendered_picker_passes_validation_as_the_operator_and_goes_with_its
     bad["spec"]["targetPorts"] = [{"number": 8000}, {"number": 8001}]
     out = tools.kubectl("apply", "--server-side", "-f", "-", stdin=json.dumps(bad))
     assert out.returncode != 0 and "targetPorts" in out.stderr
-    # The selector docs/routing.md gives for removing them by hand names exactly these.
+    # The selector docs/routing.md gives for finding them names exactly these.
     kinds = "inferencepool,deployment,service,serviceaccount,role,rolebinding,networkpolicy"
     selector = "kvbank.dev/pool=llama,app.kubernetes.io/component in (picker,inference-pool)"
     named = tools.ok("get", kinds, "-n", ns, "-l", selector, "-o", "name").split()
@@ -132,6 +138,50 @@ def test_the_rendered_picker_passes_validation_as_the_operator_and_goes_with_its
         return True if not left else None
 
     wait_for("the pool's picker objects to go with it", gone, 60, every=1)
+
+
+def test_the_operator_removes_the_picker_when_the_pool_goes_back_to_none(
+    admin: tuple[Tools, Path],
+) -> None:
+    tools, work = admin
+    ns = _namespace(tools)
+    doc = example("modelpool-llama-8b.yaml", ns, name="llama")
+    doc["spec"]["routing"] = {"picker": "kvbank"}
+    tools.ok("apply", "-f", "-", stdin=yaml.safe_dump(doc))
+    kubeconfig = service_account_kubeconfig(tools, "kvbank-operator", SYSTEM,
+                                            work / f"reconcile-{ns}.kubeconfig")  # fmt: skip
+    cluster = KubeClient(load_api_client(str(kubeconfig)))
+    settings = RenderSettings(sidecar_token="t0ken")
+
+    def reconciled() -> None:
+        stored = tools.get("modelpool", "llama", ns)
+        assert stored is not None
+        outcome = asyncio.run(reconcile(cluster, settings, stored))
+        assert outcome.accepted, outcome.message
+
+    kinds = "inferencepool,deployment,service,serviceaccount,role,rolebinding,networkpolicy"
+    selector = "kvbank.dev/pool=llama,app.kubernetes.io/component in (picker,inference-pool)"
+
+    def picker_objects() -> list[str]:
+        return sorted(tools.ok("get", kinds, "-n", ns, "-l", selector, "-o", "name").split())
+
+    reconciled()
+    assert len(picker_objects()) == 8, picker_objects()
+    # A Service with the picker's labels that the pool does not own stays.
+    theirs = {"apiVersion": "v1", "kind": "Service",
+              "metadata": {"name": "theirs", "namespace": ns,
+                           "labels": {"kvbank.dev/pool": "llama",
+                                      "app.kubernetes.io/component": "picker"}},
+              "spec": {"ports": [{"port": 80}]}}  # fmt: skip
+    tools.ok("apply", "-f", "-", stdin=json.dumps(theirs))
+    tools.ok("patch", "modelpool", "llama", "-n", ns, "--type=merge",
+             "-p", json.dumps({"spec": {"routing": {"picker": "none"}}}))  # fmt: skip
+    reconciled()
+    assert picker_objects() == ["service/theirs"]
+    services = tools.items("service", ns, "kvbank.dev/pool=llama")
+    assert sorted(s["metadata"]["name"] for s in services) == ["llama", "llama-ranks", "theirs"]
+    assert tools.get("statefulset", "llama", ns) is not None
+    assert condition(tools.get("modelpool", "llama", ns), "Routing") is None
 
 
 async def _until(check: Callable[[], bool], what: str, timeout: float = 20) -> None:
