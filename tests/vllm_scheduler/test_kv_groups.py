@@ -204,7 +204,7 @@ def test_a_hybrid_pool_over_a_real_sidecar(sidecar: str, blocking: bool, request
     lookahead = 0
     backend = make_backend(chosen, 48, PAGE, lookahead, engine_id=f"groups-{next(_sessions)}")
     _run("sliding+full", 48, "peak+backfill", requests, backend, 0 if blocking else 0.001)
-    assert backend.sessions_opened == 1
+    assert backend.sessions_opened <= 1  # none re-opened (none when all left before a report)
 
 
 @pytest.mark.parametrize("policy", ["banker", "peak+backfill"])

@@ -120,4 +120,6 @@ def test_random_workloads_over_a_real_sidecar(
         settings_, SIDECAR_PAGES, PAGE, 0, engine_id=f"vllm-property-{next(_sessions)}"
     )
     _run(SIDECAR_PAGES, "peak+backfill", requests, mode, backend, 0 if blocking else 0.001)
-    assert backend.sessions_opened == 1  # no session was lost and re-opened
+    # No session was lost and re-opened; a run whose every request left before the first report
+    # (aborted at step 0) never opens one.
+    assert backend.sessions_opened <= 1
