@@ -46,32 +46,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvbank.capacity import CapacityModel, PageCount, RequestShape, count_pages, refusal
 from kvbank.ledger import Admitted, Hit, InvariantBreach, UnknownRequest, peak_shape
 from kvbank.ledger.client import LedgerClient, ask_in_order
 from kvbank.ledger.policy import PrefillPace
+from kvbank.vllm.entry import Entry
 from kvbank.vllm.groups import Holding, Tables, flat, hit_credit, steady_groups, window_overlap
 from kvbank.vllm.pins import HeadPins
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Entry:
-    """An admitted request, as the ledger counts it."""
-
-    request: Any  # vllm.v1.request.Request
-    holding: Holding  # pages the ledger counts as held, per group (hit, then vLLM's blocks)
-    pin: list[list[Any]] = field(default_factory=list)  # per group, the hit pinned until vLLM
-    # holds it
-    chunks: int | None = None  # peak-fit: prefill steps it may still take (None: prefilled)
-
-    @property
-    def pinned(self) -> list[Any]:
-        return [block for group in self.pin for block in group]
 
 
 class Admission:
@@ -198,7 +183,7 @@ class Admission:
         self.backend.report_hits({head.request_id: Hit(pinned.blocks, 0, 0)})
         if pinned.shared and self.peak:
             for entry in self.admitted.values():
-                self.backend.set_exclusive(entry.request.request_id, self._exclusive(entry))
+                self.backend.set_exclusive(entry.request.request_id, entry.exclusive(self.tables))
 
     def _apply(self, decisions: list[Any]) -> None:
         for decision in sorted(decisions, key=lambda d: d.seq):
@@ -282,11 +267,7 @@ class Admission:
             request = entry.request
             if request.status != running:
                 continue
-            if entry.pin:
-                # vLLM holds the hit now; pinned blocks it did not adopt (a window that a
-                # longer hit moved) stay counted as the request's, as freed ones do
-                self.pool.free_blocks(entry.pinned)
-                entry.pin = []
+            entry.unpin(self.pool)  # vLLM holds the hit now
             holding = entry.holding
             shared = holding.shared
             grown = holding.hold(rid, self.tables.held(rid))
@@ -316,17 +297,10 @@ class Admission:
             return
         recount, self._sharing_changed = self._sharing_changed, False
         for rid, entry in self.admitted.items():
+            if not entry.step_done(rid in scheduled):
+                continue  # stalled
             request = entry.request
-            if entry.chunks is not None:  # in prefill: the bound counts down, progress or not
-                if request.num_computed_tokens >= request.num_prompt_tokens:
-                    entry.chunks = None
-                elif entry.chunks <= 1:
-                    continue  # past its bound: stalled
-                else:
-                    entry.chunks -= 1
-            elif rid not in scheduled:
-                continue  # a decode step skipped: stalled
-            exclusive = self._exclusive(entry) if recount else None
+            exclusive = entry.exclusive(self.tables) if recount else None
             written = entry.holding.written(request.num_computed_tokens, request.num_prompt_tokens)
             self.backend.advance(
                 rid, request.num_output_tokens, written, entry.chunks or 0, exclusive
@@ -341,18 +315,8 @@ class Admission:
             )
         self.stalled_steps = self.backend.stalled_steps()
 
-    def _exclusive(self, entry: Entry) -> int:
-        """Pages that come back when this request finishes: those only it holds (a pinned hit
-        counts as its own) and those a window freed that the ledger still counts."""
-        holding = entry.holding
-        rid = entry.request.request_id
-        holding.recount(rid, entry.pin if entry.pin else self.tables.held(rid))
-        return holding.exclusive
-
     def _release(self, rid: str) -> None:
-        entry = self.admitted.pop(rid)
-        if entry.pin:
-            self.pool.free_blocks(entry.pinned)
+        self.admitted.pop(rid).unpin(self.pool)
         self.backend.release(rid)
         if self.admitted:
             self._sharing_changed = True
