@@ -20,13 +20,13 @@ from kvbank.capacity.configured import ConfiguredModel, configure
 from kvbank.capacity.hfconfig import ModelConfigError, read_layout
 from kvbank.capacity.layout import KV_DTYPE_BYTES, EngineSettings, LayoutError
 from kvbank.capacity.modellayout import Kind, LayerGroup, ModelLayout
+from kvbank.model_spec import PRESETS
 from kvbank.modelpool import (
     API_GROUP,
     API_VERSION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     KIND,
     MAX_SEQ_LEN,
-    PRESETS,
 )
 
 UNITS = {

@@ -13,6 +13,8 @@ order (FIFO, as the ledger decides). Each step, before vLLM schedules:
    the free supply when pinned, so they are reported to the ledger as taken by the request;
    the hit sent to the ledger is the shared part only. (`outstanding + reserved - shared <=
    supply` is the ledger's `outstanding + reserved - hit <= supply - idle`: the same test.)
+   With a sidecar the schedule never waits on, the head's hit is pinned before it is reported
+   instead, and held until the decision arrives (kvbank.vllm.pins).
 3. The request joins vLLM's waiting queue and vLLM schedules it as it always does.
 
 After each schedule the blocks every admitted request holds are compared with what the ledger
@@ -44,31 +46,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvbank.capacity import CapacityModel, PageCount, RequestShape, count_pages, refusal
 from kvbank.ledger import Admitted, Hit, InvariantBreach, UnknownRequest, peak_shape
 from kvbank.ledger.client import LedgerClient, ask_in_order
 from kvbank.ledger.policy import PrefillPace
-from kvbank.vllm.groups import Holding, Tables, hit_credit, steady_groups, window_overlap
+from kvbank.vllm.entry import Entry
+from kvbank.vllm.groups import Holding, Tables, flat, hit_credit, steady_groups, window_overlap
+from kvbank.vllm.pins import HeadPins
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Entry:
-    """An admitted request, as the ledger counts it."""
-
-    request: Any  # vllm.v1.request.Request
-    holding: Holding  # pages the ledger counts as held, per group (hit, then vLLM's blocks)
-    pin: list[list[Any]] = field(default_factory=list)  # per group, the hit pinned until vLLM
-    # holds it
-    chunks: int | None = None  # peak-fit: prefill steps it may still take (None: prefilled)
-
-    @property
-    def pinned(self) -> list[Any]:
-        return [block for group in self.pin for block in group]
 
 
 class Admission:
@@ -100,13 +88,8 @@ class Admission:
         self._sharing_changed = False
         # A sidecar the schedule never waits on: the head's cached blocks pinned until its
         # decision is applied, and the last decision applied (each is applied once).
-        self._pins: dict[str, list[list[Any]]] = {}
+        self.head_pins = HeadPins(self.pool, self.tables, self.steady, self.peak)
         self._last_seq = -1
-        # Blocks freed by unpinning requests that left while a report was in flight: its answer
-        # may admit them with those pins as their hit, which the ledger then counts as held
-        # until the release that follows the answer. Until every answer is known they stay out
-        # of the supply the ledger hears, as they were while pinned.
-        self._unpinned_in_flight = 0
         # Whether the ledger has heard the progress of every schedule so far (a step's output
         # was processed since the latest schedule); admissions wait for it.
         self._reported = True
@@ -134,11 +117,8 @@ class Admission:
 
     def cancel(self, rid: str) -> None:
         """A request left (aborted) wherever it was."""
-        pins = self._pins.pop(rid, None)
-        if pins:
-            if not self.backend.settled():
-                self._unpinned_in_flight += sum(1 for b in _flat(pins) if b.ref_cnt == 1)
-            self.pool.free_blocks(_flat(pins))
+        if rid in self.head_pins:
+            self.head_pins.unpin(rid, in_flight=not self.backend.settled())
         self.counts.pop(rid, None)
         if self.waiting.pop(rid, None) is not None:
             with contextlib.suppress(UnknownRequest):
@@ -184,53 +164,26 @@ class Admission:
         if backend.settled():
             # Every answer is known: a request that left was either admitted, and released by
             # `_apply` ahead of the supply below, or never will be.
-            self._unpinned_in_flight = 0
+            self.head_pins.settle()
             self._pin_head()
             self._sync_supply()
         self._apply(backend.poll(max(0, self.pace.running_cap - self._in_flight())))
 
     def _pin_head(self) -> None:
-        """Pin more of the head's computed blocks, in prefix order, within the ledger's
-        headroom: a block only the cache held (free to vLLM) leaves the supply, and one a
-        single running request holds no longer returns when it finishes; each costs a page.
-        The hit reported is the pinned blocks, held, with no idle part. With several groups
-        (or a window's) the hit is pinned whole or not at all, once: a longer hit moves a
-        window, so its blocks are not a prefix of the shorter hit's."""
+        """Pin more of the head's computed blocks within the ledger's headroom (`HeadPins.pin`)
+        and tell the ledger: the pages the pins cost, and the pinned blocks as the head's hit,
+        held, with no idle part."""
         head = next(iter(self.waiting.values()), None)
         if head is None:
             return
-        rid = head.request_id
-        pinned = self._pins.setdefault(rid, [[] for _ in range(self.groups)])
-        hit = self.tables.hit(head)
-        budget = self.backend.headroom()
-        new: list[list[Any]] = [[] for _ in range(self.groups)]
-        spent = 0
-        if self.groups == 1 and self.steady[0]:
-            for block in hit[0][len(pinned[0]) :]:
-                cost = _pin_cost(block, self.peak, self.steady[0])
-                if spent + cost > budget:
-                    break
-                spent += cost
-                new[0].append(block)
-        elif not _flat(pinned):
-            spent = sum(
-                _pin_cost(block, self.peak, keep)
-                for group, keep in zip(hit, self.steady, strict=True)
-                for block in group
-            )
-            if spent <= budget:
-                new = hit
-        if not _flat(new):
+        pinned = self.head_pins.pin(head, self.backend.headroom())
+        if pinned is None:
             return
-        shared = any(block.ref_cnt == 1 for block in _flat(new))
-        self.pool.touch(_flat(new))
-        for group, more in zip(pinned, new, strict=True):
-            group += more
-        self.backend.note_pin(spent)
-        self.backend.report_hits({rid: Hit(len(_flat(pinned)), 0, 0)})
-        if shared and self.peak:
+        self.backend.note_pin(pinned.cost)
+        self.backend.report_hits({head.request_id: Hit(pinned.blocks, 0, 0)})
+        if pinned.shared and self.peak:
             for entry in self.admitted.values():
-                self.backend.set_exclusive(entry.request.request_id, self._exclusive(entry))
+                self.backend.set_exclusive(entry.request.request_id, entry.exclusive(self.tables))
 
     def _apply(self, decisions: list[Any]) -> None:
         for decision in sorted(decisions, key=lambda d: d.seq):
@@ -241,14 +194,12 @@ class Admission:
             if not isinstance(decision, Admitted):
                 raise InvariantBreach(f"the sidecar refused {rid!r}: {decision}")
             request = self.waiting.pop(rid, None)
-            pins = self._pins.pop(rid, [[] for _ in range(self.groups)])
             count = self.counts.pop(rid, None)
             if request is None or count is None:  # it left while the decision was on its way
-                if _flat(pins):
-                    self.pool.free_blocks(_flat(pins))
+                self.head_pins.unpin(rid, in_flight=False)
                 self.backend.release(rid)
                 continue
-            pins = self._keep_pinned(rid, pins, decision.hit.pages)
+            pins = self.head_pins.keep(rid, decision.hit.pages)
             chunks = None
             if self.peak:
                 chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens)
@@ -258,25 +209,6 @@ class Admission:
             if decision.hit.pages:
                 self._sharing_changed = True
             self.sched._enqueue_waiting_request(request)  # as vLLM queues an arrival
-
-    def _keep_pinned(self, rid: str, pins: list[list[Any]], hit: int) -> list[list[Any]]:
-        """The pins an admission with a `hit`-block hit keeps (it was decided on an earlier
-        report, so on fewer pins or none); the others are dropped."""
-        pinned = len(_flat(pins))
-        whole = self.groups > 1 or not self.steady[0]
-        if hit > pinned or (whole and hit not in (0, pinned)):
-            raise InvariantBreach(
-                f"request {rid!r} was admitted with a {hit}-block hit but {pinned} blocks are "
-                f"pinned for it"
-            )
-        if self.groups == 1 and self.steady[0]:
-            kept = [pins[0][:hit]]
-        else:
-            kept = pins if hit else [[] for _ in pins]
-        dropped = [b for group, keep in zip(pins, kept, strict=True) for b in group[len(keep) :]]
-        if dropped:
-            self.pool.free_blocks(dropped)
-        return kept
 
     def _queue(self) -> list[Any]:
         return list(self.waiting.values())
@@ -309,11 +241,11 @@ class Admission:
         if request is None:
             raise InvariantBreach(f"request {rid!r} was admitted but is not waiting")
         pin = self._peeked.pop(rid, [[] for _ in range(self.groups)])
-        taken = len(_flat(pin)) - decision.hit.pages  # idle blocks and window copies
+        taken = len(flat(pin)) - decision.hit.pages  # idle blocks and window copies
         chunks = None
         if self.peak:
             chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens)
-        self.pool.touch(_flat(pin))
+        self.pool.touch(flat(pin))
         holding = Holding.of(self.model, request, self.counts.pop(rid), pin)
         self.admitted[rid] = Entry(request, holding, pin, chunks)
         if taken:
@@ -335,11 +267,7 @@ class Admission:
             request = entry.request
             if request.status != running:
                 continue
-            if entry.pin:
-                # vLLM holds the hit now; pinned blocks it did not adopt (a window that a
-                # longer hit moved) stay counted as the request's, as freed ones do
-                self.pool.free_blocks(entry.pinned)
-                entry.pin = []
+            entry.unpin(self.pool)  # vLLM holds the hit now
             holding = entry.holding
             shared = holding.shared
             grown = holding.hold(rid, self.tables.held(rid))
@@ -369,17 +297,10 @@ class Admission:
             return
         recount, self._sharing_changed = self._sharing_changed, False
         for rid, entry in self.admitted.items():
+            if not entry.step_done(rid in scheduled):
+                continue  # stalled
             request = entry.request
-            if entry.chunks is not None:  # in prefill: the bound counts down, progress or not
-                if request.num_computed_tokens >= request.num_prompt_tokens:
-                    entry.chunks = None
-                elif entry.chunks <= 1:
-                    continue  # past its bound: stalled
-                else:
-                    entry.chunks -= 1
-            elif rid not in scheduled:
-                continue  # a decode step skipped: stalled
-            exclusive = self._exclusive(entry) if recount else None
+            exclusive = entry.exclusive(self.tables) if recount else None
             written = entry.holding.written(request.num_computed_tokens, request.num_prompt_tokens)
             self.backend.advance(
                 rid, request.num_output_tokens, written, entry.chunks or 0, exclusive
@@ -394,18 +315,8 @@ class Admission:
             )
         self.stalled_steps = self.backend.stalled_steps()
 
-    def _exclusive(self, entry: Entry) -> int:
-        """Pages that come back when this request finishes: those only it holds (a pinned hit
-        counts as its own) and those a window freed that the ledger still counts."""
-        holding = entry.holding
-        rid = entry.request.request_id
-        holding.recount(rid, entry.pin if entry.pin else self.tables.held(rid))
-        return holding.exclusive
-
     def _release(self, rid: str) -> None:
-        entry = self.admitted.pop(rid)
-        if entry.pin:
-            self.pool.free_blocks(entry.pinned)
+        self.admitted.pop(rid).unpin(self.pool)
         self.backend.release(rid)
         if self.admitted:
             self._sharing_changed = True
@@ -416,16 +327,12 @@ class Admission:
     def _supply(self) -> int:
         """vLLM's free blocks less those windows freed that the ledger still counts as their
         requests' (kvbank.vllm.groups): they may take them again."""
-        free = max(0, self.pool.get_num_free_blocks() - self._unpinned_in_flight)
+        free = max(0, self.pool.get_num_free_blocks() - self.head_pins.unpinned_in_flight)
         freed = sum(entry.holding.freed for entry in self.admitted.values())
         overlap = 0
         if not all(self.steady):
             held = [entry.holding.window_ids for entry in self.admitted.values()]
-            held += [
-                [b.block_id for group, keep in zip(pins, self.steady, strict=True)
-                 if not keep for b in group]
-                for pins in self._pins.values()
-            ]  # fmt: skip
+            held += self.head_pins.window_ids()
             overlap = window_overlap(held)
         if freed + overlap > free:
             raise InvariantBreach(
@@ -450,18 +357,6 @@ class Admission:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-
-def _flat(groups: list[list[Any]]) -> list[Any]:
-    return [block for group in groups for block in group]
-
-
-def _pin_cost(block: Any, peak: bool, steady: bool) -> int:
-    """A page of headroom for a block only the cache held (it leaves the free supply), for any
-    block of a window or state group (kvbank.vllm.groups: a copy is a page) and, under
-    peak-fit, for one a single running request holds (it no longer returns when that request
-    finishes)."""
-    return 1 if not steady or block.ref_cnt == 0 or (block.ref_cnt == 1 and peak) else 0
 
 
 def _running() -> Any:

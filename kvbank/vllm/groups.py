@@ -104,6 +104,11 @@ def live(blocks: Any) -> list[Any]:
     return [block for block in blocks if not block.is_null]
 
 
+def flat(groups: list[list[Any]]) -> list[Any]:
+    """Blocks held group by group (a hit, a pin), as one list in group order."""
+    return [block for group in groups for block in group]
+
+
 class Tables:
     """What vLLM's KV cache manager holds for a request, group by group."""
 

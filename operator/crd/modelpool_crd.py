@@ -7,17 +7,21 @@ from typing import Any
 
 from kvbank.capacity.configfile import MAX_LAYERS
 from kvbank.capacity.modellayout import Kind
+from kvbank.model_spec import (
+    DTYPE_BYTES,
+    KV_DTYPES,
+    MAX_CONFIG_MAP_KEY,
+    MAX_CONFIG_PATH,
+    MAX_WEIGHTS_GIB,
+    PRESETS,
+)
 from kvbank.modelpool import (
     ADMISSION_POLICIES,
     API_GROUP,
     API_VERSION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DTYPE_BYTES,
     ESTIMATES,
     KIND,
-    KV_DTYPES,
-    MAX_CONFIG_MAP_KEY,
-    MAX_CONFIG_PATH,
     MAX_FIXED_TOKENS,
     MAX_LABELS,
     MAX_PAGE_SIZE,
@@ -28,8 +32,6 @@ from kvbank.modelpool import (
     MAX_SLOT_MULTIPLIER,
     MAX_SPECULATIVE,
     MAX_TP,
-    MAX_WEIGHTS_GIB,
-    PRESETS,
     SERVICE_CLASSES,
     VICTIMS,
     Admission,

@@ -16,7 +16,8 @@ minConcurrency x worst <= 2^24 x 2^29 = 2^53.
 from __future__ import annotations
 
 from kvbank.capacity import SINK_PAGES
-from kvbank.modelpool import MAX_POOL_NAME_LENGTH, PRESETS
+from kvbank.model_spec import PRESETS
+from kvbank.modelpool import MAX_POOL_NAME_LENGTH
 from kvbank.operator.crd.openapi import rule
 
 __all__ = ["MAX_POOL_NAME_LENGTH"]

@@ -15,7 +15,8 @@ from kvbank.capacity import (
 )
 from kvbank.capacity.hfconfig import read_layout
 from kvbank.capacity.layout import EngineSettings, LayoutError, pool_layout
-from kvbank.modelpool import PRESETS, KvSlot, parse_modelpool
+from kvbank.model_spec import PRESETS
+from kvbank.modelpool import KvSlot, parse_modelpool
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 

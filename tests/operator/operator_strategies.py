@@ -8,7 +8,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from kvbank.modelpool import PRESETS
+from kvbank.model_spec import PRESETS
 
 
 def spec_doc(spec: dict[str, Any], name: str = "pool", namespace: str = "team-a") -> dict[str, Any]:
