@@ -24,6 +24,10 @@ less what windows freed that the ledger still counts as their requests' (kvbank.
 Each of vLLM's KV cache groups is a label of the request's count (kvbank.vllm.layout); a hit,
 a pin and what a request holds are its blocks in every group, vLLM's null blocks left out.
 
+Best-effort requests (kvbank.vllm.classes, held as `classes`) are never in the ledger's books:
+the supply counts blocks only they hold as reclaimable, a hit counts a block's strict holders
+and pins only, and they are preempted to make room for strict requests.
+
 Under vLLM's async scheduling a step is scheduled while the model runs the previous one, and
 its output is processed after the next schedule: what the ledger is told after a step's output
 (num_computed_tokens, which already counts the next step's positions) covers every schedule
@@ -51,7 +55,9 @@ from kvbank.capacity import CapacityModel, PageCount, RequestShape, count_pages,
 from kvbank.ledger import Admitted, Hit, InvariantBreach, UnknownRequest, peak_shape
 from kvbank.ledger.client import LedgerClient, ask_in_order
 from kvbank.ledger.policy import PrefillPace
+from kvbank.vllm.classes import Classes, resumed_shape, tier_refusal
 from kvbank.vllm.groups import Holding, Tables, hit_credit, steady_groups, window_overlap
+from kvbank.vllm.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +82,15 @@ class Admission:
     and reads vLLM's scheduler state (`sched`) without changing its logic."""
 
     def __init__(
-        self, sched: Any, model: CapacityModel, backend: LedgerClient, policy: str, depth: int
+        self,
+        sched: Any,
+        model: CapacityModel,
+        backend: LedgerClient,
+        policy: str,
+        depth: int,
+        settings: Settings | None = None,
     ) -> None:
+        """`settings`: the class settings (kvbank.vllm.classes); all-strict when None."""
         self.sched = sched
         self.model = model
         self.backend = backend
@@ -110,6 +123,7 @@ class Admission:
         # Whether the ledger has heard the progress of every schedule so far (a step's output
         # was processed since the latest schedule); admissions wait for it.
         self._reported = True
+        self.classes = Classes(sched, self.tables, settings or Settings(policy))
 
     # ---- arrivals ------------------------------------------------------------------------------
 
@@ -119,25 +133,43 @@ class Admission:
         shape = RequestShape(request.num_prompt_tokens, request.max_tokens)
         count = count_pages(self.model, shape)
         why = refusal(self.model, shape, self.total_pages, count)
-        if why is not None:
-            self.refused.append((request.request_id, why.message))
+        message = why.message if why is not None else tier_refusal(request)
+        if message is not None:
+            self.refused.append((request.request_id, message))
             return False
-        pages = count.total
+        if self.classes.arrive(request):
+            return True  # best-effort: never in the ledger's books
+        self._submit(request, count, peak_shape(self.model, shape, count=count))
+        return True
+
+    def _submit(self, request: Any, count: PageCount, shape: Any) -> None:
+        """Queue a strict request for the ledger; `shape` counts only under peak-fit."""
         rid = request.request_id
         self.waiting[rid] = request
         self.counts[rid] = count
         if self.peak:
-            self.backend.submit(rid, pages, shape=peak_shape(self.model, shape, count=count))
+            self.backend.submit(rid, count.total, shape=shape)
         else:
-            self.backend.submit(rid, pages)
-        return True
+            self.backend.submit(rid, count.total)
+
+    def _promote(self, request: Any) -> None:
+        """A best-effort request preempted `max_preemptions` times: strict from now on, with
+        its shape from where it is (kvbank.vllm.classes.resumed_shape)."""
+        count = count_pages(self.model, RequestShape(request.num_prompt_tokens, request.max_tokens))
+        shape = resumed_shape(self.model, request, count)
+        if shape is None:
+            self.classes.resumed.pop(request.request_id, None)
+        self._submit(request, count, shape)
 
     def cancel(self, rid: str) -> None:
         """A request left (aborted) wherever it was."""
+        if self.classes.cancel(rid):
+            return  # best-effort: vLLM frees what it holds
         pins = self._pins.pop(rid, None)
         if pins:
             if not self.backend.settled():
-                self._unpinned_in_flight += sum(1 for b in _flat(pins) if b.ref_cnt == 1)
+                holders = self.classes.strict_holders()
+                self._unpinned_in_flight += sum(1 for b in _flat(pins) if holders(b) == 1)
             self.pool.free_blocks(_flat(pins))
         self.counts.pop(rid, None)
         if self.waiting.pop(rid, None) is not None:
@@ -153,16 +185,17 @@ class Admission:
         admitted request waits in vLLM's queue, behind the earlier admissions, until vLLM
         gives it tokens, and its prefill bound counts every prompt token admitted before it
         whether vLLM has started that prompt or not."""
-        sched = self.sched
-        # Decode rows first, then prefill chunks in admission order: every running request
-        # advances every step, which peak-fit's promises rely on.
-        sched.running.sort(
-            key=lambda r: (
-                r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens > 1
-            )
-        )
-        if not self._reported:
-            return  # async scheduling, a schedule right after another: see the module docstring
+        # Strict decode rows first, then strict prefill chunks in admission order: every
+        # running strict request advances every step, which peak-fit's promises rely on; then
+        # best-effort rows, so vLLM's FCFS victim (`running[-1]`) is one while one runs.
+        self.sched.running.sort(key=self.classes.running_order)
+        for request in self.classes.promotions():
+            self._promote(request)
+        if self._reported:  # async scheduling, a schedule right after another: see the docstring
+            self._ledger_pass()
+        self.classes.before_schedule()
+
+    def _ledger_pass(self) -> None:
         self._sync_supply()
         if self.backend.defers:
             self._admit_later()
@@ -205,16 +238,17 @@ class Admission:
         budget = self.backend.headroom()
         new: list[list[Any]] = [[] for _ in range(self.groups)]
         spent = 0
+        holders = self.classes.strict_holders()
         if self.groups == 1 and self.steady[0]:
             for block in hit[0][len(pinned[0]) :]:
-                cost = _pin_cost(block, self.peak, self.steady[0])
+                cost = _pin_cost(holders(block), self.peak, self.steady[0])
                 if spent + cost > budget:
                     break
                 spent += cost
                 new[0].append(block)
         elif not _flat(pinned):
             spent = sum(
-                _pin_cost(block, self.peak, keep)
+                _pin_cost(holders(block), self.peak, keep)
                 for group, keep in zip(hit, self.steady, strict=True)
                 for block in group
             )
@@ -222,7 +256,7 @@ class Admission:
                 new = hit
         if not _flat(new):
             return
-        shared = any(block.ref_cnt == 1 for block in _flat(new))
+        shared = any(holders(block) == 1 for block in _flat(new))
         self.pool.touch(_flat(new))
         for group, more in zip(pinned, new, strict=True):
             group += more
@@ -300,7 +334,7 @@ class Admission:
         chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens) if self.peak else None
         hit = self.tables.hit(request)
         self._peeked[request.request_id] = hit
-        credit, sole = hit_credit(hit, self.steady)
+        credit, sole = hit_credit(hit, self.steady, self.classes.strict_holders())
         return Hit(credit, 0, sole), chunks
 
     def _started(self, decision: Admitted) -> None:
@@ -330,6 +364,7 @@ class Admission:
         for rid in preempted & self.admitted.keys():
             self.preemptions += 1
             log.error("vLLM preempted %r, which kvbank admitted: a kvbank bug", rid)
+        self.classes.taken_back(preempted)
         running = _running()
         for rid, entry in self.admitted.items():
             request = entry.request
@@ -361,6 +396,7 @@ class Admission:
         """Release what finished; under peak-fit report every admitted request's progress and
         close the step in the ledger."""
         self._reported = True
+        self.classes.step_done()
         finished = [rid for rid, e in self.admitted.items() if e.request.is_finished()]
         for rid in finished:
             self._release(rid)
@@ -371,7 +407,7 @@ class Admission:
         for rid, entry in self.admitted.items():
             request = entry.request
             if entry.chunks is not None:  # in prefill: the bound counts down, progress or not
-                if request.num_computed_tokens >= request.num_prompt_tokens:
+                if request.num_computed_tokens >= self.classes.prompt_end(request):
                     entry.chunks = None
                 elif entry.chunks <= 1:
                     continue  # past its bound: stalled
@@ -381,9 +417,8 @@ class Admission:
                 continue  # a decode step skipped: stalled
             exclusive = self._exclusive(entry) if recount else None
             written = entry.holding.written(request.num_computed_tokens, request.num_prompt_tokens)
-            self.backend.advance(
-                rid, request.num_output_tokens, written, entry.chunks or 0, exclusive
-            )
+            produced = self.classes.produced(request)
+            self.backend.advance(rid, produced, written, entry.chunks or 0, exclusive)
         stalled = self.backend.end_step()
         if stalled:
             log.warning(
@@ -404,6 +439,7 @@ class Admission:
 
     def _release(self, rid: str) -> None:
         entry = self.admitted.pop(rid)
+        self.classes.cancel(rid)  # a promoted request's offsets
         if entry.pin:
             self.pool.free_blocks(entry.pinned)
         self.backend.release(rid)
@@ -414,9 +450,11 @@ class Admission:
         self.backend.set_supply(self._supply(), 0)
 
     def _supply(self) -> int:
-        """vLLM's free blocks less those windows freed that the ledger still counts as their
-        requests' (kvbank.vllm.groups): they may take them again."""
-        free = max(0, self.pool.get_num_free_blocks() - self._unpinned_in_flight)
+        """vLLM's free blocks and those only best-effort requests hold, less those windows
+        freed that the ledger still counts as their requests' (kvbank.vllm.groups): they may
+        take them again."""
+        free = self.pool.get_num_free_blocks() + self.classes.reclaimable()
+        free = max(0, free - self._unpinned_in_flight)
         freed = sum(entry.holding.freed for entry in self.admitted.values())
         overlap = 0
         if not all(self.steady):
@@ -449,19 +487,19 @@ class Admission:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.classes.waiting)
 
 
 def _flat(groups: list[list[Any]]) -> list[Any]:
     return [block for group in groups for block in group]
 
 
-def _pin_cost(block: Any, peak: bool, steady: bool) -> int:
-    """A page of headroom for a block only the cache held (it leaves the free supply), for any
-    block of a window or state group (kvbank.vllm.groups: a copy is a page) and, under
-    peak-fit, for one a single running request holds (it no longer returns when that request
-    finishes)."""
-    return 1 if not steady or block.ref_cnt == 0 or (block.ref_cnt == 1 and peak) else 0
+def _pin_cost(holders: int, peak: bool, steady: bool) -> int:
+    """A page of headroom for a block no strict request or pin holds (`holders`: it leaves the
+    supply, free or reclaimable), for any block of a window or state group (kvbank.vllm.groups:
+    a copy is a page) and, under peak-fit, for one a single strict request holds (it no
+    longer returns when that request finishes)."""
+    return 1 if not steady or holders == 0 or (holders == 1 and peak) else 0
 
 
 def _running() -> Any:
