@@ -299,7 +299,8 @@ class Classes:
     def _queued_need(self, request: Any, budget: int) -> tuple[int, int]:
         """(blocks, tokens) of a waiting request's first chunk within `budget`: the blocks its
         hit lacks, and hit blocks only the cache holds (vLLM takes them off its free list)."""
-        computed, hit_tokens = self.tables.manager.get_computed_blocks(request)
+        # (blocks, tokens) in vLLM 0.32; 0.33 adds a third value
+        computed, hit_tokens = self.tables.manager.get_computed_blocks(request)[:2]
         hit = [live(group) for group in computed.blocks]
         idle = sum(1 for group in hit for block in group if block.ref_cnt == 0)
         tokens = min(request.num_tokens - hit_tokens, budget)
