@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
-from vllm_builders import MODES, _configs, bench, drive, pressure
+from vllm_builders import MODES, _configs, bench, drive, pressure, scenario
 
 from kvbank.engine.bench.vllm_engine import FinishReason
+from kvbank.engine.bench.vllm_simulate import run_vllm_policy
 from kvbank.ledger import InvariantBreach
 from kvbank.service_class import ServiceClass
 from kvbank.vllm.classes import Classes
@@ -166,3 +167,31 @@ def test_the_default_class_best_effort_runs_a_request_that_names_no_tier_best_ef
     run.add("plain", [3] * 32, 8, 8)
     run.add("asked", [4] * 32, 8, 8, "priority")
     assert set(run.sched.kvbank.classes.best_effort) == {"plain"}
+
+
+MIXED = {
+    "concurrency": 8,
+    "requests": 24,
+    "classes": [
+        {"name": "chat", "weight": 1, "prompt_tokens": 96, "max_tokens": 96, "output_tokens": 96},
+        {
+            "name": "batch",
+            "weight": 1,
+            "service_class": "best-effort",
+            "prompt_tokens": 64,
+            "max_tokens": 320,
+            "output_tokens": 320,
+        },
+    ],
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_vllm_bench_gives_each_request_its_class(mode: str) -> None:
+    case = scenario(48, **MIXED)
+    for policy in ("vllm+banker", "vllm+peak+backfill"):
+        got = run_vllm_policy(case, policy, debug=True, async_scheduling=MODES[mode]).metrics
+        assert got["admitted_as"] == {"chat": "strict", "batch": "best-effort"}
+        assert got["preemptions_by_class"]["chat"] == 0, policy
+        assert got["preemptions_by_class"]["batch"] > 0, policy
+        assert (got["completed"], got["hung"], got["invariant_breaches"]) == (24, 0, 0), policy
