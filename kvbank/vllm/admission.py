@@ -124,6 +124,7 @@ class Admission:
         # was processed since the latest schedule); admissions wait for it.
         self._reported = True
         self.classes = Classes(sched, self.tables, settings or Settings(policy))
+        self._holders = self.classes.strict_holders()  # a block's strict holders, this pass
 
     # ---- arrivals ------------------------------------------------------------------------------
 
@@ -201,6 +202,8 @@ class Admission:
             self._admit_later()
             return
         if self.waiting:
+            # Best-effort holdings do not change while the ledger is asked: counted once.
+            self._holders = self.classes.strict_holders()
             passed = ask_in_order(self.backend, self._queue, _rid, self._ask, self.depth)
             for _, admitted in passed:
                 self._started(admitted)
@@ -334,7 +337,7 @@ class Admission:
         chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens) if self.peak else None
         hit = self.tables.hit(request)
         self._peeked[request.request_id] = hit
-        credit, sole = hit_credit(hit, self.steady, self.classes.strict_holders())
+        credit, sole = hit_credit(hit, self.steady, self._holders)
         return Hit(credit, 0, sole), chunks
 
     def _started(self, decision: Admitted) -> None:
