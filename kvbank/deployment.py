@@ -35,7 +35,6 @@ from kvbank.pod_template import (
     read_name,
     read_template,
 )
-from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS
 
 # Re-exported: readers of the pod-facing fields find them all here.
 __all__ = [
@@ -76,12 +75,9 @@ RENDERED_FLAGS = {
     ),
 }  # fmt: skip
 
-# spec.admission.bestEffort as the CRD defaults it: what a vllm pool may carry unrefused.
-VLLM_BEST_EFFORT_DEFAULTS = {
-    "maxPreemptions": DEFAULT_MAX_PREEMPTIONS,
-    "victim": "newest",
-    "estimate": "learned",
-}
+# spec.admission.bestEffort settings a vllm pool may carry only at the CRD's defaults (its
+# maxPreemptions is the scheduler class's KVBANK_MAX_PREEMPTIONS).
+VLLM_BEST_EFFORT_DEFAULTS = {"victim": "newest", "estimate": "learned"}
 
 SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 HF_REPO = re.compile(r"^[A-Za-z0-9][-\w.]*(/[-\w.]+)?$")
@@ -273,22 +269,21 @@ def _vllm_refusals(r: FieldReader, spec: Mapping[str, Any]) -> None:
             "kvbank's ledger counts (vLLM's own CPU offloading, --kv-offloading-size, reloads "
             "pages behind kvbank's scheduler class); set hostPages: 0, or engine kind kvbank",
         )
-    adm = _section(spec, "admission")
-    if adm.get("defaultClass") == "best-effort":
-        r.fail(
-            "spec.admission.defaultClass",
-            "is best-effort, but under spec.engine.kind vllm "
-            "kvbank's scheduler class admits every request strict; set defaultClass: strict, "
-            "or engine kind kvbank",
-        )
-    best = _section(adm, "bestEffort")
-    changed = {k: v for k, v in best.items() if VLLM_BEST_EFFORT_DEFAULTS.get(k, object()) != v}
+    # kvbank's vLLM scheduler class runs both classes (kvbank/vllm/classes.py): the default
+    # class and maxPreemptions are its; its victim is always the latest best-effort request
+    # (vLLM's own preemption order) and it admits a best-effort request on its prompt alone.
+    best = _section(_section(spec, "admission"), "bestEffort")
+    changed = {
+        k: v
+        for k, v in best.items()
+        if k in VLLM_BEST_EFFORT_DEFAULTS and VLLM_BEST_EFFORT_DEFAULTS[k] != v
+    }
     if changed:
         r.fail(
             "spec.admission.bestEffort",
-            f"sets {', '.join(sorted(map(str, changed)))}, but "
-            "under spec.engine.kind vllm no request is best-effort; drop them, or use engine "
-            "kind kvbank",
+            f"sets {', '.join(sorted(map(str, changed)))}, but under spec.engine.kind vllm "
+            "a best-effort request is preempted latest first (vLLM's own order) and admitted on "
+            "its prompt, with no output estimate; drop them, or use engine kind kvbank",
         )
 
 

@@ -19,6 +19,18 @@ class ServiceClass(enum.StrEnum):
     BEST_EFFORT = "best-effort"
 
 
+# OpenAI's `service_tier` names a client may ask for, and the class each picks (None: the pool's
+# default): kvbank's HTTP server (engine/serve/http/tiers.py) and its vLLM plug-in
+# (kvbank/vllm/classes.py) read the same table.
+FLEX, PRIORITY, DEFAULT = "flex", "priority", "default"
+TIERS: dict[str, ServiceClass | None] = {
+    "auto": None,
+    DEFAULT: None,
+    FLEX: ServiceClass.BEST_EFFORT,
+    PRIORITY: ServiceClass.STRICT,
+}
+
+
 class Victim(enum.StrEnum):
     """Which best-effort request a shortage preempts."""
 

@@ -125,9 +125,13 @@ def kv_cache_groups(scenario: Scenario) -> list[KVCacheGroupSpec]:
 
 
 def vllm_configs(
-    scenario: Scenario, async_scheduling: bool = False, max_batch_tokens: int = MAX_BATCH_TOKENS
+    scenario: Scenario,
+    async_scheduling: bool = False,
+    max_batch_tokens: int = MAX_BATCH_TOKENS,
+    scheduling_policy: str = "fcfs",
 ) -> tuple[Any, Any]:
-    """vLLM's engine config and the KV cache groups of the scenario's pool."""
+    """vLLM's engine config and the KV cache groups of the scenario's pool; `scheduling_policy`
+    is vllm serve's --scheduling-policy (fcfs or priority)."""
     model = scenario.model
     max_len = model.max_seq_len
     model_config = ModelConfig(
@@ -144,6 +148,7 @@ def vllm_configs(
         is_encoder_decoder=False,
         enable_chunked_prefill=True,
         async_scheduling=async_scheduling,
+        policy=scheduling_policy,
     )
     cache_config = CacheConfig(
         block_size=model.page_size, enable_prefix_caching=not has_state(scenario)
@@ -237,17 +242,27 @@ class VllmBench:
     def held_pages(self) -> int:
         return self.usable_pages - self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int | None, output_tokens: int) -> None:
+    def add(
+        self,
+        rid: str,
+        prompt: list[int],
+        max_tokens: int | None,
+        output_tokens: int,
+        tier: str | None = None,
+        priority: int = 0,
+    ) -> None:
         """A client's request. With no max_tokens the server's default applies, as vLLM's
         frontend fills it in (`--generation-config`'s max_new_tokens, here the scenario's
-        max_tokens_default), capped by max_model_len."""
+        max_tokens_default), capped by max_model_len. `tier`: the `service_tier` a client sends
+        in `vllm_xargs` (flex: best-effort); `priority`: vLLM's request priority."""
         model = self.scenario.model
         budget = model.max_tokens if max_tokens is None else max_tokens
         budget = max(1, min(budget, model.max_seq_len - len(prompt)))
-        params = SamplingParams(max_tokens=budget, stop_token_ids=[EOS_TOKEN_ID])
+        extra = {"service_tier": tier} if tier is not None else None
+        params = SamplingParams(max_tokens=budget, stop_token_ids=[EOS_TOKEN_ID], extra_args=extra)
         request = Request(
             rid, list(prompt), params, None, arrival_time=float(self.steps),
-            block_hasher=self._hasher,
+            block_hasher=self._hasher, priority=priority,
         )  # fmt: skip
         self._stop_after[rid] = output_tokens
         self._bases[rid] = zlib.crc32(f"{self.scenario.workload.seed}:{rid}".encode())

@@ -4,6 +4,8 @@ The clients are played as in kvbank.engine.bench.simulate (closed or open loop, 
 requests from the same seed), the clock advances by each step's cost-model time, a run stops
 early on a deadlock (no token for DEADLOCK_S virtual seconds while requests wait or run), and the
 same metrics come out. Progress, finishes and their reasons are read from vLLM's own outputs.
+Each request carries its class as a client sends it to vLLM (`service_tier` flex in vllm_xargs
+for a best-effort class, kvbank.vllm.classes); stock vLLM ignores it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvbank.engine.bench.simulate import (
 from kvbank.engine.bench.vllm_engine import FinishReason, VllmBench
 from kvbank.engine.bench.workload import Arrivals, RequestSpec
 from kvbank.ledger import InvariantBreach, LedgerError
+from kvbank.service_class import ServiceClass
 from kvbank.vllm.settings import Settings
 
 # `kvbank bench --engine vllm` policies: stock vLLM, and vLLM with kvbank's scheduler class
@@ -68,7 +71,8 @@ def run_vllm_policy(
     bar = _progress_bar(workload.requests, f"{scenario.name}/{policy}") if progress else None
 
     def send(spec: RequestSpec) -> None:
-        bench.add(spec.rid, spec.prompt, spec.cls.max_tokens, spec.output_tokens)
+        tier = "flex" if spec.cls.service_class is ServiceClass.BEST_EFFORT else None
+        bench.add(spec.rid, spec.prompt, spec.cls.max_tokens, spec.output_tokens, tier)
         sent[spec.rid] = (spec, clock)
         outcomes[spec.rid] = Outcome(spec.cls, PreemptionCount(), clock)
 

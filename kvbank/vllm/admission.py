@@ -26,6 +26,10 @@ less what windows freed that the ledger still counts as their requests' (kvbank.
 Each of vLLM's KV cache groups is a label of the request's count (kvbank.vllm.layout); a hit,
 a pin and what a request holds are its blocks in every group, vLLM's null blocks left out.
 
+Best-effort requests (kvbank.vllm.classes, held as `classes`) are never in the ledger's books:
+the supply counts blocks only they hold as reclaimable, a hit counts a block's strict holders
+and pins only, and they are preempted to make room for strict requests.
+
 Under vLLM's async scheduling a step is scheduled while the model runs the previous one, and
 its output is processed after the next schedule: what the ledger is told after a step's output
 (num_computed_tokens, which already counts the next step's positions) covers every schedule
@@ -52,9 +56,11 @@ from kvbank.capacity import CapacityModel, PageCount, RequestShape, count_pages,
 from kvbank.ledger import Admitted, Hit, InvariantBreach, UnknownRequest, peak_shape
 from kvbank.ledger.client import LedgerClient, ask_in_order
 from kvbank.ledger.policy import PrefillPace
+from kvbank.vllm.classes import Classes, tier_refusal
 from kvbank.vllm.entry import Entry
 from kvbank.vllm.groups import Holding, Tables, flat, hit_credit, steady_groups, window_overlap
 from kvbank.vllm.pins import HeadPins
+from kvbank.vllm.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +70,15 @@ class Admission:
     and reads vLLM's scheduler state (`sched`) without changing its logic."""
 
     def __init__(
-        self, sched: Any, model: CapacityModel, backend: LedgerClient, policy: str, depth: int
+        self,
+        sched: Any,
+        model: CapacityModel,
+        backend: LedgerClient,
+        policy: str,
+        depth: int,
+        settings: Settings | None = None,
     ) -> None:
+        """`settings`: the class settings (kvbank.vllm.classes); all-strict when None."""
         self.sched = sched
         self.model = model
         self.backend = backend
@@ -93,6 +106,8 @@ class Admission:
         # Whether the ledger has heard the progress of every schedule so far (a step's output
         # was processed since the latest schedule); admissions wait for it.
         self._reported = True
+        self.classes = Classes(sched, self.tables, settings or Settings(policy))
+        self._holders = self.classes.strict_holders()  # a block's strict holders, this pass
 
     # ---- arrivals ------------------------------------------------------------------------------
 
@@ -102,23 +117,29 @@ class Admission:
         shape = RequestShape(request.num_prompt_tokens, request.max_tokens)
         count = count_pages(self.model, shape)
         why = refusal(self.model, shape, self.total_pages, count)
-        if why is not None:
-            self.refused.append((request.request_id, why.message))
+        message = why.message if why is not None else tier_refusal(request)
+        if message is not None:
+            self.refused.append((request.request_id, message))
             return False
-        pages = count.total
+        if self.classes.arrive(request):
+            return True  # best-effort: never in the ledger's books
+        self._submit(request, count, peak_shape(self.model, shape, count=count))
+        return True
+
+    def _submit(self, request: Any, count: PageCount, shape: Any) -> None:
+        """Queue a strict request for the ledger; `shape` counts only under peak-fit."""
         rid = request.request_id
         self.waiting[rid] = request
         self.counts[rid] = count
-        if self.peak:
-            self.backend.submit(rid, pages, shape=peak_shape(self.model, shape, count=count))
-        else:
-            self.backend.submit(rid, pages)
-        return True
+        self.backend.submit(rid, count.total, shape=shape if self.peak else None)
 
     def cancel(self, rid: str) -> None:
         """A request left (aborted) wherever it was."""
+        if self.classes.cancel(rid):
+            return  # best-effort: vLLM frees what it holds
         if rid in self.head_pins:
-            self.head_pins.unpin(rid, in_flight=not self.backend.settled())
+            holders = self.classes.strict_holders()
+            self.head_pins.unpin(rid, in_flight=not self.backend.settled(), holders=holders)
         self.counts.pop(rid, None)
         if self.waiting.pop(rid, None) is not None:
             with contextlib.suppress(UnknownRequest):
@@ -133,21 +154,24 @@ class Admission:
         admitted request waits in vLLM's queue, behind the earlier admissions, until vLLM
         gives it tokens, and its prefill bound counts every prompt token admitted before it
         whether vLLM has started that prompt or not."""
-        sched = self.sched
-        # Decode rows first, then prefill chunks in admission order: every running request
-        # advances every step, which peak-fit's promises rely on.
-        sched.running.sort(
-            key=lambda r: (
-                r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens > 1
-            )
-        )
-        if not self._reported:
-            return  # async scheduling, a schedule right after another: see the module docstring
+        # Strict decode rows first, then strict prefill chunks in admission order: every
+        # running strict request advances every step, which peak-fit's promises rely on; then
+        # best-effort rows, so vLLM's FCFS victim (`running[-1]`) is one while one runs.
+        self.sched.running.sort(key=self.classes.running_order)
+        for request, count, shape in self.classes.promotions(self.model):
+            self._submit(request, count, shape)  # strict from now on
+        if self._reported:  # async scheduling, a schedule right after another: see the docstring
+            self._ledger_pass()
+        self.classes.before_schedule()
+
+    def _ledger_pass(self) -> None:
         self._sync_supply()
         if self.backend.defers:
             self._admit_later()
             return
         if self.waiting:
+            # Best-effort holdings do not change while the ledger is asked: counted once.
+            self._holders = self.classes.strict_holders()
             passed = ask_in_order(self.backend, self._queue, _rid, self._ask, self.depth)
             for _, admitted in passed:
                 self._started(admitted)
@@ -176,7 +200,7 @@ class Admission:
         head = next(iter(self.waiting.values()), None)
         if head is None:
             return
-        pinned = self.head_pins.pin(head, self.backend.headroom())
+        pinned = self.head_pins.pin(head, self.backend.headroom(), self.classes.strict_holders())
         if pinned is None:
             return
         self.backend.note_pin(pinned.cost)
@@ -196,7 +220,7 @@ class Admission:
             request = self.waiting.pop(rid, None)
             count = self.counts.pop(rid, None)
             if request is None or count is None:  # it left while the decision was on its way
-                self.head_pins.unpin(rid, in_flight=False)
+                self.head_pins.unpin(rid, False, self.classes.strict_holders())
                 self.backend.release(rid)
                 continue
             pins = self.head_pins.keep(rid, decision.hit.pages)
@@ -232,7 +256,7 @@ class Admission:
         chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens) if self.peak else None
         hit = self.tables.hit(request)
         self._peeked[request.request_id] = hit
-        credit, sole = hit_credit(hit, self.steady)
+        credit, sole = hit_credit(hit, self.steady, self._holders)
         return Hit(credit, 0, sole), chunks
 
     def _started(self, decision: Admitted) -> None:
@@ -262,6 +286,7 @@ class Admission:
         for rid in preempted & self.admitted.keys():
             self.preemptions += 1
             log.error("vLLM preempted %r, which kvbank admitted: a kvbank bug", rid)
+        self.classes.taken_back(preempted)
         running = _running()
         for rid, entry in self.admitted.items():
             request = entry.request
@@ -289,6 +314,7 @@ class Admission:
         """Release what finished; under peak-fit report every admitted request's progress and
         close the step in the ledger."""
         self._reported = True
+        self.classes.step_done()
         finished = [rid for rid, e in self.admitted.items() if e.request.is_finished()]
         for rid in finished:
             self._release(rid)
@@ -297,14 +323,13 @@ class Admission:
             return
         recount, self._sharing_changed = self._sharing_changed, False
         for rid, entry in self.admitted.items():
-            if not entry.step_done(rid in scheduled):
+            if not entry.step_done(rid in scheduled, self.classes.prompt_end(entry.request)):
                 continue  # stalled
             request = entry.request
             exclusive = entry.exclusive(self.tables) if recount else None
             written = entry.holding.written(request.num_computed_tokens, request.num_prompt_tokens)
-            self.backend.advance(
-                rid, request.num_output_tokens, written, entry.chunks or 0, exclusive
-            )
+            produced = self.classes.produced(request)
+            self.backend.advance(rid, produced, written, entry.chunks or 0, exclusive)
         stalled = self.backend.end_step()
         if stalled:
             log.warning(
@@ -317,6 +342,7 @@ class Admission:
 
     def _release(self, rid: str) -> None:
         self.admitted.pop(rid).unpin(self.pool)
+        self.classes.cancel(rid)  # a promoted request's offsets
         self.backend.release(rid)
         if self.admitted:
             self._sharing_changed = True
@@ -325,9 +351,11 @@ class Admission:
         self.backend.set_supply(self._supply(), 0)
 
     def _supply(self) -> int:
-        """vLLM's free blocks less those windows freed that the ledger still counts as their
-        requests' (kvbank.vllm.groups): they may take them again."""
-        free = max(0, self.pool.get_num_free_blocks() - self.head_pins.unpinned_in_flight)
+        """vLLM's free blocks and those only best-effort requests hold, less those windows
+        freed that the ledger still counts as their requests' (kvbank.vllm.groups): they may
+        take them again."""
+        free = self.pool.get_num_free_blocks() + self.classes.reclaimable()
+        free = max(0, free - self.head_pins.unpinned_in_flight)
         freed = sum(entry.holding.freed for entry in self.admitted.values())
         overlap = 0
         if not all(self.steady):
@@ -356,7 +384,7 @@ class Admission:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.classes.waiting)
 
 
 def _running() -> Any:

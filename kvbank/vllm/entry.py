@@ -43,13 +43,14 @@ class Entry:
         self.holding.recount(rid, self.pin if self.pin else tables.held(rid))
         return self.holding.exclusive
 
-    def step_done(self, scheduled: bool) -> bool:
+    def step_done(self, scheduled: bool, prompt_end: int) -> bool:
         """Count a finished model step against the prefill bound; whether the request has
         progress to report (False: stalled, past its bound in prefill or, decoding, not
-        `scheduled` in that step)."""
+        `scheduled` in that step). `prompt_end`: the positions its prefill computes (a promoted
+        request's output so far too, kvbank.vllm.classes)."""
         request = self.request
         if self.chunks is not None:  # in prefill: the bound counts down, progress or not
-            if request.num_computed_tokens >= request.num_prompt_tokens:
+            if request.num_computed_tokens >= prompt_end:
                 self.chunks = None
             elif self.chunks <= 1:
                 return False  # past its bound: stalled

@@ -22,7 +22,7 @@ page, and the supply the ledger hears is lowered by the copies beyond the first
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,13 +89,22 @@ def window_overlap(held: Iterable[list[int]]) -> int:
     return sum(n - 1 for n in counts.values())
 
 
-def hit_credit(hit: list[list[Any]], steady: list[bool]) -> tuple[int, int]:
+def hit_credit(
+    hit: list[list[Any]], steady: list[bool], holders: Callable[[Any], int] | None = None
+) -> tuple[int, int]:
     """(blocks a hit gets without taking a page, of which held by one request alone): blocks
     another request holds in a steady group. The others (idle ones, and any block of a window
-    or state group) the request takes as new pages."""
+    or state group) the request takes as new pages. `holders(block)`: the holders that keep a
+    block out of the supply (kvbank.vllm.classes.Classes.strict_holders: best-effort ones do
+    not); vLLM's reference count when None."""
+    count = holders or _ref_cnt
     shared = [b for group, keep in zip(hit, steady, strict=True) if keep for b in group]
-    shared = [b for b in shared if b.ref_cnt > 0]
-    return len(shared), sum(1 for b in shared if b.ref_cnt == 1)
+    counts = [count(b) for b in shared]
+    return sum(1 for n in counts if n > 0), sum(1 for n in counts if n == 1)
+
+
+def _ref_cnt(block: Any) -> int:
+    return int(block.ref_cnt)
 
 
 def live(blocks: Any) -> list[Any]:

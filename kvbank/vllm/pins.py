@@ -8,11 +8,14 @@ raised) within the ledger's headroom, only while no decision is in flight, and h
 the decision is applied, when the admitted request keeps the ones its hit counted, or until the
 request leaves. Blocks given back by the pins of requests that left while a report was in flight
 stay out of the supply the ledger hears until every answer is known (`unpinned_in_flight`).
-What the ledger is told of a pin is kvbank.vllm.admission's.
+A block's holders are counted as the supply the ledger hears counts them (`holders`,
+kvbank.vllm.classes.Classes.strict_holders: strict requests and pins; best-effort ones do not
+keep a block out of it). What the ledger is told of a pin is kvbank.vllm.admission's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from kvbank.ledger import InvariantBreach
@@ -48,7 +51,7 @@ class HeadPins:
     def __contains__(self, rid: str) -> bool:
         return bool(self._pins.get(rid))
 
-    def pin(self, head: Any, budget: int) -> Pinned | None:
+    def pin(self, head: Any, budget: int, holders: Callable[[Any], int]) -> Pinned | None:
         """Pin more of the head's computed blocks, in prefix order, within `budget` pages of
         headroom: a block only the cache held (free to vLLM) leaves the supply, and one a
         single running request holds no longer returns when it finishes; each costs a page.
@@ -61,14 +64,14 @@ class HeadPins:
         spent = 0
         if self.groups == 1 and self.steady[0]:
             for block in hit[0][len(pinned[0]) :]:
-                cost = _pin_cost(block, self.peak, self.steady[0])
+                cost = _pin_cost(holders(block), self.peak, self.steady[0])
                 if spent + cost > budget:
                     break
                 spent += cost
                 new[0].append(block)
         elif not flat(pinned):
             spent = sum(
-                _pin_cost(block, self.peak, keep)
+                _pin_cost(holders(block), self.peak, keep)
                 for group, keep in zip(hit, self.steady, strict=True)
                 for block in group
             )
@@ -76,7 +79,7 @@ class HeadPins:
                 new = hit
         if not flat(new):
             return None
-        shared = any(block.ref_cnt == 1 for block in flat(new))
+        shared = any(holders(block) == 1 for block in flat(new))
         self.pool.touch(flat(new))
         for group, more in zip(pinned, new, strict=True):
             group += more
@@ -102,14 +105,14 @@ class HeadPins:
             self.pool.free_blocks(dropped)
         return kept
 
-    def unpin(self, rid: str, in_flight: bool) -> None:
+    def unpin(self, rid: str, in_flight: bool, holders: Callable[[Any], int]) -> None:
         """Drop every pin of a request that left. `in_flight`: a report is on its way, whose
         answer may admit it with those pins as its hit."""
         pins = self._pins.pop(rid, None)
         if not pins:
             return
         if in_flight:
-            self.unpinned_in_flight += sum(1 for b in flat(pins) if b.ref_cnt == 1)
+            self.unpinned_in_flight += sum(1 for b in flat(pins) if holders(b) == 1)
         self.pool.free_blocks(flat(pins))
 
     def settle(self) -> None:
@@ -127,9 +130,9 @@ class HeadPins:
         ]  # fmt: skip
 
 
-def _pin_cost(block: Any, peak: bool, steady: bool) -> int:
-    """A page of headroom for a block only the cache held (it leaves the free supply), for any
-    block of a window or state group (kvbank.vllm.groups: a copy is a page) and, under
-    peak-fit, for one a single running request holds (it no longer returns when that request
-    finishes)."""
-    return 1 if not steady or block.ref_cnt == 0 or (block.ref_cnt == 1 and peak) else 0
+def _pin_cost(holders: int, peak: bool, steady: bool) -> int:
+    """A page of headroom for a block no strict request or pin holds (`holders`: it leaves the
+    supply, free or reclaimable), for any block of a window or state group (kvbank.vllm.groups:
+    a copy is a page) and, under peak-fit, for one a single strict request holds (it no
+    longer returns when that request finishes)."""
+    return 1 if not steady or holders == 0 or (holders == 1 and peak) else 0

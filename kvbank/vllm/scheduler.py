@@ -3,7 +3,9 @@
     KVBANK_POLICY=peak+backfill vllm serve MODEL --scheduler-cls kvbank.vllm.KvbankScheduler
 
 vLLM keeps its scheduling, its KV cache manager and its prefix cache; kvbank decides only which
-waiting request may start (kvbank.vllm.admission), so a running request never needs preempting.
+waiting request may start (kvbank.vllm.admission), so a running strict request never needs
+preempting. Best-effort requests (`vllm_xargs: {"service_tier": "flex"}`, kvbank.vllm.classes)
+run on what strict ones do not need and are preempted when room runs out.
 vLLM builds the class it is named, so `KvbankScheduler` builds the variant vLLM's configuration
 asks for: over vLLM's `AsyncScheduler` under async scheduling (vLLM's default: the next step is
 scheduled while the model runs this one, each decode's next position held by an output
@@ -140,7 +142,7 @@ class KvbankScheduler(Scheduler):
         total = self.kv_cache_manager.block_pool.num_gpu_blocks
         if backend is None:
             backend = make_backend(settings, total, page, lookahead)
-        self.kvbank = Admission(self, model, backend, settings.policy, BACKFILL_DEPTH)
+        self.kvbank = Admission(self, model, backend, settings.policy, BACKFILL_DEPTH, settings)
         self._kvbank_refusing: set[str] = set()  # refused, finished by the next step
         log.info(
             "kvbank admission: %s, %s ledger, %d pages of %d tokens, %s scheduling, KV cache "

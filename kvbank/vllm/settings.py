@@ -8,6 +8,13 @@
 - `KVBANK_SIDECAR_TOKEN_FILE`: the sidecar's shared token (the file `kvbank sidecar
   --token-file` reads).
 - `KVBANK_SIDECAR_CA_FILE`: a CA bundle; with it the channel to the sidecar is TLS.
+- `KVBANK_DEFAULT_CLASS`: the class of a request that asks for none (kvbank.vllm.classes),
+  strict or best-effort (default strict).
+- `KVBANK_MAX_PREEMPTIONS`: a best-effort request preempted this many times runs strict from then
+  on (default `ClassPolicy`'s, 2).
+- `KVBANK_BEST_EFFORT_PRIORITY`: under `vllm serve --scheduling-policy priority`, a request whose
+  priority is at or above this (vLLM runs lower values first) is best-effort when it names no
+  tier (default 1: any request sent later than vLLM's default priority 0).
 
 A bad value is refused at start-up with a message naming the variable and what to set, before
 vLLM allocates anything.
@@ -18,9 +25,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS, ServiceClass
 
 POLICIES = ("banker", "banker+backfill", "peak", "peak+backfill")
 DEFAULT_POLICY = "peak+backfill"
+# vLLM's default request priority is 0 (lower runs first): one sent later than that is
+# best-effort under the priority policy unless it names a tier.
+DEFAULT_BEST_EFFORT_PRIORITY = 1
 
 
 class SettingsError(ValueError):
@@ -40,6 +53,9 @@ class Settings:
     # Each schedule waits for the sidecar's answers (`kvbank bench --engine vllm --sidecar`, on
     # the virtual clock, where that makes the run the embedded run); never from the environment.
     blocking: bool = False
+    default_class: ServiceClass = ServiceClass.STRICT
+    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
+    best_effort_priority: int = DEFAULT_BEST_EFFORT_PRIORITY
 
     @property
     def peak(self) -> bool:
@@ -62,6 +78,7 @@ def from_env(environ: Mapping[str, str]) -> Settings:
             f"unknown policy {_shown(policy)}; set one of {', '.join(POLICIES)} "
             f"(or leave it unset for {DEFAULT_POLICY})",
         )
+    classes = _classes(environ)
     sidecar = environ.get("KVBANK_SIDECAR", "").strip() or None
     token_file = environ.get("KVBANK_SIDECAR_TOKEN_FILE", "").strip() or None
     ca_file = environ.get("KVBANK_SIDECAR_CA_FILE", "").strip() or None
@@ -75,7 +92,7 @@ def from_env(environ: Mapping[str, str]) -> Settings:
                     name,
                     "is set but KVBANK_SIDECAR is not; set KVBANK_SIDECAR=host:port or unset it",
                 )
-        return Settings(policy)
+        return Settings(policy, **classes)
     host, sep, port = sidecar.rpartition(":")
     if sidecar.startswith("unix:"):
         if not sidecar.startswith("unix:///") or len(sidecar) == len("unix:///"):
@@ -97,7 +114,44 @@ def from_env(environ: Mapping[str, str]) -> Settings:
                 "KVBANK_SIDECAR_TOKEN_FILE", f"{_shown(token_file)} is empty; write the token in it"
             )
     tls_ca = _read(ca_file, "KVBANK_SIDECAR_CA_FILE") if ca_file is not None else None
-    return Settings(policy, sidecar, token, tls_ca)
+    return Settings(policy, sidecar, token, tls_ca, **classes)
+
+
+def _classes(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The class settings (kvbank.vllm.classes), as Settings' keyword arguments."""
+    names = [c.value for c in ServiceClass]
+    default = environ.get("KVBANK_DEFAULT_CLASS", "").strip() or ServiceClass.STRICT.value
+    if default not in names:
+        raise SettingsError(
+            "KVBANK_DEFAULT_CLASS",
+            f"unknown class {_shown(default)}; set one of {', '.join(names)} "
+            f"(or leave it unset for strict)",
+        )
+    preemptions = _integer(environ, "KVBANK_MAX_PREEMPTIONS", DEFAULT_MAX_PREEMPTIONS)
+    if preemptions < 0:
+        raise SettingsError(
+            "KVBANK_MAX_PREEMPTIONS",
+            f"is {preemptions}; set the times a best-effort request may be preempted before it "
+            f"runs strict, 0 or more (or leave it unset for {DEFAULT_MAX_PREEMPTIONS})",
+        )
+    priority = _integer(environ, "KVBANK_BEST_EFFORT_PRIORITY", DEFAULT_BEST_EFFORT_PRIORITY)
+    return {
+        "default_class": ServiceClass(default),
+        "max_preemptions": preemptions,
+        "best_effort_priority": priority,
+    }
+
+
+def _integer(environ: Mapping[str, str], variable: str, default: int) -> int:
+    value = environ.get(variable, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SettingsError(
+            variable, f"{_shown(value)} is not an integer (or leave it unset for {default})"
+        ) from None
 
 
 def _read(path: str, variable: str) -> bytes:

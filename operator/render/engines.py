@@ -191,6 +191,8 @@ def vllm_env(
         {"name": "KVBANK_POLICY", "value": pool.admission.ledger_policy},
         {"name": "KVBANK_SIDECAR", "value": engine_sidecar_address(settings, deployment)},
         {"name": "KVBANK_SIDECAR_TOKEN_FILE", "value": TOKEN_FILE},
+        {"name": "KVBANK_DEFAULT_CLASS", "value": pool.admission.default_class.value},
+        {"name": "KVBANK_MAX_PREEMPTIONS", "value": str(pool.admission.max_preemptions)},
     ]
     if tls:
         env.append({"name": "KVBANK_SIDECAR_CA_FILE", "value": TLS_CA_FILE})

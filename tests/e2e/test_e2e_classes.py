@@ -87,19 +87,20 @@ def test_the_crd_refuses_a_bad_class_field_by_name(
     assert cluster.pool(ns, POOL) is None
 
 
-def test_the_webhook_refuses_a_host_tier_and_best_effort_under_vllm(cluster: Cluster) -> None:
+def test_the_webhook_refuses_a_host_tier_and_a_victim_rule_under_vllm(cluster: Cluster) -> None:
     ns = cluster.namespace("classes-vllm")
     doc = pool_with(ns, {"kind": "vllm"}, kv={"hostPages": 8},
-                    admission={"defaultClass": "best-effort"})  # fmt: skip
+                    admission={"defaultClass": "best-effort",
+                               "bestEffort": {"victim": "cheapest"}})  # fmt: skip
     out = cluster.admin.apply(doc)
     assert out.returncode != 0
     assert "admission webhook" in out.stderr
     assert "spec.kv.hostPages: is 8, but spec.engine.kind vllm has no host tier" in out.stderr
-    assert "spec.admission.defaultClass: is best-effort, but under spec.engine.kind vllm" in (
-        out.stderr
-    )
+    assert "spec.admission.bestEffort: sets victim, but under spec.engine.kind vllm" in (out.stderr)
+    assert "defaultClass" not in out.stderr  # vLLM's scheduler class runs both classes
     assert cluster.pool(ns, POOL) is None
-    fixed = pool_with(ns, {"kind": "vllm"}, kv={"hostPages": 0})
+    fixed = pool_with(ns, {"kind": "vllm"}, kv={"hostPages": 0},
+                      admission={"defaultClass": "best-effort"})  # fmt: skip
     out = cluster.admin.apply(fixed)
     assert out.returncode == 0, out.stderr
 

@@ -1,7 +1,7 @@
 """ModelPool `spec.admission`'s service classes and `spec.kv.hostPages`: read by the parser
-with errors that say what to write, rendered into `kvbank serve`'s command, refused where the
-vllm engine would not carry them out, judged by the webhook's logic, and reported by
-`kvbank check`."""
+with errors that say what to write, rendered into `kvbank serve`'s command and vLLM's
+environment, refused where the vllm engine would not carry them out, judged by the webhook's
+logic, and reported by `kvbank check`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from operator_specs import pool_doc
 from kvbank.deployment import SpecError, parse_deployment
 from kvbank.modelpool import Admission, parse_modelpool
 from kvbank.operator.admission import Neighbourhood, decide
-from kvbank.operator.render.engines import engine_command
+from kvbank.operator.render.engines import engine_command, vllm_env
 from kvbank.operator.render.names import RenderSettings
 from kvbank.service_class import ClassPolicy, Estimate, ServiceClass, Victim
 
@@ -135,12 +135,11 @@ class TestVllm:
         [
             ({"kv": {**KV, "hostPages": 8}}, "spec.kv.hostPages: is 8, but spec.engine.kind "
              "vllm has no host tier kvbank's ledger counts"),
-            ({"admission": {"defaultClass": "best-effort"}}, "spec.admission.defaultClass: is "
-             "best-effort, but under spec.engine.kind vllm kvbank's scheduler class admits "
-             "every request strict"),
             ({"admission": {"bestEffort": {"victim": "cheapest", "estimate": "ratio"}}},
              "spec.admission.bestEffort: sets estimate, victim, but under spec.engine.kind "
-             "vllm no request is best-effort"),
+             "vllm a best-effort request is preempted latest first"),
+            ({"admission": {"bestEffort": {"maxPreemptions": 5, "victim": "cheapest"}}},
+             "spec.admission.bestEffort: sets victim, but"),
         ],
     )  # fmt: skip
     def test_what_vllm_would_not_carry_out_is_refused(
@@ -158,6 +157,20 @@ class TestVllm:
         parse_deployment(doc)
         args = engine_command(parse_modelpool(doc), SETTINGS, parse_deployment(doc), False).args
         assert not {"--host-pages", "--default-class", "--kv-offloading-size"} & set(args)
+
+    def test_the_classes_reach_the_scheduler_class_as_its_environment(self) -> None:
+        # kvbank/vllm/classes.py runs both classes; its settings are KVBANK_* variables
+        doc = pool_doc(engine=VLLM, admission={"defaultClass": "best-effort",
+                                               "bestEffort": {"maxPreemptions": 5}})  # fmt: skip
+        deployment = parse_deployment(doc)
+        env = vllm_env(parse_modelpool(doc), SETTINGS, deployment, tls=False)
+        values = {e["name"]: e["value"] for e in env}
+        assert values["KVBANK_DEFAULT_CLASS"] == "best-effort"
+        assert values["KVBANK_MAX_PREEMPTIONS"] == "5"
+        strict = {e["name"]: e["value"] for e in vllm_env(
+            parse_modelpool(pool_doc(engine=VLLM)), SETTINGS, parse_deployment(pool_doc(
+                engine=VLLM)), tls=False)}  # fmt: skip
+        assert (strict["KVBANK_DEFAULT_CLASS"], strict["KVBANK_MAX_PREEMPTIONS"]) == ("strict", "2")
 
 
 class TestWebhookLogic:

@@ -1,8 +1,10 @@
-"""Random workloads through vLLM's real scheduler under kvbank's admission: a request kvbank
-admitted is never preempted, the ledger stays safe and agrees with vLLM's free blocks after
-every step, nothing hangs, and every request finishes (run to its end, refused as never
-holdable, or aborted by its client). Embedded ledger, and a real `kvbank sidecar` process,
-waited on and not; vLLM stepped synchronously and as its async scheduling steps it."""
+"""Random workloads through vLLM's real scheduler under kvbank's admission, strict and
+best-effort requests mixed: a request kvbank admitted (strict, or promoted) is never
+preempted, a best-effort one at most `max_preemptions` times, the ledger stays safe and agrees
+with vLLM's free blocks after every step, nothing hangs, and every request finishes (run to its
+end, refused as never holdable, or aborted by its client). Embedded ledger, and a real `kvbank
+sidecar` process, waited on and not; vLLM stepped synchronously and as its async scheduling
+steps it."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from vllm_builders import MODES, PAGE, bench, drive
+from vllm_builders import MODES, PAGE, bench, drive, pressure
 
 from kvbank.engine.bench.vllm_engine import FinishReason
 from kvbank.vllm.scheduler import make_backend
@@ -33,25 +35,34 @@ request = st.tuples(
     st.integers(1, 200),  # where the model would stop
     st.integers(0, 40),  # arrival step
     st.one_of(st.none(), st.integers(0, 80)),  # abort step, if its client goes away
+    st.sampled_from([None, None, "flex", "priority"]),  # service_tier (flex: best-effort)
 )
 workload = st.lists(request, min_size=1, max_size=24)
 
 
-def _run(pages: int, policy: str, requests: list, mode: str, backend=None, pause_s=0.0) -> None:  # type: ignore[no-untyped-def]
-    run = bench(pages, policy, backend=backend, async_scheduling=MODES[mode])
+def _run(pages: int, policy: str, requests: list, mode: str, backend=None, pause_s=0.0,  # type: ignore[no-untyped-def]
+         scheduling: str = "fcfs") -> None:  # fmt: skip
+    run = bench(pages, policy, backend=backend, async_scheduling=MODES[mode], scheduling=scheduling)
     assert run.async_scheduling == MODES[mode]  # vLLM's engine core steps it so
     arrivals: dict[int, list] = {}
     aborts: dict[int, list[str]] = {}
-    for i, (prefix, own, max_tokens, output, at, abort) in enumerate(requests):
+    best_effort = set()
+    for i, (prefix, own, max_tokens, output, at, abort, tier) in enumerate(requests):
         rid = f"r{i}"
         prompt = PREFIXES.get(prefix or "", []) + [100 + i] * own
-        arrivals.setdefault(at, []).append((rid, prompt, max_tokens, output))
+        arrivals.setdefault(at, []).append((rid, prompt, max_tokens, output, tier))
+        if tier == "flex":
+            best_effort.add(rid)
         if abort is not None:
             aborts.setdefault(at + abort, []).append(rid)
     # A sidecar never waited on answers in wall time: steps that pause as a model's would.
     max_steps = 20000 if not pause_s else 60000
     seen = drive(run, arrivals, aborts, max_steps=max_steps, pause_s=pause_s)
-    assert seen.preemptions == 0
+    event(f"best-effort requests preempted: {bool(seen.preempted)}")
+    event(f"promoted: {bool(run.sched.kvbank.classes.promoted)}")
+    assert set(seen.preempted) <= best_effort  # strict requests never
+    max_preemptions = run.sched.kvbank.classes.max_preemptions
+    assert all(n <= max_preemptions for n in seen.preempted.values())  # then promoted: strict
     assert run.sched.kvbank.preemptions == 0
     assert set(seen.finished) == {f"r{i}" for i in range(len(requests))}
     never_holdable = {rid for rid, reason in seen.finished.items() if reason == FinishReason.ERROR}
@@ -68,11 +79,12 @@ def _run(pages: int, policy: str, requests: list, mode: str, backend=None, pause
     pages=st.integers(16, 96),
     policy=st.sampled_from(["banker", "peak+backfill", "peak", "banker+backfill"]),
     requests=workload,
+    scheduling=st.sampled_from(["fcfs", "priority"]),  # vllm serve --scheduling-policy
 )
 def test_random_workloads_never_preempt_what_kvbank_admitted(
-    mode: str, pages: int, policy: str, requests: list
+    mode: str, pages: int, policy: str, requests: list, scheduling: str
 ) -> None:
-    _run(pages, policy, requests, mode)
+    _run(pages, policy, requests, mode, scheduling=scheduling)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +132,24 @@ def test_random_workloads_over_a_real_sidecar(
         settings_, SIDECAR_PAGES, PAGE, 0, engine_id=f"vllm-property-{next(_sessions)}"
     )
     _run(SIDECAR_PAGES, "peak+backfill", requests, mode, backend, 0 if blocking else 0.001)
-    # No session was lost and re-opened; a run whose every request left before the first report
-    # (aborted at step 0) never opens one.
+    # No session was lost and re-opened (none opens when every request left before a step).
     assert backend.sessions_opened <= 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("blocking", [True, False], ids=["waits", "never-waits"])
+def test_best_effort_requests_under_pressure_over_a_real_sidecar(
+    sidecar: str, blocking: bool, mode: str
+) -> None:
+    """vllm_builders.pressure, the ledger in the sidecar: only best-effort requests are
+    preempted, some are promoted, every request finishes."""
+    settings_ = Settings("peak+backfill", sidecar, token="vllm-property", blocking=blocking)
+    backend = make_backend(settings_, 48, PAGE, 0, engine_id=f"vllm-property-{next(_sessions)}")
+    run = bench(48, "peak+backfill", backend=backend, async_scheduling=MODES[mode])
+    seen = drive(run, pressure("fcfs"), max_steps=60000, pause_s=0 if blocking else 0.001)
+    assert seen.preempted and all(rid.startswith("be") for rid in seen.preempted)
+    assert run.sched.kvbank.classes.promoted > 0
+    assert run.sched.kvbank.preemptions == 0
+    assert len(seen.finished) == 9 and not run.sched.requests
+    assert backend.outstanding() == 0
+    assert backend.sessions_opened == 1

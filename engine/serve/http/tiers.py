@@ -22,16 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvbank.engine.serve.http.errors import BadRequest, shown
-from kvbank.service_class import ServiceClass
-
-FLEX, PRIORITY, DEFAULT = "flex", "priority", "default"
-# The tiers a client may ask for, and the class each picks (None: the pool's default).
-TIERS: dict[str, ServiceClass | None] = {
-    "auto": None,
-    DEFAULT: None,
-    FLEX: ServiceClass.BEST_EFFORT,
-    PRIORITY: ServiceClass.STRICT,
-}
+from kvbank.service_class import DEFAULT, FLEX, PRIORITY, TIERS, ServiceClass
 
 
 def requested_class(body: dict[str, Any]) -> ServiceClass | None:
