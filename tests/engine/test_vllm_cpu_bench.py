@@ -35,7 +35,9 @@ def report() -> dict:
 
 def test_default_arguments_run_every_workload() -> None:
     args = bench.parse_args([])
-    assert args.workload == ["thrash", "short", "loose"]
+    assert args.workload == ["thrash", "short", "short-flex", "loose"]
+    assert bench.WORKLOADS["short-flex"].data == bench.WORKLOADS["short"].data
+    assert bench.WORKLOADS["short-flex"].default_class == "best-effort"
     assert (args.slo_ttft_ms, args.slo_tpot_ms, args.requests, args.json) == (2000, 50, None, False)
 
 

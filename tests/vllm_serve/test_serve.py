@@ -159,17 +159,22 @@ def test_greedy_tokens_equal_stock_vllms(kvbank: VllmServer, stock: VllmServer) 
     assert [text for text, _ in ours] == [text for text, _ in theirs]
 
 
-def press(server: VllmServer, requests: int, max_tokens: int) -> list[list[int]]:
+def press(
+    server: VllmServer, requests: int, max_tokens: int, flex: frozenset[int] = frozenset()
+) -> list[list[int]]:
     """`requests` concurrent completions that all run to `max_tokens` (ignore_eos, greedy);
-    the token ids each got."""
+    the token ids each got. Those numbered in `flex` ask to be best-effort."""
 
     def one(i: int) -> list[int]:
+        extra: dict[str, Any] = {"ignore_eos": True, "return_token_ids": True}
+        if i in flex:
+            extra["vllm_xargs"] = {"service_tier": "flex"}
         reply = server.client.completions.create(
             model=MODEL_NAME,
             prompt=f"{i} {PROMPTS[i % len(PROMPTS)]} {i}",
             max_tokens=max_tokens,
             temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
+            extra_body=extra,
         )
         return list(getattr(reply.choices[0], "token_ids", None) or [])
 
@@ -197,3 +202,20 @@ def test_under_kv_pressure_stock_vllm_preempts_and_kvbank_never_does(
     assert kvbank_preemptions == 0, f"kvbank's admission let vLLM preempt {kvbank_preemptions}"
     # Stock vLLM recomputed what it preempted; the greedy tokens are the same all the same.
     assert kvbank_served == stock_served
+
+
+def test_best_effort_requests_run_beside_strict_ones_and_only_they_are_preempted(
+    kvbank: VllmServer,
+) -> None:
+    # The pressure above, half of it best-effort: the strict half is admitted by the ledger and
+    # never preempted; the best-effort half runs on what it leaves and is taken back, then
+    # promoted after KVBANK_MAX_PREEMPTIONS (kvbank/vllm/classes.py), so every request finishes.
+    requests, max_tokens = 12, 320
+    flex = frozenset(range(1, requests, 2))
+    before = kvbank.metric("vllm:num_preemptions_total")
+    served = press(kvbank, requests, max_tokens, flex)
+    preempted = kvbank.metric("vllm:num_preemptions_total") - before
+    print(f"kvbank, half best-effort: {preempted:.0f} preemptions")
+    assert [len(ids) for ids in served] == [max_tokens] * requests
+    assert "which kvbank admitted" not in kvbank.log_text()
+    assert preempted > 0, "no best-effort request was preempted: the pool was not under pressure"
