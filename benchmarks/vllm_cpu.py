@@ -87,6 +87,14 @@ SHORT = {
     "output_tokens_min": 32,
     "output_tokens_max": 400,
 }
+SHORT_STRICT = Workload(
+    name="short",
+    blocks=24,
+    data=SHORT,
+    rates=(2.0, 6.0),
+    requests=64,
+    why="issue 21's short prompts on 24 blocks, the requests strict",
+)
 WORKLOADS = {
     workload.name: workload
     for workload in (
@@ -110,20 +118,10 @@ WORKLOADS = {
             requests=64,
             why="long shared prompts on a pool stock vLLM preempts in",
         ),
-        Workload(
-            name="short",
-            blocks=24,
-            data=SHORT,
-            rates=(2.0, 6.0),
-            requests=64,
-            why="issue 21's short prompts on 24 blocks, the requests strict",
-        ),
-        Workload(
+        SHORT_STRICT,
+        replace(
+            SHORT_STRICT,
             name="short-flex",
-            blocks=24,
-            data=SHORT,
-            rates=(2.0, 6.0),
-            requests=64,
             why="the same short prompts, every request best-effort (kvbank/vllm/classes.py)",
             default_class="best-effort",
         ),

@@ -86,14 +86,20 @@ def _namespace(tools: Tools) -> str:
     return name
 
 
-def test_the_rendered_picker_passes_validation_as_the_operator_and_goes_with_its_pool(
-    admin: tuple[Tools, Path],
-) -> None:
-    tools, work = admin
+def _routed_pool(tools: Tools) -> str:
+    """A fresh namespace with the llama example applied in it, routed by kvbank's picker."""
     ns = _namespace(tools)
     doc = example("modelpool-llama-8b.yaml", ns, name="llama")
     doc["spec"]["routing"] = {"picker": "kvbank"}
     tools.ok("apply", "-f", "-", stdin=yaml.safe_dump(doc))
+    return ns
+
+
+def test_the_rendered_picker_passes_validation_as_the_operator_and_goes_with_its_pool(
+    admin: tuple[Tools, Path],
+) -> None:
+    tools, work = admin
+    ns = _routed_pool(tools)
     stored = tools.get("modelpool", "llama", ns)
     assert stored is not None and stored["spec"]["routing"] == {"picker": "kvbank"}
     pool = parse_modelpool(stored)
@@ -144,10 +150,7 @@ def test_the_operator_removes_the_picker_when_the_pool_goes_back_to_none(
     admin: tuple[Tools, Path],
 ) -> None:
     tools, work = admin
-    ns = _namespace(tools)
-    doc = example("modelpool-llama-8b.yaml", ns, name="llama")
-    doc["spec"]["routing"] = {"picker": "kvbank"}
-    tools.ok("apply", "-f", "-", stdin=yaml.safe_dump(doc))
+    ns = _routed_pool(tools)
     kubeconfig = service_account_kubeconfig(tools, "kvbank-operator", SYSTEM,
                                             work / f"reconcile-{ns}.kubeconfig")  # fmt: skip
     cluster = KubeClient(load_api_client(str(kubeconfig)))

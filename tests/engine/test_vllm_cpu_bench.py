@@ -4,29 +4,18 @@ to the fields the benchmark reads), so a change on either side fails here first.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from bench_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 FRAGMENT = Path(__file__).with_name("guidellm_report_fragment.json")
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vllm_cpu", ROOT / "benchmarks" / "vllm_cpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vllm_cpu"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_benchmark("vllm_cpu")
 
 
 def report() -> dict:

@@ -3,27 +3,16 @@ and environment, and its arguments. The script itself runs only where vLLM has a
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from bench_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vllm_gpu", ROOT / "benchmarks" / "vllm_gpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vllm_gpu"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu = _load()
+gpu = load_benchmark("vllm_gpu")
 
 
 def test_every_kvbank_run_has_its_stock_baseline() -> None:
