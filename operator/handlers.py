@@ -18,7 +18,7 @@ from kvbank.operator import admission, live, model_config, reconcile
 from kvbank.operator.certs import CertBundle
 from kvbank.operator.cluster import Cluster, KubeError, KubeUnavailable
 from kvbank.operator.config import OperatorConfig
-from kvbank.operator.webhook_tls import ServerTLS, refresh_tls
+from kvbank.operator.webhook_tls import CA_RETRY_S, ServerTLS, refresh_tls
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,7 +82,9 @@ def now() -> datetime:
 async def renew_forever(rt: Runtime) -> None:
     assert rt.tls is not None
     while True:
-        await asyncio.sleep(rt.config.cert_check_interval)
+        # A webhook configuration not yet there to take the CA is looked for again soon.
+        wait = CA_RETRY_S if rt.tls.ca_pending else rt.config.cert_check_interval
+        await asyncio.sleep(min(wait, rt.config.cert_check_interval))
         try:
             if await refresh_tls(rt.cluster, rt.config.tls, rt.tls, now()):
                 log.info("webhook certificate renewed")

@@ -31,6 +31,9 @@ VWC = ("admissionregistration.k8s.io/v1", "ValidatingWebhookConfiguration")
 KEYS = {"ca.crt": "ca_cert", "ca.key": "ca_key", "tls.crt": "cert", "tls.key": "key"}
 BUNDLE_KEY = "ca-bundle.crt"
 ATTEMPTS = 5
+# While the webhook configuration is missing, how often it is looked for again: until its CA
+# bundle is in, the API server refuses every ModelPool write the webhook is called for.
+CA_RETRY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -96,14 +99,21 @@ async def ensure_certificate(cluster: Cluster, settings: TLSSettings, now: datet
     )
 
 
-async def patch_ca_bundle(cluster: Cluster, name: str, ca_bundle: bytes) -> bool:
-    """Put the CA bundle into every webhook of the configuration; True when it changed."""
+async def patch_ca_bundle(cluster: Cluster, name: str, ca_bundle: bytes) -> bool | None:
+    """Put the CA bundle into every webhook of the configuration; True when it changed, None
+    when the configuration does not exist (yet: Helm creates it after the operator's
+    Deployment, so a starting operator may look before it is there)."""
     encoded = base64.b64encode(ca_bundle).decode()
     for _ in range(ATTEMPTS):
         config = await cluster.get(*VWC, name)
         if config is None:
-            log.warning("ValidatingWebhookConfiguration %s not found; nothing to patch", name)
-            return False
+            log.warning(
+                "ValidatingWebhookConfiguration %s not found; its CA bundle is patched once it "
+                "appears (checked every %g s)",
+                name,
+                CA_RETRY_S,
+            )
+            return None
         webhooks = config.get("webhooks") or []
         if all((w.get("clientConfig") or {}).get("caBundle") == encoded for w in webhooks):
             return False
@@ -130,6 +140,9 @@ class ServerTLS:
         # Self-signed mode: the CA that also signs every pool's sidecar certificate
         # (kvbank.operator.pool_tls); None under cert-manager, which holds its own CA.
         self.issuer: CertBundle | None = None
+        # Self-signed mode: the webhook configuration was not there to take the CA bundle at
+        # the last refresh (the renewal loop then looks again every CA_RETRY_S).
+        self.ca_pending = False
 
     def _folder(self) -> Path:
         if self._dir is None:
@@ -173,5 +186,11 @@ async def refresh_tls(
     bundle = await ensure_certificate(cluster, settings, now)
     server.issuer = bundle
     if settings.webhook_configuration:
-        await patch_ca_bundle(cluster, settings.webhook_configuration, bundle.ca_bundle)
+        patched = await patch_ca_bundle(cluster, settings.webhook_configuration, bundle.ca_bundle)
+        if patched and server.ca_pending:
+            log.info(
+                "CA bundle patched into ValidatingWebhookConfiguration %s",
+                settings.webhook_configuration,
+            )
+        server.ca_pending = patched is None
     return server.load(bundle.cert, bundle.key)

@@ -129,7 +129,20 @@ class TestCaBundle:
         assert not asyncio.run(patch_ca_bundle(cluster, "kvbank", b"CA"))
 
     def test_a_missing_configuration_is_not_an_error(self) -> None:
-        assert not asyncio.run(patch_ca_bundle(FakeCluster(), "kvbank", b"CA"))
+        assert asyncio.run(patch_ca_bundle(FakeCluster(), "kvbank", b"CA")) is None
+
+    def test_a_configuration_that_appears_after_start_up_gets_the_ca(self, tmp_path: Path) -> None:
+        # Helm creates the webhook configuration after the operator's Deployment: the first
+        # refresh finds none and marks the CA pending, so the renewal loop looks again soon.
+        cluster = FakeCluster()
+        server = ServerTLS(tmp_path)
+        asyncio.run(refresh_tls(cluster, SETTINGS, server, NOW))
+        assert server.ca_pending
+        cluster.put(_vwc(""))
+        asyncio.run(refresh_tls(cluster, SETTINGS, server, NOW))
+        assert not server.ca_pending
+        hooks = cluster.one("ValidatingWebhookConfiguration", "kvbank")["webhooks"]
+        assert all(h["clientConfig"]["caBundle"] for h in hooks)
 
     def test_a_configuration_that_keeps_changing_gives_up_loudly(self) -> None:
         cluster = FakeCluster()
