@@ -42,17 +42,22 @@ def run(sc: Scenario, settings: Settings, step_s: float) -> dict[str, float]:
         setattr(admission, name, timed(getattr(admission, name), spent))
     arrivals = Arrivals(sc.workload)
     in_flight: set[str] = set()
-    done = 0
+    done, clock = 0, 0.0  # the virtual clock: an open-loop workload's arrivals follow it
 
     def send(spec: Any) -> None:
         bench.add(spec.rid, spec.prompt, spec.cls.max_tokens, spec.output_tokens)
         in_flight.add(spec.rid)
 
     while True:
-        arrivals.refill(0.0, lambda: len(in_flight), send)
+        arrivals.refill(clock, lambda: len(in_flight), send)
         if not bench.has_work():
-            break
+            idle_until = arrivals.idle_until(clock)
+            if idle_until is None:
+                break
+            clock = idle_until  # open loop, idle until the next arrival
+            continue
         step = bench.step()
+        clock += step.seconds
         for out in step.outputs:
             if out.finish_reason is not None:
                 in_flight.discard(out.request_id)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from bench_scripts import load_benchmark
 
+from kvbank.engine.bench.scenario import load_scenario
+
 ROOT = Path(__file__).resolve().parents[2]
 FRAGMENT = Path(__file__).with_name("guidellm_report_fragment.json")
 
@@ -120,3 +122,28 @@ def test_the_table_gives_kvbank_over_stock() -> None:
     text = bench.table([stock, kvbank], bench.Slo(1, 1))
     assert "| x | 1/s | 0.500x | 1.000x | 1.000x | nanx | 0 |" in text
     assert math.isnan(bench.ratio(1.0, 0.0))
+
+
+def test_the_virtual_clock_thrash_scenario_is_the_served_workload() -> None:
+    """benchmarks/vllm-cpu-thrash.yaml stands beside the served thrash runs in
+    docs/benchmarks.md: the same pool, prefixes, prompt and output ranges, count and top rate,
+    with max_tokens equal to each output, as guidellm sends them."""
+    served = bench.WORKLOADS["thrash"]
+    data = served.data
+    scenario = load_scenario(ROOT / "benchmarks" / "vllm-cpu-thrash.yaml")
+    assert (scenario.pages, scenario.model.page_size) == (served.blocks, 128)
+    workload = scenario.workload
+    assert (workload.requests, workload.rate_per_s) == (served.requests, max(served.rates))
+    classes = workload.classes
+    assert len({c.shared_prefix for c in classes}) == data["prefix_count"]
+    prefix = data["prefix_tokens"]
+    for c in classes:
+        assert c.shared_prefix_tokens == prefix
+        own = (c.prompt_tokens.low - prefix, c.prompt_tokens.high - prefix)
+        assert own == (data["prompt_tokens_min"], data["prompt_tokens_max"])
+        assert c.output_tokens.low == c.output_tokens.high == c.max_tokens
+        assert data["output_tokens_min"] <= c.max_tokens <= data["output_tokens_max"]
+    outputs = {c.max_tokens for c in classes}
+    assert (min(outputs), max(outputs)) == (data["output_tokens_min"], data["output_tokens_max"])
+    mean = sum(c.weight * c.max_tokens for c in classes) / sum(c.weight for c in classes)
+    assert abs(mean - data["output_tokens"]) <= 8
