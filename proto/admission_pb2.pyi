@@ -203,7 +203,14 @@ class OpenSessionReply(_message.Message):
     def __init__(self, session: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("session", "report_seq", "applied_seq", "events", "tries", "admit", "progress", "room", "in_step")
+    __slots__ = ("session", "report_seq", "applied_seq", "events", "tries", "admit", "progress", "room", "in_step", "try_first", "try_hits")
+    class TryHitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Hit
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Hit, _Mapping]] = ...) -> None: ...
     SESSION_FIELD_NUMBER: _ClassVar[int]
     REPORT_SEQ_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +220,8 @@ class ReportRequest(_message.Message):
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     IN_STEP_FIELD_NUMBER: _ClassVar[int]
+    TRY_FIRST_FIELD_NUMBER: _ClassVar[int]
+    TRY_HITS_FIELD_NUMBER: _ClassVar[int]
     session: int
     report_seq: int
     applied_seq: int
@@ -222,7 +231,9 @@ class ReportRequest(_message.Message):
     progress: _containers.RepeatedCompositeFieldContainer[Progress]
     room: int
     in_step: bool
-    def __init__(self, session: _Optional[int] = ..., report_seq: _Optional[int] = ..., applied_seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., tries: _Optional[_Iterable[_Union[Try, _Mapping]]] = ..., admit: _Optional[bool] = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., room: _Optional[int] = ..., in_step: _Optional[bool] = ...) -> None: ...
+    try_first: int
+    try_hits: _containers.MessageMap[str, Hit]
+    def __init__(self, session: _Optional[int] = ..., report_seq: _Optional[int] = ..., applied_seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., tries: _Optional[_Iterable[_Union[Try, _Mapping]]] = ..., admit: _Optional[bool] = ..., progress: _Optional[_Iterable[_Union[Progress, _Mapping]]] = ..., room: _Optional[int] = ..., in_step: _Optional[bool] = ..., try_first: _Optional[int] = ..., try_hits: _Optional[_Mapping[str, Hit]] = ...) -> None: ...
 
 class LedgerPace(_message.Message):
     __slots__ = ("page_size", "speculative_tokens", "backfill_depth", "max_advance")

@@ -49,6 +49,7 @@ from kvbank.ledger import (
     PeakShape,
     UnknownRequest,
 )
+from kvbank.ledger.client import StepEnd
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.backend_wire import BackendBooks, Outage, ReportWire
 from kvbank.sidecar.client import SidecarClient, SidecarError, unreachable_message
@@ -110,9 +111,6 @@ class SidecarBackend:
         if self.books.waiting.pop(rid, None) is not None:
             self.books.events.append(pb.Event(cancel=pb.Cancel(rid=rid)))
 
-    def report_hits(self, hits: Mapping[str, Hit]) -> None:
-        self.books.hits.update(hits)
-
     def take(self, rid: str, pages: int) -> None:
         entry = self.books.running.get(rid)
         if entry is None:
@@ -171,9 +169,13 @@ class SidecarBackend:
         known = self.books.last_pool.headroom if self.books.last_pool is not None else 0
         return max(0, known - self.books.pin_cost_inflight - self.books.pin_cost_pending)
 
-    def note_pin(self, cost: int) -> None:
-        """A pin took `cost` pages of headroom (idle pages, and pages one request held alone)."""
+    def pin(self, rid: str, pages: int, cost: int, exclusive: Mapping[str, int]) -> None:
+        """The head's pinned hit goes with the next report; `cost` (idle pages, and pages one
+        request held alone) comes off `headroom` until then."""
+        self.books.hits[rid] = Hit(pages, 0, 0)
         self.books.pin_cost_pending += cost
+        for held, count in exclusive.items():
+            self.books.events.append(pb.Event(exclusive=pb.Exclusive(rid=held, pages=count)))
 
     # ---- the peak-fit ledger (kvbank.ledger.client.LedgerClient) ------------------
 
@@ -224,9 +226,6 @@ class SidecarBackend:
         """The engine started a request this backend's sidecar admitted (non-blocking peak)."""
         self.books.events.append(pb.Event(start=pb.Start(rid=rid, prefill_chunks=prefill_chunks)))
 
-    def set_exclusive(self, rid: str, pages: int) -> None:
-        self.books.events.append(pb.Event(exclusive=pb.Exclusive(rid=rid, pages=pages)))
-
     def advance(
         self,
         rid: str,
@@ -235,28 +234,26 @@ class SidecarBackend:
         chunks_left: int,
         exclusive: int | None,
     ) -> None:
-        progress = pb.Progress(
-            rid=rid,
-            tokens_per_label=tokens_per_label,
-            produced=produced,
-            chunks_left=chunks_left,
-        )
+        event = pb.Event()  # filled in place: every running request reports every step
+        progress = event.advance
+        progress.rid = rid
+        progress.tokens_per_label.update(tokens_per_label)
+        progress.produced = produced
+        progress.chunks_left = chunks_left
         if exclusive is not None:
             progress.exclusive = exclusive
-        self.books.events.append(pb.Event(advance=progress))
+        self.books.events.append(event)
 
-    def end_step(self) -> list[str]:
+    def end_step(self) -> StepEnd:
         """Blocking: sent at once, so the stalled requests are known now. Non-blocking: they
-        come with a later reply (`stalled_steps`)."""
-        self.books.events.append(pb.Event(end_step=pb.EndStep()))
+        come with a later reply, counted in the `stalled_steps` of a later step's end."""
+        books = self.books
+        books.events.append(pb.Event(end_step=pb.EndStep()))
         if not self.blocking:
-            return []
-        self.books.stalled = []
+            return StepEnd([], books.stalled_steps)
+        books.stalled = []
         self.wire.exchange(0, admit=False)
-        return self.books.stalled
-
-    def stalled_steps(self) -> int:
-        return self.books.stalled_steps
+        return StepEnd(books.stalled, books.stalled_steps)
 
     # ---- decisions -----------------------------------------------------------------------------
 

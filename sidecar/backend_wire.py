@@ -19,7 +19,6 @@ The registry of running requests (reserved, held) is what a restore needs; it al
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -34,7 +33,7 @@ from kvbank.ledger import (
 )
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.client import SessionLost, SidecarClient, SidecarError, SidecarUnavailable
-from kvbank.sidecar.wire_forms import as_ledger_error, hit_to_wire, submit_to_wire
+from kvbank.sidecar.wire_forms import Report, as_ledger_error, submit_to_wire
 
 log = logging.getLogger("kvbank.sidecar")
 
@@ -152,61 +151,40 @@ class ReportWire:
         self.session = 0
         self.report_seq = 0
         self.inflight: Future[pb.ReportReply] | None = None
-        self.inflight_request: pb.ReportRequest | None = None
         self.opening: Future[pb.OpenSessionReply] | None = None
         self.outage: Outage | None = None
         self.next_open_at = 0.0
         self.retry_s = self.RETRY_FIRST_S
         self.last_report_at = 0.0
 
-    def build(self, room: int, admit: bool, tries: list[pb.Try] | None = None) -> pb.ReportRequest:
-        """The next report: the queued events and, to `admit`, the tries (given: an engine
-        asking in step, which waits for the answer and starts each admission first; else the
-        first waiting requests in FIFO order, each with the hit its engine pinned, as many as
-        `room` admissions and a backfill window behind a refused head can use)."""
+    def build(self, room: int, admit: bool, tries: list[pb.Try] | None = None) -> Report:
+        """The next report: the queued events and, to `admit`, the questions (`tries` given: an
+        engine asking in step, which waits for the answer and starts each admission first;
+        else the first waiting requests in FIFO order, as many as `room` admissions and a
+        backfill window behind a refused head can use, each with the hit its engine pinned).
+        Plain values: the message is made where it is sent (`Report.to_wire`)."""
         if not self.session:
             self.open()
         books = self.books
         self.report_seq += 1
-        in_step = tries is not None
-        if tries is None:
-            tries = self._tries(room) if admit else []
         books.pin_cost_inflight += books.pin_cost_pending
         books.pin_cost_pending = 0
         self.last_report_at = time.monotonic()
-        request = pb.ReportRequest(
-            session=self.session,
-            report_seq=self.report_seq,
-            applied_seq=books.applied_seq,
-            events=books.events,
-            tries=tries,
-            admit=admit,
-            in_step=in_step,
-        )
-        if not in_step:
-            request.room = room
-        books.events = []
-        return request
+        try_first = 0
+        if tries is None and admit:
+            # The sidecar's queue is this engine's FIFO: name how many, not each of them.
+            try_first = room + (1 + books.pace.backfill_depth if books.pace is not None else 0)
+        events, books.events = books.events, []
+        hits = dict(books.hits) if try_first else None
+        return Report(self.session, self.report_seq, books.applied_seq, events, admit, room,
+                      tries, try_first, hits)  # fmt: skip
 
-    def _tries(self, room: int) -> list[pb.Try]:
-        books = self.books
-        depth = 1 + books.pace.backfill_depth if books.pace is not None else 0
-        tries = []
-        for rid in itertools.islice(books.waiting, room + depth):
-            question = pb.Try(rid=rid)
-            hit = books.hits.get(rid)
-            if hit is not None:
-                question.hit.CopyFrom(hit_to_wire(hit))
-            tries.append(question)
-        return tries
-
-    def send(self, request: pb.ReportRequest) -> pb.ReportReply:
+    def send(self, report: Report) -> pb.ReportReply:
         try:
-            return self.client.report(request)
+            return self.client.report(report.to_wire())
         except SessionLost:
             self.open()
-            tries = list(request.tries) if request.in_step else None
-            return self.send(self.build(request.room, request.admit, tries))
+            return self.send(self.build(report.room, report.admit, report.tries))
         except SidecarError as exc:
             raise as_ledger_error(exc) from exc
 
@@ -239,8 +217,9 @@ class ReportWire:
                 # Room is what the engine can start once it applied what it holds now: the
                 # decisions just read are applied after this call returns.
                 room = max(0, room - sum(isinstance(d, Admitted) for d in books.ready))
-            self.inflight_request = self.build(room, admit=True)
-            self.inflight = self.client.report_async(self.inflight_request, self.unanswered_s)
+            # The message is made on the sender thread, while the engine's step goes on.
+            self.inflight = self.client.report_async(self.build(room, admit=True).to_wire,
+                                                     self.unanswered_s)  # fmt: skip
 
     def read_inflight(self) -> bool:
         """Absorb the reply in flight if it arrived; True when no report is in flight now."""
@@ -302,7 +281,7 @@ class ReportWire:
     def _lose(self, exc: SidecarError) -> None:
         """End the session after a failed call: log the outage once (and again only if its
         status changes) and back off before the next try."""
-        self.session, self.inflight, self.inflight_request = 0, None, None
+        self.session, self.inflight = 0, None
         self.books.last_pool = None  # no pin on a headroom the lost ledger reported
         now = time.monotonic()
         self.next_open_at = now + self.retry_s

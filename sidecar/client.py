@@ -164,14 +164,15 @@ class SidecarClient:
         return self._unary(self._stub.Report, request, budget_s)
 
     def report_async(
-        self, request: pb.ReportRequest, budget_s: float | None = None
+        self, make: Callable[[], pb.ReportRequest], budget_s: float | None = None
     ) -> Future[pb.ReportReply]:
         """Send a report without waiting (the serving engine's step loop never blocks). One
-        long-lived sender thread makes the call with the same policy as `report` (retries, and a
-        failure ends as one of this module's errors): a gRPC future would start a thread per
-        call, about 1.6 ms of the step on a small machine. `budget_s` replaces the retry
-        budget for this call (a serving engine wants to know soon)."""
-        return self._send(self.report, request, budget_s)
+        long-lived sender thread makes the message (`make()`) and the call with the same
+        policy as `report` (retries, and a failure ends as one of this module's errors): a gRPC
+        future would start a thread per call, about 1.6 ms of the step on a small machine.
+        `budget_s` replaces the retry budget for this call (a serving engine wants to know
+        soon)."""
+        return self._send(lambda request, budget: self.report(request(), budget), make, budget_s)
 
     def open_session_async(
         self, request: pb.OpenSessionRequest, budget_s: float | None = None

@@ -65,6 +65,8 @@ def check_report(req: pb.ReportRequest) -> None:
         check_id(question.rid, f"tries[{i}].rid")
         if question.HasField("prefill_chunks"):
             _check_chunks(question.prefill_chunks, f"tries[{i}].prefill_chunks")
+    for rid in req.try_hits:
+        check_id(rid, "try_hits key")
     for i, step in enumerate(req.progress):
         check_id(step.rid, f"progress[{i}].rid")
         _check_labels(list(step.tokens_per_label), f"progress[{i}].tokens_per_label")

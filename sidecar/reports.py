@@ -5,7 +5,7 @@ them a copy, so a report that fails part way leaves the real ledger as it was.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from kvbank.fields import quote
@@ -181,12 +181,21 @@ def answer_tries(ledger: Ledger, req: pb.ReportRequest) -> tuple[list[Admitted],
     before it left, admitting at most `room`; a try past the room is asked with no room (a head
     still gets its promise). A try for a request that is not waiting (refused at submit in this
     same report) is answered None. Returns the admissions and whether the head was refused for
-    lack of pages. A report with no tries asks about every waiting request in FIFO order with
-    no hit (a client that pins nothing)."""
+    lack of pages. A report with `try_first` asks about that many waiting requests in FIFO
+    order, each with its hit from `try_hits`; one with neither asks about every waiting request
+    with no hit (a client that pins nothing)."""
     room = req.room if req.HasField("room") else None
     admitted: list[Admitted] = []
     head_waits = False
-    questions = req.tries or [pb.Try(rid=rid) for rid in ledger.waiting_rids()]
+    questions: Sequence[pb.Try]
+    if req.HasField("try_first"):
+        hits = req.try_hits
+        questions = [
+            pb.Try(rid=rid, hit=hits[rid]) if rid in hits else pb.Try(rid=rid)
+            for rid in ledger.waiting_rids(req.try_first)
+        ]
+    else:
+        questions = req.tries or [pb.Try(rid=rid) for rid in ledger.waiting_rids()]
     for i, question in enumerate(questions):
         if not ledger.is_waiting(question.rid):
             continue

@@ -193,6 +193,11 @@ class AdmissionState:
             )
         if req.HasField("room") and req.room < 0:
             raise InvalidPages(f"room must not be negative, got {req.room}")
+        if req.HasField("try_first") and (req.try_first < 0 or req.tries or req.in_step):
+            raise InvalidPages(
+                f"try_first must be a count >= 0 (got {req.try_first}), in a report with no "
+                f"tries that is not answered in step; send either tries or try_first"
+            )
 
         unapplied = {q: i for q, i in s.unapplied_idle.items() if q > req.applied_seq}
         # A lone question with nothing before it changes the ledger only if it succeeds (a try

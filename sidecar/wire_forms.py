@@ -1,9 +1,12 @@
 """The wire forms of what the sidecar's ledger reads and answers: the ledger's mode and pace
 (`peak_policy`, `pace_of`), a request's shape and a cached hit, each checked as it comes off the
 wire (every number non-negative, one entry per label, within the bounds the ledger needs); and
-the submit event and the ledger's own errors as the engine's client sends and raises them."""
+the submit event, a report, and the ledger's own errors as the engine's client sends and raises
+them."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from kvbank.ledger import (
     NO_HIT,
@@ -137,3 +140,41 @@ def as_ledger_error(exc: SidecarError) -> Exception:
     remote ledger's refusal as it would the embedded one's; other errors pass unchanged."""
     kind = _LEDGER_ERRORS.get(exc.code)
     return kind(exc.message) if kind is not None else exc
+
+
+@dataclass(frozen=True)
+class Report:
+    """A report as the engine's step leaves it (sidecar/backend_wire.py `ReportWire.build`):
+    its events, already wire messages, and plain values. `to_wire` makes the message; a serving
+    engine's sender thread does, off the step. `tries` given: the questions of an engine that
+    waits for the answers (`in_step`); else, to `admit`, the first `try_first` waiting requests
+    with `hits`."""
+
+    session: int
+    report_seq: int
+    applied_seq: int
+    events: list[pb.Event]
+    admit: bool
+    room: int
+    tries: list[pb.Try] | None = None
+    try_first: int = 0
+    hits: dict[str, Hit] | None = None
+
+    def to_wire(self) -> pb.ReportRequest:
+        in_step = self.tries is not None
+        request = pb.ReportRequest(
+            session=self.session,
+            report_seq=self.report_seq,
+            applied_seq=self.applied_seq,
+            events=self.events,
+            tries=self.tries,
+            admit=self.admit,
+            in_step=in_step,
+        )
+        if not in_step:
+            request.room = self.room
+            if self.try_first:
+                request.try_first = self.try_first
+                for rid, hit in (self.hits or {}).items():
+                    request.try_hits[rid].CopyFrom(hit_to_wire(hit))
+        return request

@@ -84,6 +84,12 @@ class BestEffort:
         self.preempted = 0
         self.promoted = 0
 
+    def strict_running(self) -> Iterator[Request]:
+        """The running requests the ledger holds (strict, promoted ones included): a
+        best-effort one is no request of the ledger's, and an event naming it is refused."""
+        running = self.running
+        return (r for r in self.view.running.values() if r.rid not in running)
+
     # ---- queues --------------------------------------------------------------------------------
 
     def arrive(self, req: Request) -> bool:
@@ -191,9 +197,7 @@ class BestEffort:
         that runs longer is preempted when they do, so safety never rests on this."""
         ahead = steps + self.view.model.speculative_tokens
         taken = 0
-        for r in self.view.running.values():
-            if r.rid in self.running:
-                continue
+        for r in self.strict_running():
             reach = groups.pages_at(r, lambda seq: seq.num_tokens + ahead)
             taken += max(0, min(r.worst, reach) - groups.held(r))
         return taken

@@ -20,7 +20,7 @@ from kvbank.engine.admission.besteffort import BestEffort
 from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
-from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, UnknownRequest
+from kvbank.ledger import Admitted, Decision, InvariantBreach, UnknownRequest
 from kvbank.ledger.client import LedgerClient
 
 
@@ -108,29 +108,36 @@ class HeadPin:
         view: AdmissionView,
         backend: LedgerClient,
         budget: Callable[[], int],
-        head: Request | None,
+        best_effort: BestEffort,
         sole_costs: bool = False,
-    ) -> Generator[Action, None, list[int]]:
+    ) -> Generator[Action, None, None]:
         """Pin more of the head's hit (a `Pin` the scheduler carries out) and, when the pin
-        changed, report the pool's supply and the hit: pinned pages are held, so the hit has no
+        changed, report the pool's supply and the pin: pinned pages are held, so the hit has no
         idle part, and no running request counts one as its own any more, so no sole part.
-        Returns the pages pinned now (empty when nothing changed)."""
+        Under `sole_costs` (peak-fit) the report also says what the pin cost (idle pages left
+        the supply, and a page one running request held alone no longer returns when that
+        request finishes, now shared with the pin) and, when it shared pages, every running
+        strict request's exact exclusive count."""
+        head = best_effort.head()
         if head is None or not head.cacheable:
-            return []
+            return
         kv = view.kv
         allowed = budget()
         if (head.rid, kv.index_version, allowed) == self._at:
-            return []
+            return
         depth = len(next(iter(head.pinned.values()), ()))
         yield Pin(head, allowed, sole_costs)
         pinned = kv.pinned_pages(head)
         self._at = (head.rid, kv.index_version, budget())
         if pinned == self._reported.get(head.rid, 0):
-            return []
+            return
         self._reported[head.rid] = pinned
         backend.set_supply(*kv.ledger_supply())
-        backend.report_hits({head.rid: Hit(pinned, 0, 0)})
-        return [page for chain in head.pinned.values() for page in chain[depth:]]
+        cost, shared = 0, False
+        if sole_costs:
+            cost, shared = kv.pin_cost(p for chain in head.pinned.values() for p in chain[depth:])
+        running = best_effort.strict_running() if shared else ()
+        backend.pin(head.rid, pinned, cost, {req.rid: kv.exclusive_pages(req) for req in running})
 
 
 class LedgerParts:

@@ -32,7 +32,7 @@ the ledger; one that made none (or a prefill past its bound) is reported as stal
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 
 from kvbank.engine import sequences as groups
@@ -189,7 +189,9 @@ class LedgerPolicy(AdmissionPolicy):
         if backend.defers:
             yield from self._apply(backend.collect())
             if backend.settled():
-                yield from self._pin_head()
+                yield from self._pin.grow(
+                    self.view, backend, backend.headroom, self.best_effort, sole_costs=self.follows
+                )
                 self._sync_supply()
             rows = self._rows(None) - 1
             yield from self._apply(backend.poll(max(0, self.running_cap - rows)))
@@ -211,21 +213,6 @@ class LedgerPolicy(AdmissionPolicy):
         yield from self.best_effort.admit()
 
     # ---- deferred decisions (a sidecar the step does not wait on) -------------------------------
-
-    def _pin_head(self) -> Generator[Action, None, None]:
-        backend, view = self.backend, self.view
-        new = yield from self._pin.grow(
-            view, backend, backend.headroom, self.best_effort.head(), sole_costs=self.follows
-        )
-        if not new or not self.follows:
-            return
-        # What the new pins cost: idle pages left the supply, and a page one running request
-        # held alone no longer returns when that request finishes (now shared with the pin).
-        cost, shared = view.kv.pin_cost(new)
-        backend.note_pin(cost)
-        if shared:
-            for req in view.running.values():
-                backend.set_exclusive(req.rid, view.kv.exclusive_pages(req))
 
     def _apply(self, decisions: list[Decision]) -> Iterator[Action]:
         view = self.view
@@ -276,10 +263,7 @@ class LedgerPolicy(AdmissionPolicy):
             return
         view, backend = self.view, self.backend
         recount, self._sharing_changed = self._sharing_changed, False
-        best_effort = self.best_effort.running
-        for req in view.running.values():
-            if req.rid in best_effort:
-                continue  # not the ledger's
+        for req in self.best_effort.strict_running():
             chunks = self._chunks.get(req.rid)
             if chunks is not None:  # in prefill: the bound counts down, progress or not
                 if groups.prefilled(req):
@@ -305,16 +289,15 @@ class LedgerPolicy(AdmissionPolicy):
             produced = len(req.output) - self._resumed_at.get(req.rid, 0)
             backend.advance(req.rid, produced, written, chunks or 0, exclusive)
         self._sync_supply()
-        stalled = backend.end_step()
-        if stalled:
+        ended = backend.end_step()
+        if ended.stalled:
             log.warning(
                 "%s: %d running request(s) made no progress this step; admitting "
                 "conservatively until all advance",
                 self.name,
-                len(stalled),
+                len(ended.stalled),
             )
-
-        self.stalled_steps = backend.stalled_steps()
+        self.stalled_steps = ended.stalled_steps
         self.best_effort.end_step()
 
     def _rows(self, req: Request | None) -> int:

@@ -9,7 +9,8 @@ answers at once; and the sidecar's client (kvbank/sidecar/backend.py), which sen
 events and tries over gRPC. A blocking sidecar client answers each try in its round trip; one the
 step never waits on answers None, sends the tries with the next report, and hands the decisions
 over through `collect` and `poll` a step or more later. Until then the engine pins the head's
-hit (engine/admission/decisions.py): pins exist only where an answer comes later.
+hit and reports the pin (`pin`, engine/admission/decisions.py): pins exist only where an answer
+comes later.
 
 kvbank's own engine (engine/admission/) and the vLLM plug-in (kvbank/vllm/) import only this.
 Events carry only numbers the engine computed itself: a request's page need comes from
@@ -19,6 +20,7 @@ Events carry only numbers the engine computed itself: a request's page need come
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from kvbank.ledger import (
@@ -32,6 +34,16 @@ from kvbank.ledger import (
     PeakShape,
     Refused,
 )
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """What closing a step tells the engine: the running requests that made no progress in it
+    (when known now), and the steps so far in which a running request could not advance (the
+    ledger fell back to the conservative reading), as far as the backend knows."""
+
+    stalled: list[str]
+    stalled_steps: int
 
 
 class LedgerClient(Protocol):
@@ -64,13 +76,6 @@ class LedgerClient(Protocol):
 
     def cancel(self, rid: str) -> None:
         """A waiting request left before it was admitted."""
-        ...
-
-    def report_hits(self, hits: Mapping[str, Hit]) -> None:
-        """The cached hit of the waiting head, computed by peek. The engine has pinned these
-        pages (engine/admission/decisions.py `HeadPin`), so they hold until a decision is
-        applied; a hit reported again for the same request only grows, and has no idle part
-        (pinned pages are held)."""
         ...
 
     def take(self, rid: str, pages: int) -> None:
@@ -122,16 +127,12 @@ class LedgerClient(Protocol):
     @property
     def defers(self) -> bool:
         """True when decisions arrive a report later (a sidecar the engine does not wait on):
-        the engine then pins the head's hit, reports it, and applies decisions from `poll`,
-        reporting each `start`."""
+        the engine then pins the head's hit, reports it (`pin`), and applies decisions from
+        `poll`, reporting each `start`."""
         ...
 
     def start(self, rid: str, prefill_chunks: int) -> None:
         """The engine started a deferred admission (`Ledger.start`)."""
-        ...
-
-    def set_exclusive(self, rid: str, pages: int) -> None:
-        """A running request's exact exclusive pages after a pin shared some of them."""
         ...
 
     def headroom(self) -> int:
@@ -139,9 +140,13 @@ class LedgerClient(Protocol):
         as of the backend's latest knowledge, never more)."""
         ...
 
-    def note_pin(self, cost: int) -> None:
-        """A pin took `cost` pages of headroom; until the ledger has seen it, `headroom` is
-        that much lower."""
+    def pin(self, rid: str, pages: int, cost: int, exclusive: Mapping[str, int]) -> None:
+        """The engine pinned `pages` of the waiting head `rid`'s cached hit (engine/admission/
+        decisions.py `HeadPin`), so they hold until a decision is applied: they are its hit,
+        which for the same request only grows and has no idle part (pinned pages are held).
+        The pin took `cost` pages of headroom (until the ledger has seen it, `headroom` is that
+        much lower); `exclusive`: the running requests' exact exclusive pages, when the pin
+        shared some of them."""
         ...
 
     def advance(
@@ -155,13 +160,9 @@ class LedgerClient(Protocol):
         """A running request's progress after a step (`Ledger.advance`)."""
         ...
 
-    def end_step(self) -> list[str]:
-        """Close the step; the running requests that made no progress in it, when known now."""
-        ...
-
-    def stalled_steps(self) -> int:
-        """Steps in which a running request could not advance (the ledger fell back to the
-        conservative reading), as far as the backend knows."""
+    def end_step(self) -> StepEnd:
+        """Close the step: the running requests that made no progress in it, when known now, and
+        the stalled steps so far (`StepEnd`)."""
         ...
 
 
@@ -258,14 +259,14 @@ class EmbeddedClient:
     def start(self, rid: str, prefill_chunks: int) -> None:
         self.ledger.start(rid, prefill_chunks)
 
-    def set_exclusive(self, rid: str, pages: int) -> None:
-        self.ledger.set_exclusive(rid, pages)
-
     def headroom(self) -> int:
         return self.ledger.headroom
 
-    def note_pin(self, cost: int) -> None:
-        pass  # the pool's next supply report reaches the ledger before any decision
+    def pin(self, rid: str, pages: int, cost: int, exclusive: Mapping[str, int]) -> None:
+        # no note of `cost`: the pool's next supply report reaches the ledger before any decision
+        self._hits[rid] = Hit(pages, 0, 0)
+        for held, count in exclusive.items():
+            self.ledger.set_exclusive(held, count)
 
     def advance(
         self,
@@ -277,18 +278,14 @@ class EmbeddedClient:
     ) -> None:
         self.ledger.advance(rid, produced, tokens_per_label, chunks_left, exclusive)
 
-    def end_step(self) -> list[str]:
-        return self.ledger.end_step()
-
-    def stalled_steps(self) -> int:
-        return self.ledger.stalled_steps
+    def end_step(self) -> StepEnd:
+        ledger = self.ledger
+        stalled = ledger.end_step()
+        return StepEnd(stalled, ledger.stalled_steps)
 
     def cancel(self, rid: str) -> None:
         self._hits.pop(rid, None)
         self.ledger.cancel(rid)
-
-    def report_hits(self, hits: Mapping[str, Hit]) -> None:
-        self._hits.update(hits)
 
     def take(self, rid: str, pages: int) -> None:
         self.ledger.take(rid, pages)
@@ -343,4 +340,4 @@ def embedded(
     return EmbeddedClient(Ledger(total_pages, debug=debug, policy=policy))
 
 
-__all__ = ["EmbeddedClient", "LedgerClient", "ask_in_order", "embedded"]
+__all__ = ["EmbeddedClient", "LedgerClient", "StepEnd", "ask_in_order", "embedded"]

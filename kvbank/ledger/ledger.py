@@ -13,14 +13,14 @@ and a head with cached hit `hit` (of which `idle` pages only the index holds) is
     outstanding + (reserved - hit) <= supply - idle
 
 because leasing the idle part takes it out of the evictable supply. Pure Python, no I/O: the
-engine (or the sidecar for it) reports what the pool did. Two parts: the books (books.py) and a
-timeline of the running requests (timeline.py, else conservative.py); backfill is over both.
+engine reports what the pool did. Parts: books.py, timeline.py (else conservative.py), backfill.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from itertools import islice
 from typing import TypeVar
 
 from kvbank.capacity import SINK_PAGES, refusal_message
@@ -114,8 +114,8 @@ class Ledger:
     def waiting_count(self) -> int:
         return len(self.books.waiting)
 
-    def waiting_rids(self) -> list[str]:  # FIFO
-        return list(self.books.waiting)
+    def waiting_rids(self, first: int | None = None) -> list[str]:  # FIFO, all or the first
+        return list(islice(self.books.waiting, first))
 
     def is_waiting(self, rid: str) -> bool:
         return rid in self.books.waiting

@@ -254,6 +254,23 @@ def track_for(shape: PeakShape, held: int, exclusive: int, peak: bool) -> Track:
     )
 
 
+def give_back_problem(track: Track, rid: str, shape: PeakShape | None, peak: bool) -> str | None:
+    """What is wrong with the curve `shape` of a running request giving pages back, against its
+    track (None: no new curve, or the same labels never above the track's curve; `peak`: the
+    per-output rate is part of it)."""
+    if shape is None or track.budget == NEVER:
+        return None
+    if shape.labels != track.labels:
+        return f"request {rid!r} gives back labels {shape.labels}; it writes {track.labels}"
+    checks = [("worst", shape.worst, track.worst)]
+    if peak:  # a flat curve (the conservative reading) has no rate
+        checks.append(("per_output", shape.per_output, track.per_output))
+    for name, new, old in checks:
+        if any(a > b for a, b in zip(new, old, strict=True)):
+            return f"request {rid!r} gives back pages but its {name} {new} rose from {old}"
+    return None
+
+
 def newcomer(
     shape: PeakShape,
     pace: Pace,

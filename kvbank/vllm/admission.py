@@ -26,9 +26,9 @@ less what windows freed that the ledger still counts as their requests' (kvbank.
 Each of vLLM's KV cache groups is a label of the request's count (kvbank.vllm.layout); a hit,
 a pin and what a request holds are its blocks in every group, vLLM's null blocks left out.
 
-Best-effort requests (kvbank.vllm.classes, held as `classes`) are never in the ledger's books:
-the supply counts blocks only they hold as reclaimable, a hit counts a block's strict holders
-and pins only, and they are preempted to make room for strict requests.
+Best-effort requests (kvbank.vllm.classes, `classes`) are never in the ledger's books: the
+supply counts blocks only they hold as reclaimable, a hit and a request's exclusive pages count
+a block's strict holders and pins only, and they are preempted to make room for strict ones.
 
 Under vLLM's async scheduling a step is scheduled while the model runs the previous one, and
 its output is processed after the next schedule: what the ledger is told after a step's output
@@ -195,19 +195,19 @@ class Admission:
 
     def _pin_head(self) -> None:
         """Pin more of the head's computed blocks within the ledger's headroom (`HeadPins.pin`)
-        and tell the ledger: the pages the pins cost, and the pinned blocks as the head's hit,
-        held, with no idle part."""
+        and tell the ledger: the pages the pins cost, the pinned blocks as the head's hit, held,
+        with no idle part, and (peak-fit, a pin that shares a block) the admitted requests'
+        exact exclusive counts."""
         head = next(iter(self.waiting.values()), None)
         if head is None:
             return
-        pinned = self.head_pins.pin(head, self.backend.headroom(), self.classes.strict_holders())
+        holders = self.classes.strict_holders()
+        pinned = self.head_pins.pin(head, self.backend.headroom(), holders)
         if pinned is None:
             return
-        self.backend.note_pin(pinned.cost)
-        self.backend.report_hits({head.request_id: Hit(pinned.blocks, 0, 0)})
-        if pinned.shared and self.peak:
-            for entry in self.admitted.values():
-                self.backend.set_exclusive(entry.request.request_id, entry.exclusive(self.tables))
+        recounted = self.admitted.items() if pinned.shared and self.peak else ()
+        exclusive = {rid: entry.exclusive(self.tables, holders) for rid, entry in recounted}
+        self.backend.pin(head.request_id, pinned.blocks, pinned.cost, exclusive)
 
     def _apply(self, decisions: list[Any]) -> None:
         for decision in sorted(decisions, key=lambda d: d.seq):
@@ -228,7 +228,7 @@ class Admission:
             if self.peak:
                 chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens)
                 self.backend.start(rid, chunks)  # before vLLM takes the prompt's blocks
-            holding = Holding.of(self.model, request, count, pins)
+            holding = Holding.of(self.model, request, count, pins, self.classes.strict_holders())
             self.admitted[rid] = Entry(request, holding, pins, chunks)
             if decision.hit.pages:
                 self._sharing_changed = True
@@ -270,7 +270,7 @@ class Admission:
         if self.peak:
             chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens)
         self.pool.touch(flat(pin))
-        holding = Holding.of(self.model, request, self.counts.pop(rid), pin)
+        holding = Holding.of(self.model, request, self.counts.pop(rid), pin, self._holders)
         self.admitted[rid] = Entry(request, holding, pin, chunks)
         if taken:
             self.backend.take(rid, taken)  # the pin took them off the supply
@@ -288,6 +288,7 @@ class Admission:
             log.error("vLLM preempted %r, which kvbank admitted: a kvbank bug", rid)
         self.classes.taken_back(preempted)
         running = _running()
+        holders = self.classes.strict_holders()
         for rid, entry in self.admitted.items():
             request = entry.request
             if request.status != running:
@@ -295,7 +296,7 @@ class Admission:
             entry.unpin(self.pool)  # vLLM holds the hit now
             holding = entry.holding
             shared = holding.shared
-            grown = holding.hold(rid, self.tables.held(rid))
+            grown = holding.hold(rid, self.tables.held(rid), holders)
             if holding.shared > shared:
                 # vLLM caches a prompt's full blocks as it allocates them, so a request
                 # scheduled after another in the same step can hit blocks the other has just
@@ -321,24 +322,23 @@ class Admission:
         self._sync_supply()
         if not self.peak:
             return
-        recount, self._sharing_changed = self._sharing_changed, False
+        holders = self.classes.strict_holders() if self._sharing_changed else None
+        self._sharing_changed = False
         for rid, entry in self.admitted.items():
             if not entry.step_done(rid in scheduled, self.classes.prompt_end(entry.request)):
                 continue  # stalled
             request = entry.request
-            exclusive = entry.exclusive(self.tables) if recount else None
+            exclusive = None if holders is None else entry.exclusive(self.tables, holders)
             written = entry.holding.written(request.num_computed_tokens, request.num_prompt_tokens)
             produced = self.classes.produced(request)
             self.backend.advance(rid, produced, written, entry.chunks or 0, exclusive)
-        stalled = self.backend.end_step()
-        if stalled:
+        ended = self.backend.end_step()
+        if ended.stalled:
             log.warning(
                 "%s: %d running request(s) made no progress this step; admitting "
-                "conservatively until all advance",
-                self.policy,
-                len(stalled),
-            )
-        self.stalled_steps = self.backend.stalled_steps()
+                "conservatively until all advance", self.policy, len(ended.stalled),
+            )  # fmt: skip
+        self.stalled_steps = ended.stalled_steps
 
     def _release(self, rid: str) -> None:
         self.admitted.pop(rid).unpin(self.pool)
@@ -377,9 +377,10 @@ class Admission:
                 f"vLLM preempted {self.preemptions} request(s) that kvbank admitted"
             )
         running = _running()
+        holders = self.classes.strict_holders()
         for rid, entry in self.admitted.items():
             if entry.request.status == running and not entry.pin:
-                entry.holding.recount(rid, self.tables.held(rid))  # raises past its count
+                entry.holding.recount(rid, self.tables.held(rid), holders)  # raises past it
         self.backend.check_integrity(self._supply(), 0)
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbank.vllm.groups import Holding, Tables, flat
+from kvbank.vllm.groups import Holders, Holding, Tables, flat
 
 
 @dataclass
@@ -36,11 +36,12 @@ class Entry:
             pool.free_blocks(self.pinned)
             self.pin = []
 
-    def exclusive(self, tables: Tables) -> int:
-        """Pages that come back when this request finishes: those only it holds (a pinned hit
-        counts as its own) and those a window freed that the ledger still counts."""
+    def exclusive(self, tables: Tables, holders: Holders) -> int:
+        """Pages that come back when this request finishes: those no other strict request (nor
+        a pin) holds (a pinned hit counts as its own; `holders`: kvbank.vllm.groups `_read`),
+        and those a window freed that the ledger still counts."""
         rid = self.request.request_id
-        self.holding.recount(rid, self.pin if self.pin else tables.held(rid))
+        self.holding.recount(rid, self.pin if self.pin else tables.held(rid), holders)
         return self.holding.exclusive
 
     def step_done(self, scheduled: bool, prompt_end: int) -> bool:

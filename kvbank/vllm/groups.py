@@ -118,6 +118,11 @@ def flat(groups: list[list[Any]]) -> list[Any]:
     return [block for group in groups for block in group]
 
 
+# A block's holders that keep it out of the ledger's supply (kvbank.vllm.classes
+# `strict_holders`): every count of sharing goes through it, never through `ref_cnt` alone.
+Holders = Callable[[Any], int]
+
+
 class Tables:
     """What vLLM's KV cache manager holds for a request, group by group."""
 
@@ -143,27 +148,32 @@ class Holding:
     counted: list[int]
     now: list[int]
     steady: list[bool]
-    shared: int = 0  # of its steady blocks now, those another request (or a pin) holds too
+    shared: int = 0  # of its steady blocks now, those another strict request (or a pin) holds too
     window_ids: list[int] = field(default_factory=list)  # its window and state blocks now
     _terms: Any = field(default=None, repr=False)
 
     @classmethod
     def of(
-        cls, model: CapacityModel, request: Any, count: PageCount, pinned: list[list[Any]]
+        cls,
+        model: CapacityModel,
+        request: Any,
+        count: PageCount,
+        pinned: list[list[Any]],
+        holders: Holders,
     ) -> Holding:
         """A request admitted holding `pinned` (its hit, per group)."""
         shape = RequestShape(request.num_prompt_tokens, request.max_tokens)
         held = [len(group) for group in pinned]
         holding = cls(list(model.kv_slots), count, list(held), list(held), steady_groups(model))
         holding._terms = label_terms(model, shape)
-        holding._read(request.request_id, pinned)
+        holding._read(request.request_id, pinned, holders)
         return holding
 
-    def hold(self, rid: str, tables: list[list[Any]]) -> int:
+    def hold(self, rid: str, tables: list[list[Any]], holders: Holders) -> int:
         """What vLLM holds for it now (`tables`, per group); returns the pages the ledger must
         hear as taken. Raises InvariantBreach, naming the group, where vLLM holds more than
-        kvbank counted."""
-        self._read(rid, tables)
+        kvbank counted. `holders`: see `_read`."""
+        self._read(rid, tables, holders)
         grown = 0
         for i, held in enumerate(self.now):
             if held > self.counted[i]:
@@ -171,10 +181,10 @@ class Holding:
                 self.counted[i] = held
         return grown
 
-    def recount(self, rid: str, tables: list[list[Any]]) -> None:
+    def recount(self, rid: str, tables: list[list[Any]], holders: Holders) -> None:
         """What it holds now, between allocations (its blocks' sharing may have changed);
         raises InvariantBreach if it grew unreported."""
-        self._read(rid, tables)
+        self._read(rid, tables, holders)
         for label, held, counted in zip(self.labels, self.now, self.counted, strict=True):
             if held > counted:
                 raise InvariantBreach(
@@ -182,7 +192,10 @@ class Holding:
                     f"{counted} the ledger heard of"
                 )
 
-    def _read(self, rid: str, tables: list[list[Any]]) -> None:
+    def _read(self, rid: str, tables: list[list[Any]], holders: Holders) -> None:
+        """`holders(block)`: the holders that keep a block out of the supply the ledger hears
+        (kvbank.vllm.classes `strict_holders`): a block this request shares only with
+        best-effort requests comes back when it finishes, as reclaimable, so it is its own."""
         now = [len(group) for group in tables]
         for label, held, worst in zip(self.labels, now, self.worst, strict=True):
             if held > worst:
@@ -192,7 +205,7 @@ class Holding:
                 )
         self.now = now
         steady = [group for group, keep in zip(tables, self.steady, strict=True) if keep]
-        self.shared = sum(1 for group in steady for block in group if block.ref_cnt > 1)
+        self.shared = sum(1 for group in steady for block in group if holders(block) > 1)
         self.window_ids = [
             block.block_id
             for group, keep in zip(tables, self.steady, strict=True)

@@ -27,7 +27,7 @@ def test_a_step_in_which_a_running_request_did_not_advance_is_counted() -> None:
     policy = engine.policy
     assert isinstance(policy, LedgerPolicy) and isinstance(policy.backend, EmbeddedClient)
     # A step closed with no progress reported: the ledger's bound broke for r0.
-    assert policy.backend.end_step() == ["r0"]
+    assert policy.backend.end_step().stalled == ["r0"]
     metrics.observe_step(engine, engine.step())
     assert policy.stalled_steps == 1
     assert metrics.registry.get_sample_value(STALLED) == 1.0

@@ -1,10 +1,12 @@
 """A profile carried from step to step (Profile.follow) equals a rebuild from the tracks, exactly:
 random sequences of a timeline's operations, the profile compared after each (or after a run of
 them: a followed profile may skip several changes). These profiles are small, and one that small
-is rebuilt rather than followed (FOLLOW_FROM), so the tests follow from any size."""
+is rebuilt rather than followed (FOLLOW_FROM), so the tests follow from any size. On the same
+timelines, the peak-fit test's early refusal (Timeline.fits) answers as the whole curve does."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from unittest.mock import patch
 
 import numpy as np
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 
 import kvbank.ledger.profile
 from kvbank.capacity import CapacityModel, RequestShape
-from kvbank.ledger import NEVER, Hit, PeakPolicy, Timeline, peak_shape
+from kvbank.ledger import NEVER, Hit, PeakPolicy, PeakShape, Timeline, peak_shape
 from kvbank.ledger.profile import Profile
 from kvbank.modelpool import KvSlot
 
@@ -35,6 +37,9 @@ def bound(timeline: Timeline, k: int) -> int:
         pages = sum(-(-min(w, x + po * written) // page_size) for x, po, w in labels)
         total += max(0, pages - t.held)
     return total
+
+
+Check = Callable[[Timeline, CapacityModel, st.DataObject], None]
 
 
 def assert_same_as_rebuild(timeline: Timeline) -> None:
@@ -66,10 +71,39 @@ def advance_as_bound(timeline: Timeline, rid: str) -> None:
 @given(st.data())
 def test_a_followed_profile_equals_a_rebuild(data: st.DataObject) -> None:
     with patch.object(kvbank.ledger.profile, "FOLLOW_FROM", 0):
-        drive(data)
+        drive(data, lambda timeline, _model, _data: assert_same_as_rebuild(timeline))
 
 
-def drive(data: st.DataObject) -> None:
+def draw_newcomer(data: st.DataObject, model: CapacityModel) -> tuple[PeakShape, Hit]:
+    """A request to add: its shape and a hit (some of it idle, some sole)."""
+    shape = peak_shape(
+        model,
+        RequestShape(data.draw(st.integers(1, 40)), data.draw(st.integers(1, 40))),
+        prefill_chunks=data.draw(st.integers(0, 3)),
+    )
+    pages = data.draw(st.integers(0, 3))
+    idle = data.draw(st.integers(0, pages))
+    return shape, Hit(pages, idle, data.draw(st.integers(0, pages - idle)))
+
+
+def assert_fits_reads_the_whole_curve(
+    timeline: Timeline, model: CapacityModel, data: st.DataObject
+) -> None:
+    """`fits` refuses early on the running peak plus the newcomer there; its answer is the
+    whole curve's, for a newcomer with a hit, on supplies around the deciding one."""
+    shape, hit = draw_newcomer(data, model)
+    highest = timeline._highest(shape, 0, hit, None)
+    for supply in range(highest + hit.idle_pages - 2, highest + hit.idle_pages + 2):
+        assert timeline.fits(shape, hit, supply) == (highest <= supply - hit.idle_pages), supply
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_an_early_refusal_answers_as_the_whole_curve(data: st.DataObject) -> None:
+    drive(data, assert_fits_reads_the_whole_curve)
+
+
+def drive(data: st.DataObject, check: Check) -> None:
     page_size = data.draw(st.sampled_from([1, 3, 4, 16]))
     spec = data.draw(st.integers(0, 2))
     slots = {"main": KvSlot(1, 1, 0)}
@@ -89,14 +123,7 @@ def drive(data: st.DataObject) -> None:
             if op == "restore":
                 timeline.restore(rid, data.draw(st.integers(1, 9)), data.draw(st.integers(0, 9)))
                 continue
-            shape = peak_shape(
-                model,
-                RequestShape(data.draw(st.integers(1, 40)), data.draw(st.integers(1, 40))),
-                prefill_chunks=data.draw(st.integers(0, 3)),
-            )
-            pages = data.draw(st.integers(0, 3))
-            idle = data.draw(st.integers(0, pages))
-            hit = Hit(pages, idle, data.draw(st.integers(0, pages - idle)))
+            shape, hit = draw_newcomer(data, model)
             given = data.draw(st.sampled_from([shape, None]))
             deferred = given is not None and data.draw(st.booleans())  # started later
             timeline.add(rid, given, shape.pages, hit, deferred=deferred)
@@ -137,8 +164,8 @@ def drive(data: st.DataObject) -> None:
         elif op == "supply":
             timeline.supply_reported()
         if data.draw(st.integers(0, 2)):  # else the next profile follows several changes
-            assert_same_as_rebuild(timeline)
-    assert_same_as_rebuild(timeline)
+            check(timeline, model, data)
+    check(timeline, model, data)
 
 
 def test_a_typical_step_evaluates_only_the_requests_that_took_a_page(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -44,9 +44,9 @@ class InProcessSidecar:
         return self.state.report(request)
 
     def report_async(
-        self, request: pb.ReportRequest, budget_s: float | None = None
+        self, make: Callable[[], pb.ReportRequest], budget_s: float | None = None
     ) -> Future[pb.ReportReply]:
-        return _Later(self.report(request), self.lag())
+        return _Later(self.report(make()), self.lag())
 
     def open_session_async(
         self, request: pb.OpenSessionRequest, budget_s: float | None = None

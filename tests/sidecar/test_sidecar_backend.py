@@ -30,9 +30,9 @@ def test_a_repeated_supply_after_a_take_still_reaches_the_ledger(client: Sidecar
 def test_a_cancel_after_the_admission_was_decided_sends_nothing(client: SidecarClient) -> None:
     backend = SidecarBackend(client, 101, blocking=True)
     backend.submit("a", 10)
-    backend.report_hits({"a": Hit(2, 0)})
+    backend.pin("a", 2, 0, {})
     (decision,) = backend.poll(1)
-    assert decision == Admitted("a", 0, 10, Hit(2, 0))
+    assert decision == Admitted("a", 0, 10, Hit(2, 0, 0))
     backend.cancel("a")  # too late: the engine releases it when it applies the admission
     backend.release("a")
     backend.check_integrity(100, 0)

@@ -4,7 +4,13 @@ hit is pinned only while no decision is on its way. Random small workloads throu
 engine (debug: the pool's integrity after every step), the real `SidecarBackend` and the real
 `AdmissionState` (debug: the ledger's safe state after every report); only the transport is
 in-process. No admitted request is ever short of a page (a shortage raises InvariantBreach),
-nothing is preempted, nothing stalls, and everything finishes."""
+nothing is preempted, nothing stalls, and everything finishes.
+
+Two workloads: strict text requests from a few prefix families (seeded), and the mixed shape
+of tests/mixed_workload.py (hypothesis): strict images writing fixed tokens into three labels
+beside best-effort chat sharing a system prompt, with host tiers, where the head's pins share
+pages with best-effort requests and the second check (engine/safety.py) runs after every
+step."""
 
 from __future__ import annotations
 
@@ -13,12 +19,16 @@ import os
 import random
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from inprocess import InProcessSidecar
+from mixed_workload import BREACH, POOL, SPECS, Spec, mixed_config, run_mixed
 from random_workload import drive
 
 from kvbank.capacity import CapacityModel
 from kvbank.engine.bench.virtual import VirtualRunner
 from kvbank.engine.engine import Engine, EngineConfig
+from kvbank.mode import LEDGER_MODE_NAMES
 from kvbank.modelpool import KvSlot
 from kvbank.sidecar.backend import SidecarBackend
 from kvbank.sidecar.state import AdmissionState
@@ -56,6 +66,21 @@ def test_late_decisions_keep_every_promise(policy: str) -> None:
         assert {out.rid for out in outputs} == admitted, seed
         assert engine.kv.pool.held == 0, seed
         assert engine.sched.stats.preemptions == 0, seed
-        assert backend.stalled_steps() == 0, seed
+        assert backend.books.stalled_steps == 0, seed
         assert state.ledger is not None and state.ledger.stalled_steps == 0, seed
         assert client.reports > 0
+
+
+@pytest.mark.parametrize("policy", LEDGER_MODE_NAMES)
+@settings(max_examples=20, deadline=None)
+@example(pages=19, host_pages=0, budget=8, speculative=1, max_preemptions=1, lag=0, specs=BREACH)
+@given(lag=st.integers(0, 2**16), specs=SPECS, **POOL)
+def test_late_decisions_keep_every_strict_promise_beside_best_effort_chat(
+    policy: str, lag: int, specs: list[Spec], **pool: int
+) -> None:
+    state = AdmissionState(pool_pages=pool["pages"], debug=True, policy=policy)
+    client = InProcessSidecar(state, functools.partial(random.Random(lag).randint, 0, 3))
+    backend = SidecarBackend(client, pool["pages"], blocking=False)
+    run_mixed(mixed_config(policy, **pool), specs, backend)  # all finish, no strict preempted
+    assert backend.books.stalled_steps == 0
+    assert state.ledger is not None and state.ledger.stalled_steps == 0

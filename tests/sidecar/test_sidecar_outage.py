@@ -52,9 +52,9 @@ class FlakySidecar:
         return self.state.report(request)
 
     def report_async(
-        self, request: pb.ReportRequest, budget_s: float | None = None
+        self, make: Callable[[], pb.ReportRequest], budget_s: float | None = None
     ) -> Future[pb.ReportReply]:
-        return _settled(lambda: self.report(request))
+        return _settled(lambda: self.report(make()))
 
     def open_session_async(
         self, request: pb.OpenSessionRequest, budget_s: float | None = None

@@ -106,6 +106,26 @@ def test_tries_in_one_report_see_the_admissions_before_them_and_the_room(
     assert list(peak_client.report(request).decisions) == []  # no room: nothing admitted
 
 
+def test_try_first_asks_the_first_waiting_requests_in_order_with_their_hits(
+    peak_client: SidecarClient,
+) -> None:
+    """What a serving engine sends: how many of the sidecar's queue to ask, not each rid."""
+    session = open_peak(peak_client)
+    events = [submit(rid, 40, shape(worst=640, budget=600)) for rid in "abc"]
+    # A hit for a request past the first is not read: 99 pages would be refused.
+    request = pb.ReportRequest(
+        session=session, report_seq=1, applied_seq=-1, events=events, admit=True, room=5,
+        try_first=1, try_hits={"c": pb.Hit(pages=99)},
+    )  # fmt: skip
+    assert [d.rid for d in peak_client.report(request).decisions] == ["a"]  # b fits, not asked
+    request = pb.ReportRequest(
+        session=session, report_seq=2, applied_seq=0, admit=True, room=1, try_first=9,
+        try_hits={"b": pb.Hit()},
+    )  # fmt: skip
+    reply = peak_client.report(request)
+    assert ([d.rid for d in reply.decisions], reply.waiting) == (["b"], 1)  # the room: one
+
+
 def test_a_try_for_a_request_that_is_not_waiting_admits_nothing(
     peak_client: SidecarClient,
 ) -> None:
@@ -197,6 +217,52 @@ BAD: dict[str, tuple[Callable[[int], pb.ReportRequest], str, str]] = {
         lambda s: ask(s, 3, 0, pb.Try(rid="b", hit=pb.Hit(), prefill_chunks=-1)),
         "INVALID_ARGUMENT",
         "prefill_chunks must be a non-negative integer, got -1",
+    ),
+    "a negative try_first": (
+        lambda s: pb.ReportRequest(
+            session=s, report_seq=3, applied_seq=0, admit=True, room=1, try_first=-1
+        ),
+        "INVALID_ARGUMENT",
+        "try_first must be a count >= 0 (got -1)",
+    ),
+    "try_first beside tries": (
+        lambda s: pb.ReportRequest(
+            session=s,
+            report_seq=3,
+            applied_seq=0,
+            admit=True,
+            in_step=True,
+            try_first=2,
+            tries=[pb.Try(rid="b", hit=pb.Hit())],
+        ),
+        "INVALID_ARGUMENT",
+        "send either tries or try_first",
+    ),
+    "a try_first hit larger than the request": (
+        lambda s: pb.ReportRequest(
+            session=s,
+            report_seq=3,
+            applied_seq=0,
+            admit=True,
+            room=1,
+            try_first=1,
+            try_hits={"b": pb.Hit(pages=11)},
+        ),
+        "INVALID_ARGUMENT",
+        "<= the request's 10 pages",
+    ),
+    "a try_hits key past the id bound": (
+        lambda s: pb.ReportRequest(
+            session=s,
+            report_seq=3,
+            applied_seq=0,
+            admit=True,
+            room=1,
+            try_first=1,
+            try_hits={"x" * 100_000: pb.Hit()},
+        ),
+        "INVALID_ARGUMENT",
+        "try_hits key is 100000 bytes; an id is at most 256 bytes",
     ),
     "a take past the reservation before a try": (
         lambda s: ask(

@@ -120,5 +120,5 @@ def test_late_decisions_keep_every_groups_promise(policy: str) -> None:
         assert finished == accepted, seed
         assert engine.kv.pool.held == 0, seed
         assert engine.sched.stats.preemptions == 0, seed
-        assert backend.stalled_steps() == 0, seed
+        assert backend.books.stalled_steps == 0, seed
         assert state.ledger is not None and state.ledger.stalled_steps == 0, seed
