@@ -113,8 +113,11 @@ def prefill_tokens(req: Request) -> int:
 
 
 def prefilled(req: Request) -> bool:
+    """Whether the request's prefill is done: what is left to compute is its next decode row.
+    A preempted request resumes with its output to compute again (as prompt, its prefill
+    bound counts it), so its prompt alone computed is not the end of its prefill."""
     if req.group is None:
-        return req.num_computed >= len(req.prompt)
+        return req.num_computed >= req.num_tokens - (1 if req.output else 0)
     return req.group.decoding()
 
 

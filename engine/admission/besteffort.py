@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvbank.capacity import RequestShape, count_pages
 from kvbank.engine import sequences as groups
@@ -240,6 +240,17 @@ class BestEffort:
                     f"strict request {req.rid!r} was admitted but is {short} pages short of its "
                     f"prompt with no best-effort request left to preempt (supply {kv.supply})"
                 )
+            yield self._preempt(victim)
+
+    def make_rows(self, over: Callable[[], int]) -> Iterator[Action]:
+        """Before a strict request the ledger admitted starts: preempt best-effort requests
+        while the running set, with it, is `over()` rows past the cap. A sidecar the step never
+        waits on counted its room when it was asked; best-effort requests that started since
+        hold rows the ledger's admissions have first claim on. None left: the caller checks."""
+        while over() > 0:
+            victim = self.victim(0)
+            if victim is None:
+                return
             yield self._preempt(victim)
 
     def shortage(self, req: Request) -> Preempt | None:

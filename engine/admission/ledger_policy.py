@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 
 from kvbank.engine import sequences as groups
 from kvbank.engine.admission.actions import Action, Preempt, Reject, Start
@@ -222,6 +223,7 @@ class LedgerPolicy(AdmissionPolicy):
                 yield item
                 continue
             req = item.req
+            yield from self.best_effort.make_rows(partial(self._rows_over, req))
             if len(view.running) >= self.running_cap:
                 raise InvariantBreach(
                     f"request {req.rid!r} was admitted beyond the room the engine reported: "
@@ -308,6 +310,9 @@ class LedgerPolicy(AdmissionPolicy):
             1 if r.group is None else len(r.group.live()) for r in self.view.running.values()
         )
         return running + (1 if req is None or req.group is None else len(req.group.live()))
+
+    def _rows_over(self, req: Request) -> int:
+        return self._rows(req) - self.running_cap
 
     def _sync_supply(self) -> None:
         # Free, and evictable with the reclaimable pages (engine/kv/view.py); a no-op when the

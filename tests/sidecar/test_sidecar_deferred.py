@@ -15,8 +15,10 @@ step."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import example, given, settings
@@ -34,6 +36,7 @@ from kvbank.sidecar.backend import SidecarBackend
 from kvbank.sidecar.state import AdmissionState
 
 SEEDS = int(os.environ.get("DEFERRED_SEEDS", "40"))
+DATA = Path(__file__).parent.parent / "data"
 
 
 def workload(rng: random.Random) -> list[tuple[int, int, int | None, int, int, bool]]:
@@ -71,6 +74,30 @@ def test_late_decisions_keep_every_promise(policy: str) -> None:
         assert client.reports > 0
 
 
+def late_mixed(policy: str, lag: int, specs: list[Spec], pool: dict[str, int]) -> None:
+    state = AdmissionState(pool_pages=pool["pages"], debug=True, policy=policy)
+    client = InProcessSidecar(state, functools.partial(random.Random(lag).randint, 0, 3))
+    backend = SidecarBackend(client, pool["pages"], blocking=False)
+    run_mixed(mixed_config(policy, **pool), specs, backend)  # all finish, no strict preempted
+    assert backend.books.stalled_steps == 0
+    assert state.ledger is not None and state.ledger.stalled_steps == 0
+
+
+@pytest.mark.parametrize("policy", LEDGER_MODE_NAMES)
+def test_a_strict_admission_that_arrives_at_a_full_running_set_takes_a_best_effort_row(
+    policy: str,
+) -> None:
+    """The case in tests/data/mixed_deferred_rows.json: best-effort chat started into the rows
+    while the answer that admits strict requests was on its way (the engine once raised "admitted
+    beyond the room"), and a request preempted after its output began resumed with its prompt
+    cached, which the engine took for a finished prefill and reported stalled."""
+    case = json.loads((DATA / "mixed_deferred_rows.json").read_text())
+    specs = [
+        (a, kind, own, top, stop, tuple(fixed)) for a, kind, own, top, stop, fixed in case["specs"]
+    ]
+    late_mixed(policy, case["lag"], specs, case["pool"])
+
+
 @pytest.mark.parametrize("policy", LEDGER_MODE_NAMES)
 @settings(max_examples=20, deadline=None)
 @example(pages=19, host_pages=0, budget=8, speculative=1, max_preemptions=1, lag=0, specs=BREACH)
@@ -78,9 +105,4 @@ def test_late_decisions_keep_every_promise(policy: str) -> None:
 def test_late_decisions_keep_every_strict_promise_beside_best_effort_chat(
     policy: str, lag: int, specs: list[Spec], **pool: int
 ) -> None:
-    state = AdmissionState(pool_pages=pool["pages"], debug=True, policy=policy)
-    client = InProcessSidecar(state, functools.partial(random.Random(lag).randint, 0, 3))
-    backend = SidecarBackend(client, pool["pages"], blocking=False)
-    run_mixed(mixed_config(policy, **pool), specs, backend)  # all finish, no strict preempted
-    assert backend.books.stalled_steps == 0
-    assert state.ledger is not None and state.ledger.stalled_steps == 0
+    late_mixed(policy, lag, specs, pool)
