@@ -205,7 +205,10 @@ clean_containers() {
 import_images() {
     local name layout have blob ctr=(ctr --address "$run_dir/containerd.sock" -n k8s.io)
     while read -r name layout; do
-        [[ -z "$("${ctr[@]}" images ls -q "name==$name")" ]] || continue
+        if [[ -n "$("${ctr[@]}" images ls -q "name==$name")" ]]; then
+            share_blobs "$layout"
+            continue
+        fi
         log "importing $name"
         have="$("${ctr[@]}" content ls -q)"
         (cd "$layout" && {
@@ -215,10 +218,26 @@ import_images() {
                 grep -qx "sha256:${blob##*/}" <<<"$have" || echo "$blob"
             done
         } | tar -cf - --files-from -) | "${ctr[@]}" images import - >/dev/null
+        share_blobs "$layout"
         # Earlier builds of the same image: removed, so containerd's garbage collector frees
         # their layers (gigabytes each) once no image names them.
         "${ctr[@]}" images ls -q | grep "^${name%:*}:" | grep -vx "$name" |
             xargs -r "${ctr[@]}" images rm >/dev/null || true
+    done
+}
+
+# share_blobs LAYOUT: containerd keeps its own copy of every blob it imports, beside the
+# layout's; the layers' copies (gigabytes) become one file, the layout's, under both names.
+# Content blobs never change once written, and a name containerd's garbage collector removes
+# leaves the layout's. A filesystem without hard links between the two keeps both copies.
+share_blobs() {
+    local layout="$1" blob ours theirs
+    for blob in "$layout"/blobs/sha256/*; do
+        [[ -f "$blob" && $(stat -c %s "$blob") -gt 1048576 ]] || continue
+        theirs="$containerd_root/io.containerd.content.v1.content/blobs/sha256/${blob##*/}"
+        [[ -f "$theirs" && ! "$blob" -ef "$theirs" ]] || continue
+        ours="$theirs.layout"
+        ln -f "$blob" "$ours" 2>/dev/null && mv -f "$ours" "$theirs" || rm -f "$ours"
     done
 }
 

@@ -138,6 +138,23 @@ def test_the_node_is_ready_and_advertises_gpus(session: Session) -> None:
     assert node["status"]["allocatable"]["nvidia.com/gpu"] == "4"
 
 
+def test_containerd_and_the_image_layouts_share_one_copy_of_each_layer(session: Session) -> None:
+    # The layers are gigabytes; a second copy in containerd's content store once filled CI's
+    # disk (cluster.sh `share_blobs`).
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    content = cache / "kvbank/node-containerd/io.containerd.content.v1.content/blobs/sha256"
+    layouts = [line.split()[1] for line in (session.node.work / "images").read_text().splitlines()]
+    large = [
+        blob
+        for layout in layouts
+        for blob in Path(layout, "blobs/sha256").iterdir()
+        if blob.stat().st_size > 1 << 20
+    ]
+    assert large, layouts
+    apart = [b.name for b in large if not (content / b.name).samefile(b)]
+    assert not apart, f"layers containerd keeps a copy of its own: {apart}"
+
+
 def test_the_cluster_prints_how_to_reach_it_and_install_the_chart_from_its_images(
     session: Session,
 ) -> None:
