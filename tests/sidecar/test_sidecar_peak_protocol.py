@@ -8,6 +8,7 @@ import argparse
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -202,6 +203,12 @@ def progress(rid: str, produced: int, tokens: int) -> pb.Event:
     )
 
 
+def first(session: int, **fields: Any) -> pb.ReportRequest:
+    """A report asking about the first waiting requests (`try_first`), as a non-waiting engine
+    sends it."""
+    return pb.ReportRequest(session=session, report_seq=3, applied_seq=0, admit=True, **fields)
+
+
 BAD: dict[str, tuple[Callable[[int], pb.ReportRequest], str, str]] = {
     "sole pages beyond the held part": (
         lambda s: ask(s, 3, 0, pb.Try(rid="b", hit=pb.Hit(pages=4, idle_pages=2, sole_pages=3))),
@@ -219,48 +226,22 @@ BAD: dict[str, tuple[Callable[[int], pb.ReportRequest], str, str]] = {
         "prefill_chunks must be a non-negative integer, got -1",
     ),
     "a negative try_first": (
-        lambda s: pb.ReportRequest(
-            session=s, report_seq=3, applied_seq=0, admit=True, room=1, try_first=-1
-        ),
+        lambda s: first(s, room=1, try_first=-1),
         "INVALID_ARGUMENT",
         "try_first must be a count >= 0 (got -1)",
     ),
     "try_first beside tries": (
-        lambda s: pb.ReportRequest(
-            session=s,
-            report_seq=3,
-            applied_seq=0,
-            admit=True,
-            in_step=True,
-            try_first=2,
-            tries=[pb.Try(rid="b", hit=pb.Hit())],
-        ),
+        lambda s: first(s, in_step=True, try_first=2, tries=[pb.Try(rid="b", hit=pb.Hit())]),
         "INVALID_ARGUMENT",
         "send either tries or try_first",
     ),
     "a try_first hit larger than the request": (
-        lambda s: pb.ReportRequest(
-            session=s,
-            report_seq=3,
-            applied_seq=0,
-            admit=True,
-            room=1,
-            try_first=1,
-            try_hits={"b": pb.Hit(pages=11)},
-        ),
+        lambda s: first(s, room=1, try_first=1, try_hits={"b": pb.Hit(pages=11)}),
         "INVALID_ARGUMENT",
         "<= the request's 10 pages",
     ),
     "a try_hits key past the id bound": (
-        lambda s: pb.ReportRequest(
-            session=s,
-            report_seq=3,
-            applied_seq=0,
-            admit=True,
-            room=1,
-            try_first=1,
-            try_hits={"x" * 100_000: pb.Hit()},
-        ),
+        lambda s: first(s, room=1, try_first=1, try_hits={"x" * 100_000: pb.Hit()}),
         "INVALID_ARGUMENT",
         "try_hits key is 100000 bytes; an id is at most 256 bytes",
     ),
