@@ -317,9 +317,12 @@ class Profile:
             out[~known] = self.evaluate(ks[~known])
         return out  # type: ignore[no-any-return]
 
-    def returned(self, ks: Steps) -> Steps:
-        """Exclusive pages the running requests have returned by steps `ks`."""
+    def returned(self, ks: Steps, pinned: int = 0) -> Steps:
+        """Exclusive pages the running requests have returned by steps `ks`; with `pinned`, as
+        if each of them had that many fewer (a newcomer leases pages one of them held alone)."""
         by = self.returned_by
+        if pinned:
+            by = np.concatenate([[0], np.cumsum(np.maximum(self.exclusive_by_end - pinned, 0))])
         return by[np.searchsorted(self.ends_sorted, ks, side="right")]  # type: ignore[no-any-return]
 
     def peak(self) -> tuple[int, int]:

@@ -30,7 +30,6 @@ from kvbank.ledger.shape import (
     steps_for,
     track_for,
 )
-from kvbank.ledger.shared import SharedHits
 from kvbank.ledger.types import NO_HIT, Hit, InvalidPages, InvariantBreach
 
 log = logging.getLogger(__name__)
@@ -54,7 +53,6 @@ class Timeline:
         # Admitted but not yet started by the engine (a decision on its way to a remote engine):
         # the shape it will run with. Until it starts its track has no finish (see `add`).
         self.unstarted: dict[str, PeakShape] = {}
-        self.shared = SharedHits()  # leased pages some running request held alone
 
     def __deepcopy__(self, memo: dict[int, object]) -> Timeline:
         """The copy a ledger applying a batch all-or-nothing works on (Ledger.copy): each track
@@ -62,7 +60,6 @@ class Timeline:
         twin = copy.copy(self)
         twin.tracks = {rid: replace(t, tokens=list(t.tokens)) for rid, t in self.tracks.items()}
         twin.unstarted = dict(self.unstarted)
-        twin.shared = self.shared.copy()
         return twin
 
     def copy(self) -> Timeline:
@@ -133,12 +130,15 @@ class Timeline:
         self, rid: str, shape: PeakShape | None, reserved: int, hit: Hit, deferred: bool = False
     ) -> None:
         """An admitted request. The sole-held part of its hit was exclusive to some running
-        holder, which no longer returns it when it finishes; the ledger is not told which
-        (kvbank/ledger/shared.py counts what that may cost).
+        holder, which no longer returns it when it finishes. The ledger is not told which
+        holder, and requests finish in any order (earlier than their bound), so every running
+        request stops counting that many of its pages as returning: never more than the truth,
+        whoever finishes first. The pool's next exact count (advance's `exclusive`) undoes
+        the excess.
 
         `deferred`: the engine starts it when the decision reaches it, some steps from now, so
         until `start` its track is `open_ended` (it may start at any later step)."""
-        self.shared.add(rid, hit.sole, self.tracks)
+        self._pin(hit.sole)
         if shape is None:
             flat = flat_shape(reserved, self.peak_policy.page_size)
             self.tracks[rid] = track_for(flat, hit.pages, hit.idle_pages, False)
@@ -177,7 +177,6 @@ class Timeline:
         """The pool's exact count of a running request's pages no one else holds (a pin or a
         lease made some of them shared), between progress reports."""
         self.tracks[rid].exclusive = exclusive
-        self.shared.counted(rid)
         self._changed()
 
     def restore(self, rid: str, reserved: int, held: int) -> None:
@@ -190,11 +189,16 @@ class Timeline:
     def remove(self, rid: str) -> None:
         self.unstarted.pop(rid, None)
         track = self.tracks.pop(rid)
-        self.pending_return += max(0, track.exclusive - self.shared.leave(rid))
+        self.pending_return += track.exclusive
         self._changed()
 
     def supply_reported(self) -> None:
         self.pending_return = 0
+
+    def _pin(self, shared: int) -> None:
+        if shared:
+            for track in self.tracks.values():
+                track.exclusive = max(0, track.exclusive - shared)
 
     # ---- progress ------------------------------------------------------------------------------
 
@@ -257,7 +261,6 @@ class Timeline:
         track.moved = True
         if exclusive is not None:
             track.exclusive = exclusive
-            self.shared.counted(rid)
         if track.budget != NEVER:
             track.produced, track.chunks = produced, chunks_left
             track.remaining = track.budget - produced
@@ -360,7 +363,7 @@ class Timeline:
         """Highest extra demand with the newcomer started at `start` (and, if given, another
         request started now beside the running ones)."""
         profile = self.profile()
-        candidates, demand = profile.candidates, self._demand_at_candidates()
+        candidates, demand = profile.candidates, profile.demand_at_candidates
         if start:
             later = candidates >= start
             candidates, demand = candidates[later], demand[later]
@@ -371,17 +374,15 @@ class Timeline:
             extra = np.concatenate([extra, steps_for(beside[0], 0)])
             extra = extra[extra >= start]
         ks = np.concatenate([candidates, extra])
-        total = np.concatenate(
-            [demand, profile.evaluate(extra) + self.shared.deficit(profile, extra)]
-        )
+        total = np.concatenate([demand, profile.evaluate(extra)])
         total += self._newcomer(shape, ks, start, hit)
         shared = hit.sole
         if beside is not None:
             other, other_hit = beside
             total += self._newcomer(other, ks, 0, other_hit)
             shared += other_hit.sole
-        if shared:  # a sharing of its own, among every running request
-            total += np.minimum(shared, profile.returned(ks))
+        if shared:
+            total += profile.returned(ks) - profile.returned(ks, pinned=shared)
         return int(total.max())
 
     def _newcomer(self, shape: PeakShape, ks: Steps, start: int, hit: Hit) -> Steps:
@@ -392,17 +393,4 @@ class Timeline:
 
     def peak(self) -> tuple[int, int]:
         """(highest extra demand of the running requests, the step it is reached)."""
-        profile = self.profile()
-        if not self.shared.sharings:
-            return profile.peak()
-        demand = self._demand_at_candidates()
-        i = int(np.argmax(demand))
-        return int(demand[i]), int(profile.candidates[i])
-
-    def _demand_at_candidates(self) -> Steps:
-        """The profile's demand at its candidates, with what the shared hits may cost (the
-        sum still peaks just before a finish: there, a return falls by what a deficit rises)."""
-        profile = self.profile()
-        if not self.shared.sharings:
-            return profile.demand_at_candidates
-        return profile.demand_at_candidates + self.shared.at_candidates(profile)
+        return self.profile().peak()

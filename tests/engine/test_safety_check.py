@@ -98,6 +98,15 @@ def test_the_mixed_scenario_finishes_under_every_ledger_policy(policy: str) -> N
     assert metrics["stopped"] == "finished"
 
 
+def test_the_mixed_scenario_broke_the_peak_ledger_with_the_old_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(CacheView, "exclusive_pages", _every_holder)
+    metrics = run_policy(load_scenario(SCENARIO), "peak", check=True).metrics
+    assert metrics["invariant_breaches"] == 1
+    assert metrics["stopped"].startswith("invariant breach: the running requests may need")
+
+
 # ---- the second check catches what the ledger's own check cannot --------------------------------
 
 
