@@ -219,10 +219,11 @@ import_images() {
             done
         } | tar -cf - --files-from -) | "${ctr[@]}" images import - >/dev/null
         share_blobs "$layout"
-        # Earlier builds of the same image: removed, so containerd's garbage collector frees
-        # their layers (gigabytes each) once no image names them.
+        # Earlier builds of the same image: removed, and their layers (gigabytes each) with
+        # them now (--sync), not at containerd's next start, so a rebuilt layer never stands
+        # beside the one it replaced.
         "${ctr[@]}" images ls -q | grep "^${name%:*}:" | grep -vx "$name" |
-            xargs -r "${ctr[@]}" images rm >/dev/null || true
+            xargs -r "${ctr[@]}" images rm --sync >/dev/null || true
     done
 }
 
