@@ -112,8 +112,7 @@ class Admission:
     # ---- arrivals ------------------------------------------------------------------------------
 
     def arrive(self, request: Any) -> bool:
-        """Count a new request and queue it; False (and a refusal noted) when the pool can
-        never hold it."""
+        """Count a new request and queue it; False (a refusal noted) if the pool never can."""
         shape = RequestShape(request.num_prompt_tokens, request.max_tokens)
         count = count_pages(self.model, shape)
         why = refusal(self.model, shape, self.total_pages, count)
@@ -210,6 +209,9 @@ class Admission:
         self.backend.pin(head.request_id, pinned.blocks, pinned.cost, exclusive)
 
     def _apply(self, decisions: list[Any]) -> None:
+        if not decisions:
+            return
+        holders = self.classes.strict_holders()  # no best-effort holding changes in here
         for decision in sorted(decisions, key=lambda d: d.seq):
             if decision.seq <= self._last_seq:
                 continue  # a resent decision: applied once
@@ -220,7 +222,7 @@ class Admission:
             request = self.waiting.pop(rid, None)
             count = self.counts.pop(rid, None)
             if request is None or count is None:  # it left while the decision was on its way
-                self.head_pins.unpin(rid, False, self.classes.strict_holders())
+                self.head_pins.unpin(rid, False, holders)
                 self.backend.release(rid)
                 continue
             pins = self.head_pins.keep(rid, decision.hit.pages)
@@ -228,7 +230,7 @@ class Admission:
             if self.peak:
                 chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens)
                 self.backend.start(rid, chunks)  # before vLLM takes the prompt's blocks
-            holding = Holding.of(self.model, request, count, pins, self.classes.strict_holders())
+            holding = Holding.of(self.model, request, count, pins, holders)
             self.admitted[rid] = Entry(request, holding, pins, chunks)
             if decision.hit.pages:
                 self._sharing_changed = True
