@@ -1,15 +1,15 @@
 """The engine's `LedgerClient` (kvbank.ledger.client) over gRPC: the same events the
 embedded ledger gets, sent to the sidecar as one report per `poll`.
 
-Two modes. Blocking (`kvbank bench --sidecar`, virtual time): `try_admit` (peak-fit) and `poll`
-(the banker) send what happened since the last report and wait for the answer, so the sidecar's
-ledger sees exactly the calls the embedded one would, in the same order, and the run is
-identical. Non-blocking (serving,
-every policy): at the start of a step `collect` reads the reply in flight if it arrived, the
-engine applies its decisions and, with nothing in flight (`settled`), pins the head's hit; then
-`poll` sends the next report and returns at once. Decisions are applied a step or more after
-they were made. One report is in flight at a time, so every reply is read before the next
-report is built.
+Two modes. Blocking (`kvbank bench --sidecar`, virtual time): `try_admit` (or `poll`: the head
+of the queue, at most `room` times) sends what happened since the last report with the try and
+waits for the answer, so the sidecar's ledger sees
+exactly the calls the embedded one would, in the same order, and the run is identical.
+Non-blocking (serving, every policy; `later` is this backend): at the start of a step `collect`
+reads the reply in flight if it arrived, the engine applies its decisions and, with nothing in
+flight (`settled`), pins the head's hit; then `poll` sends the next report and returns at once.
+Decisions are applied a step or more after they were made. One report is in flight at a time,
+so every reply is read before the next report is built.
 
 Races, and why they are safe:
 - Supply reported before a decision is applied: the report carries `applied_seq` and the sidecar
@@ -62,9 +62,9 @@ SERVING_UNANSWERED_S = 0.5
 
 class SidecarBackend:
     """What the engine calls: events queue up for the next report, decisions come back from
-    `poll` (blocking) or `collect` (non-blocking); see the module docstring for the two modes.
-    Its parts: the books it keeps between reports and the wire that carries them
-    (sidecar/backend_wire.py)."""
+    `try_admit` (blocking) or `collect` and `poll` (non-blocking); see the module docstring for
+    the two modes. Its parts: the books it keeps between reports and the wire that carries
+    them (sidecar/backend_wire.py)."""
 
     def __init__(
         self,
@@ -93,9 +93,11 @@ class SidecarBackend:
         return self.books.last_pool
 
     @property
-    def defers(self) -> bool:
-        """Whether decisions reach the engine a report later (the engine does not wait)."""
-        return not self.blocking
+    def later(self) -> SidecarBackend | None:
+        """Non-blocking, decisions reach the engine a report later (`LateAnswers`: this
+        backend's `collect`, `poll`, `settled`, `pin` and `start`); blocking, every answer comes
+        in step."""
+        return None if self.blocking else self
 
     # ---- events (LedgerClient) -------------------------------------------------------------
 
@@ -192,11 +194,11 @@ class SidecarBackend:
         """Blocking: one report carrying what happened since the last one and this one try;
         the answer is the reply's. The engine starts an admission before it asks again, and
         its takes go with the next question. A non-blocking backend never asks in step: its
-        engine pins, reports and polls (`defers`)."""
+        engine pins, reports and polls (`later`)."""
         if not self.blocking:
             raise InvariantBreach(
-                "a non-blocking backend defers its decisions (`defers`): the engine admits "
-                "through collect and poll, never by asking in step"
+                "a non-blocking backend answers later (`later`): the engine admits through "
+                "collect and poll, never by asking in step"
             )
         question = pb.Try(rid=rid, no_room=hit is None)
         if hit is not None:
@@ -258,6 +260,8 @@ class SidecarBackend:
     # ---- decisions -----------------------------------------------------------------------------
 
     def poll(self, room: int) -> list[Decision]:
+        """Send what happened since the last report, with `room`, and return the decisions
+        here: blocking, after waiting for the answer; non-blocking, at once (`later`)."""
         if self.blocking:
             self.wire.exchange(room, admit=True)
         else:

@@ -1,8 +1,9 @@
 """The ledger policy's parts for a backend that decides later (`LedgerParts`): reading its
 decisions in the engine, once each, in sequence order; and pinning the waiting head's hit.
 
-The ledger policy (engine/admission/ledger_policy.py), when its backend defers, reads decisions
-that may arrive late, twice, or for a request that left meanwhile. Here: a
+The ledger policy (engine/admission/ledger_policy.py), over a client that answers later
+(`LedgerClient.later`), reads decisions that may arrive late, twice, or for a request that left
+meanwhile. Here: a
 decision at or below the last applied sequence number is skipped (a backend that resends is
 harmless); an admission of a request that is gone is released at once; a refusal becomes a
 `Reject`; an admission must reserve what the engine counts and lease no more than is pinned for
@@ -21,7 +22,7 @@ from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
 from kvbank.ledger import Admitted, Decision, InvariantBreach, UnknownRequest
-from kvbank.ledger.client import LedgerClient
+from kvbank.ledger.client import LateAnswers, LedgerClient
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,13 @@ class HeadPin:
     forever (the property test found exactly that).
 
     A pin only grows while its
-    request waits, within the budget the caller gives; with the head, the index and the budget
+    request waits, within the ledger's headroom; with the head, the index and the headroom
     as they were at the last pin, it cannot grow, so the busy step costs one comparison, not a
     peek."""
 
     def __init__(self) -> None:
         self._reported: dict[str, int] = {}  # rid -> pinned pages last reported
-        self._at: tuple[str, int, int] | None = None  # (head, index version, budget) after it
+        self._at: tuple[str, int, int] | None = None  # (head, index version, headroom) after it
 
     def forget(self, rid: str) -> None:
         self._reported.pop(rid, None)
@@ -107,13 +108,14 @@ class HeadPin:
         self,
         view: AdmissionView,
         backend: LedgerClient,
-        budget: Callable[[], int],
+        later: LateAnswers,
         best_effort: BestEffort,
         sole_costs: bool = False,
     ) -> Generator[Action, None, None]:
         """Pin more of the head's hit (a `Pin` the scheduler carries out) and, when the pin
         changed, report the pool's supply and the pin: pinned pages are held, so the hit has no
         idle part, and no running request counts one as its own any more, so no sole part.
+        The budget is the ledger's `headroom`.
         Under `sole_costs` (peak-fit) the report also says what the pin cost (idle pages left
         the supply, and a page one running request held alone no longer returns when that
         request finishes, now shared with the pin) and, when it shared pages, every running
@@ -122,13 +124,13 @@ class HeadPin:
         if head is None or not head.cacheable:
             return
         kv = view.kv
-        allowed = budget()
+        allowed = backend.headroom()
         if (head.rid, kv.index_version, allowed) == self._at:
             return
         depth = len(next(iter(head.pinned.values()), ()))
         yield Pin(head, allowed, sole_costs)
         pinned = kv.pinned_pages(head)
-        self._at = (head.rid, kv.index_version, budget())
+        self._at = (head.rid, kv.index_version, backend.headroom())
         if pinned == self._reported.get(head.rid, 0):
             return
         self._reported[head.rid] = pinned
@@ -137,7 +139,7 @@ class HeadPin:
         if sole_costs:
             cost, shared = kv.pin_cost(p for chain in head.pinned.values() for p in chain[depth:])
         running = best_effort.strict_running() if shared else ()
-        backend.pin(head.rid, pinned, cost, {req.rid: kv.exclusive_pages(req) for req in running})
+        later.pin(head.rid, pinned, cost, {req.rid: kv.exclusive_pages(req) for req in running})
 
 
 class LedgerParts:

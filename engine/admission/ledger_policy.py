@@ -45,7 +45,7 @@ from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
 from kvbank.ledger import Admitted, Decision, Hit, InvariantBreach, PeakPolicy
-from kvbank.ledger.client import LedgerClient, ask_in_order, embedded
+from kvbank.ledger.client import LateAnswers, LedgerClient, ask_in_order, embedded
 from kvbank.ledger.policy import PrefillPace
 from kvbank.mode import AdmissionMode
 from kvbank.service_class import ClassPolicy
@@ -187,15 +187,16 @@ class LedgerPolicy(AdmissionPolicy):
     def admit(self) -> Iterator[Action]:
         self._sync_supply()
         backend = self.backend
-        if backend.defers:
-            yield from self._apply(backend.collect())
-            if backend.settled():
+        later = backend.later
+        if later is not None:
+            yield from self._apply(later, later.collect())
+            if later.settled():
                 yield from self._pin.grow(
-                    self.view, backend, backend.headroom, self.best_effort, sole_costs=self.follows
+                    self.view, backend, later, self.best_effort, sole_costs=self.follows
                 )
                 self._sync_supply()
             rows = self._rows(None) - 1
-            yield from self._apply(backend.poll(max(0, self.running_cap - rows)))
+            yield from self._apply(later, later.poll(max(0, self.running_cap - rows)))
             yield from self.best_effort.admit()
             return
         strict = self.best_effort.strict
@@ -213,9 +214,9 @@ class LedgerPolicy(AdmissionPolicy):
         self._chains.clear()
         yield from self.best_effort.admit()
 
-    # ---- deferred decisions (a sidecar the step does not wait on) -------------------------------
+    # ---- decisions that come later (a sidecar the step does not wait on) --------------------
 
-    def _apply(self, decisions: list[Decision]) -> Iterator[Action]:
+    def _apply(self, later: LateAnswers, decisions: list[Decision]) -> Iterator[Action]:
         view = self.view
         for item in self._reader.admissions(view, self.backend, decisions, self._pin.forget):
             self.best_effort.leave_queue(item.req)
@@ -232,7 +233,7 @@ class LedgerPolicy(AdmissionPolicy):
             yield from self.best_effort.make_room(req, item.lease)
             if self.follows:
                 chunks = self._prefill_bound(req)
-                self.backend.start(req.rid, chunks)  # before the prompt's pages are taken
+                later.start(req.rid, chunks)  # before the prompt's pages are taken
                 self._chunks[req.rid] = chunks
             yield Start(req, item.lease)
             if item.decision.hit.pages:

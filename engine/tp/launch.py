@@ -264,7 +264,7 @@ def _follower(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: rank 0 says when to stop
     backend: Any = None
     if options.policy in LEDGER_MODE_NAMES:
-        backend = FollowerBackend(defers=bool(options.sidecar))
+        backend = FollowerBackend(late=bool(options.sidecar))
     # Decisions come from rank 0's plans over the process group, not from a sidecar: a pod's
     # own sidecar, rendered beside every rank, is not asked (see docs/operator.md).
     follower_options = dataclasses.replace(options, sidecar=None)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from kvbank.engine.runner import SamplingParams, StepBatch, StepResult
 from kvbank.ledger import Admitted, Decision, Hit, PeakShape
-from kvbank.ledger.client import LedgerClient, StepEnd
+from kvbank.ledger.client import LateAnswers, LedgerClient, StepEnd
 from kvbank.service_class import ServiceClass
 
 IDLE = "idle"
@@ -134,8 +134,14 @@ class RecordingBackend:
         return getattr(self.inner, name)
 
     @property
-    def defers(self) -> bool:
-        return bool(getattr(self.inner, "defers", False))
+    def later(self) -> RecordingBackend | None:
+        """Itself when rank 0's client answers later: its late answers are recorded too."""
+        return self if self.inner.later is not None else None
+
+    def _late(self) -> LateAnswers:
+        late = self.inner.later
+        assert late is not None, "asked for a late answer of a client that answers in step"
+        return late
 
     def headroom(self) -> int:
         pages = int(self.inner.headroom())  # type: ignore[attr-defined]
@@ -158,20 +164,23 @@ class RecordingBackend:
         return polls
 
     def poll(self, room: int) -> list[Decision]:
-        decisions = self.inner.poll(room)
+        decisions = self._late().poll(room)
         self.polls.append(list(decisions))
         return decisions
 
     def collect(self) -> list[Decision]:
-        decisions = self.inner.collect()
+        decisions = self._late().collect()
         self.polls.append(list(decisions))
         return decisions
 
     def settled(self) -> bool:
         # Whether rank 0 pins depends on its sidecar's timing: the followers replay the answer.
-        answer = self.inner.settled()
+        answer = self._late().settled()
         self.polls.append(answer)
         return answer
+
+    def start(self, rid: str, prefill_chunks: int) -> None:
+        self._late().start(rid, prefill_chunks)
 
     def submit(
         self, rid: str, pages: int, refusal: str | None = None, shape: PeakShape | None = None
@@ -185,7 +194,7 @@ class RecordingBackend:
         self.inner.cancel(rid)
 
     def pin(self, rid: str, pages: int, cost: int, exclusive: Mapping[str, int]) -> None:
-        self.inner.pin(rid, pages, cost, exclusive)
+        self._late().pin(rid, pages, cost, exclusive)
 
     def take(self, rid: str, pages: int) -> None:
         self.inner.take(rid, pages)
@@ -213,13 +222,14 @@ class RecordingBackend:
 
 class FollowerBackend:
     """A follower's backend under every ledger mode, rank 0's ledger its own or its sidecar's
-    (`defers`: as rank 0's backend does): it decides nothing and keeps no ledger. It replays
+    (`late`: rank 0's client answers later, so this one has `later` too): it decides nothing
+    and keeps no ledger. It replays
     rank 0's answers in order (the answers to its questions, decisions, settled, the pin budget), so
     the follower's policy asks, pins, starts and reports exactly as rank 0's did; its events go
     nowhere. A follower asking what rank 0 did not ask has diverged."""
 
-    def __init__(self, defers: bool) -> None:
-        self.defers = defers
+    def __init__(self, late: bool) -> None:
+        self.later = self if late else None
         self._planned: list[Answer] = []
         self._backfilling = False
 

@@ -6,11 +6,11 @@ each waiting request in its queue's order, asks `try_admit(rid, hit, prefill_chu
 `Admitted` is started before the next question, and None is an answer too: the request is asked
 again at a later step. Two implementations: `EmbeddedClient` here, the ledger in-process, which
 answers at once; and the sidecar's client (kvbank/sidecar/backend.py), which sends the same
-events and tries over gRPC. A blocking sidecar client answers each try in its round trip; one the
-step never waits on answers None, sends the tries with the next report, and hands the decisions
-over through `collect` and `poll` a step or more later. Until then the engine pins the head's
-hit and reports the pin (`pin`, engine/admission/decisions.py): pins exist only where an answer
-comes later.
+events and tries over gRPC. A blocking sidecar client answers each try in its round trip. One
+the step never waits on has `later` (`LateAnswers`): the engine pins the head's hit and reports
+the pin (`pin`, engine/admission/decisions.py), the client sends it with the next report, and the
+decisions come back through `collect` and `poll` a step or more later. Pins exist only where an
+answer comes later: a client that answers in step has no `later`.
 
 kvbank's own engine (engine/admission/) and the vLLM plug-in (kvbank/vllm/) import only this.
 Events carry only numbers the engine computed itself: a request's page need comes from
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from kvbank.ledger import (
-    NO_HIT,
     Admitted,
     Decision,
     Hit,
@@ -46,7 +45,51 @@ class StepEnd:
     stalled_steps: int
 
 
+class LateAnswers(Protocol):
+    """What a client that answers later adds (a sidecar the step never waits on): its
+    `try_admit` is never asked in step; the engine pins the head's hit and reports it (`pin`),
+    reads the decisions as they arrive (`collect`, `poll`), and reports each `start`."""
+
+    def collect(self) -> list[Decision]:
+        """Decisions that already arrived, without asking for more (a remote client reads the
+        reply in flight if it is here). The engine applies them before it pins."""
+        ...
+
+    def poll(self, room: int) -> list[Decision]:
+        """Send what happened since the last report and return the decisions available now, in
+        any order (the engine sorts them by sequence number). `room` is how many more requests
+        the engine can start this step; a client may use it to hold admissions back and must
+        tolerate receiving no call for a while."""
+        ...
+
+    def settled(self) -> bool:
+        """Whether every decision made so far is known to the engine. A pin may take only the
+        slack the engine knows of, so it waits while a decision is on its way: that decision
+        may have counted the pages the pin would take."""
+        ...
+
+    def pin(self, rid: str, pages: int, cost: int, exclusive: Mapping[str, int]) -> None:
+        """The engine pinned `pages` of the waiting head `rid`'s cached hit (engine/admission/
+        decisions.py `HeadPin`), so they hold until a decision is applied: they are its hit,
+        which for the same request only grows and has no idle part (pinned pages are held).
+        The pin took `cost` pages of headroom (until the ledger has seen it, `headroom` is that
+        much lower); `exclusive`: the running requests' exact exclusive pages, when the pin
+        shared some of them."""
+        ...
+
+    def start(self, rid: str, prefill_chunks: int) -> None:
+        """The engine started an admission decided a report ago (`Ledger.start`): until then
+        the ledger keeps it open-ended (kvbank.ledger.open_ended)."""
+        ...
+
+
 class LedgerClient(Protocol):
+    @property
+    def later(self) -> LateAnswers | None:
+        """None: every answer comes in step (`try_admit`). Else the client answers later, and
+        the engine pins, reads its decisions and reports each start through this."""
+        ...
+
     # ---- arrivals and admission ----------------------------------------------------------------
 
     def configure(self, policy: str, peak: PeakPolicy) -> None:
@@ -65,8 +108,8 @@ class LedgerClient(Protocol):
     def try_admit(
         self, rid: str, hit: Hit | None, prefill_chunks: int | None = None
     ) -> Admitted | None:
-        """May the waiting `rid` start now with `hit` (`Ledger.try_admit`)? None: not now, or
-        (a client that does not wait) the answer comes later, through `collect` and `poll`."""
+        """May the waiting `rid` start now with `hit` (`Ledger.try_admit`)? None: not now; it
+        is asked again at a later step. Not asked of a client with `later`."""
         ...
 
     def backfilling(self) -> bool:
@@ -97,23 +140,6 @@ class LedgerClient(Protocol):
         """The pool's free and evictable page counts after a change."""
         ...
 
-    def poll(self, room: int) -> list[Decision]:
-        """Decisions available now, in any order (the engine sorts them by sequence number).
-        `room` is how many more requests the engine can start this step; a backend may use it
-        to hold admissions back and must tolerate receiving no call for a while."""
-        ...
-
-    def collect(self) -> list[Decision]:
-        """Decisions that already arrived, without asking for more (a remote backend reads the
-        reply in flight if it is here). The engine applies them before it pins."""
-        ...
-
-    def settled(self) -> bool:
-        """Whether every decision made so far is known to the engine. A pin may take only the
-        slack the engine knows of, so it waits while a decision is on its way: that decision
-        may have counted the pages the pin would take."""
-        ...
-
     def outstanding(self) -> int:
         """Pages admitted requests may still take, as far as the backend knows."""
         ...
@@ -122,31 +148,9 @@ class LedgerClient(Protocol):
         """Raise InvariantBreach unless the ledger is safe and agrees with the pool's supply."""
         ...
 
-    # ---- a client that answers later -------------------------------------------------------
-
-    @property
-    def defers(self) -> bool:
-        """True when decisions arrive a report later (a sidecar the engine does not wait on):
-        the engine then pins the head's hit, reports it (`pin`), and applies decisions from
-        `poll`, reporting each `start`."""
-        ...
-
-    def start(self, rid: str, prefill_chunks: int) -> None:
-        """The engine started a deferred admission (`Ledger.start`)."""
-        ...
-
     def headroom(self) -> int:
         """Pages a pin may take off the supply now with every promise kept (`Ledger.headroom`,
         as of the backend's latest knowledge, never more)."""
-        ...
-
-    def pin(self, rid: str, pages: int, cost: int, exclusive: Mapping[str, int]) -> None:
-        """The engine pinned `pages` of the waiting head `rid`'s cached hit (engine/admission/
-        decisions.py `HeadPin`), so they hold until a decision is applied: they are its hit,
-        which for the same request only grows and has no idle part (pinned pages are held).
-        The pin took `cost` pages of headroom (until the ledger has seen it, `headroom` is that
-        much lower); `exclusive`: the running requests' exact exclusive pages, when the pin
-        shared some of them."""
         ...
 
     def advance(
@@ -215,13 +219,12 @@ def ask_in_order(
 
 
 class EmbeddedClient:
-    """The ledger in-process: `try_admit` answers at once. A host that pins and polls (the
-    banker) gets its decisions from `poll`, at most `room` heads, each with the hit last
-    reported for it (no hit when none was reported)."""
+    """The ledger in-process: `try_admit` answers at once, so nothing comes later."""
+
+    later: LateAnswers | None = None
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
-        self._hits: dict[str, Hit] = {}
         self._refused: list[Refused] = []
         # A busy step takes pages for many requests: go straight to the ledger, one frame less.
         self.take = ledger.take  # type: ignore[method-assign]
@@ -254,19 +257,8 @@ class EmbeddedClient:
     def backfilling(self) -> bool:
         return self.ledger.backfilling()
 
-    defers = False  # decides during the engine's own calls
-
-    def start(self, rid: str, prefill_chunks: int) -> None:
-        self.ledger.start(rid, prefill_chunks)
-
     def headroom(self) -> int:
         return self.ledger.headroom
-
-    def pin(self, rid: str, pages: int, cost: int, exclusive: Mapping[str, int]) -> None:
-        # no note of `cost`: the pool's next supply report reaches the ledger before any decision
-        self._hits[rid] = Hit(pages, 0, 0)
-        for held, count in exclusive.items():
-            self.ledger.set_exclusive(held, count)
 
     def advance(
         self,
@@ -284,7 +276,6 @@ class EmbeddedClient:
         return StepEnd(stalled, ledger.stalled_steps)
 
     def cancel(self, rid: str) -> None:
-        self._hits.pop(rid, None)
         self.ledger.cancel(rid)
 
     def take(self, rid: str, pages: int) -> None:
@@ -300,27 +291,6 @@ class EmbeddedClient:
         ledger = self.ledger
         if free != ledger.free or evictable != ledger.evictable:
             ledger.set_supply(free, evictable)
-
-    def collect(self) -> list[Decision]:
-        return []  # decides only when polled
-
-    def settled(self) -> bool:
-        return True
-
-    def poll(self, room: int) -> list[Decision]:
-        if not room and not self._refused:
-            return []  # the busy step's path: nothing to decide
-        decisions: list[Decision] = list(self._refused)
-        self._refused.clear()
-        ledger = self.ledger
-        while room > 0 and (rid := ledger.head) is not None:
-            admitted = ledger.try_admit(rid, self._hits.get(rid, NO_HIT))
-            if admitted is None:
-                break
-            decisions.append(admitted)
-            self._hits.pop(rid, None)
-            room -= 1
-        return decisions
 
     def outstanding(self) -> int:
         return self.ledger.outstanding
@@ -340,4 +310,4 @@ def embedded(
     return EmbeddedClient(Ledger(total_pages, debug=debug, policy=policy))
 
 
-__all__ = ["EmbeddedClient", "LedgerClient", "StepEnd", "ask_in_order", "embedded"]
+__all__ = ["EmbeddedClient", "LateAnswers", "LedgerClient", "StepEnd", "ask_in_order", "embedded"]

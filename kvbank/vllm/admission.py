@@ -54,7 +54,7 @@ from typing import Any
 
 from kvbank.capacity import CapacityModel, PageCount, RequestShape, count_pages, refusal
 from kvbank.ledger import Admitted, Hit, InvariantBreach, UnknownRequest, peak_shape
-from kvbank.ledger.client import LedgerClient, ask_in_order
+from kvbank.ledger.client import LateAnswers, LedgerClient, ask_in_order
 from kvbank.ledger.policy import PrefillPace
 from kvbank.vllm.classes import Classes, tier_refusal
 from kvbank.vllm.entry import Entry
@@ -138,7 +138,8 @@ class Admission:
             return  # best-effort: vLLM frees what it holds
         if rid in self.head_pins:
             holders = self.classes.strict_holders()
-            self.head_pins.unpin(rid, in_flight=not self.backend.settled(), holders=holders)
+            in_flight = (later := self.backend.later) is not None and not later.settled()
+            self.head_pins.unpin(rid, in_flight=in_flight, holders=holders)
         self.counts.pop(rid, None)
         if self.waiting.pop(rid, None) is not None:
             with contextlib.suppress(UnknownRequest):
@@ -165,8 +166,8 @@ class Admission:
 
     def _ledger_pass(self) -> None:
         self._sync_supply()
-        if self.backend.defers:
-            self._admit_later()
+        if self.backend.later is not None:
+            self._admit_later(self.backend.later)
             return
         if self.waiting:
             # Best-effort holdings do not change while the ledger is asked: counted once.
@@ -178,21 +179,20 @@ class Admission:
 
     # ---- a sidecar the schedule never waits on --------------------------------------------------
 
-    def _admit_later(self) -> None:
+    def _admit_later(self, later: LateAnswers) -> None:
         """Apply the decisions that arrived, pin the head's cached blocks while nothing is in
         flight (a decision on its way may have counted the pages a pin would take), and send
         the next report without waiting for its answer."""
-        backend = self.backend
-        self._apply(backend.collect())
-        if backend.settled():
+        self._apply(later, later.collect())
+        if later.settled():
             # Every answer is known: a request that left was either admitted, and released by
             # `_apply` ahead of the supply below, or never will be.
             self.head_pins.settle()
-            self._pin_head()
+            self._pin_head(later)
             self._sync_supply()
-        self._apply(backend.poll(max(0, self.pace.running_cap - self._in_flight())))
+        self._apply(later, later.poll(max(0, self.pace.running_cap - self._in_flight())))
 
-    def _pin_head(self) -> None:
+    def _pin_head(self, later: LateAnswers) -> None:
         """Pin more of the head's computed blocks within the ledger's headroom (`HeadPins.pin`)
         and tell the ledger: the pages the pins cost, the pinned blocks as the head's hit, held,
         with no idle part, and (peak-fit, a pin that shares a block) the admitted requests'
@@ -206,9 +206,9 @@ class Admission:
             return
         recounted = self.admitted.items() if pinned.shared and self.peak else ()
         exclusive = {rid: entry.exclusive(self.tables, holders) for rid, entry in recounted}
-        self.backend.pin(head.request_id, pinned.blocks, pinned.cost, exclusive)
+        later.pin(head.request_id, pinned.blocks, pinned.cost, exclusive)
 
-    def _apply(self, decisions: list[Any]) -> None:
+    def _apply(self, later: LateAnswers, decisions: list[Any]) -> None:
         if not decisions:
             return
         holders = self.classes.strict_holders()  # no best-effort holding changes in here
@@ -229,7 +229,7 @@ class Admission:
             chunks = None
             if self.peak:
                 chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens)
-                self.backend.start(rid, chunks)  # before vLLM takes the prompt's blocks
+                later.start(rid, chunks)  # before vLLM takes the prompt's blocks
             holding = Holding.of(self.model, request, count, pins, holders)
             self.admitted[rid] = Entry(request, holding, pins, chunks)
             if decision.hit.pages:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,7 @@ from kvbank.engine.engine import Engine, EngineConfig, RequestRejected
 from kvbank.engine.kv.pages import SINK_PAGE
 from kvbank.engine.request import FinishReason
 from kvbank.engine.runner import RowFailure, StepBatch, StepResult
-from kvbank.ledger import Decision, InvalidPages
+from kvbank.ledger import NO_HIT, Decision, Hit, InvalidPages
 from kvbank.ledger.client import EmbeddedClient, embedded
 from kvbank.modelpool import KvSlot
 
@@ -142,11 +143,49 @@ def test_abort_frees_a_running_request_and_cancels_a_waiting_one() -> None:
     assert not engine.abort("a")
 
 
-class ResendingBackend(EmbeddedClient):
-    """Delivers every decision twice, as a backend that retries would (it answers later, so
-    the engine pins and polls)."""
+class LateClient(EmbeddedClient):
+    """The embedded ledger behind a client that answers later, as a sidecar the step never
+    waits on: the engine pins the head's hit and reports it (`pin`); `poll` decides at most
+    `room` heads, each with the hit last pinned for it, and the engine reports each `start`."""
 
-    defers = True
+    def __init__(self, total_pages: int, debug: bool = False) -> None:
+        super().__init__(embedded(total_pages, debug=debug).ledger)
+        self.later = self
+        self._hits: dict[str, Hit] = {}
+
+    def pin(self, rid: str, pages: int, cost: int, exclusive: Mapping[str, int]) -> None:
+        self._hits[rid] = Hit(pages, 0, 0)  # the next supply report carries the cost
+        for held, count in exclusive.items():
+            self.ledger.set_exclusive(held, count)
+
+    def start(self, rid: str, prefill_chunks: int) -> None:
+        self.ledger.start(rid, prefill_chunks)
+
+    def cancel(self, rid: str) -> None:
+        self._hits.pop(rid, None)
+        super().cancel(rid)
+
+    def collect(self) -> list[Decision]:
+        return []  # decides only when polled
+
+    def settled(self) -> bool:
+        return True
+
+    def poll(self, room: int) -> list[Decision]:
+        decisions: list[Decision] = []
+        ledger = self.ledger
+        while room > 0 and (rid := ledger.head) is not None:
+            admitted = ledger.try_admit(rid, self._hits.get(rid, NO_HIT))
+            if admitted is None:
+                break
+            decisions.append(admitted)
+            self._hits.pop(rid, None)
+            room -= 1
+        return decisions
+
+
+class ResendingBackend(LateClient):
+    """Delivers every decision twice, as a backend that retries would."""
 
     def poll(self, room: int) -> list[Decision]:
         decisions = super().poll(room)
@@ -154,7 +193,7 @@ class ResendingBackend(EmbeddedClient):
 
 
 def test_applying_an_admission_twice_is_harmless() -> None:
-    backend = ResendingBackend(embedded(40).ledger)
+    backend = ResendingBackend(40)
     engine, _ = make_engine(40, backend=backend)
     for i in range(4):
         engine.add_request(f"r{i}", list(range(10 * i, 10 * i + 9)), max_tokens=3)
@@ -170,14 +209,12 @@ def test_taking_past_the_reservation_raises() -> None:
         engine.policy.on_take(req, 2)
 
 
-class OneStepLateBackend(EmbeddedClient):
+class OneStepLateBackend(LateClient):
     """Decides like the embedded ledger but hands each decision over one poll later, as a
     sidecar answering over the network would."""
 
-    defers = True
-
     def __init__(self, total_pages: int) -> None:
-        super().__init__(embedded(total_pages, debug=True).ledger)
+        super().__init__(total_pages, debug=True)
         self._late: list[Decision] = []
 
     def poll(self, room: int) -> list[Decision]:

@@ -38,6 +38,11 @@ class Recording:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
 
+    @property
+    def later(self) -> Recording | None:
+        """Itself over a backend that answers later, so its decisions are recorded too."""
+        return self if self._backend.later is not None else None
+
     def try_admit(self, rid: str, hit: Any, prefill_chunks: int | None = None) -> Any:
         decision = self._backend.try_admit(rid, hit, prefill_chunks)
         if decision is not None:

@@ -127,7 +127,7 @@ def test_a_tp_size_the_heads_cannot_split_is_refused_before_any_rank_starts(
 
 
 def test_a_follower_replays_rank_0s_answers_to_its_questions_in_order() -> None:
-    backend = FollowerBackend(defers=False)
+    backend = FollowerBackend(late=False)
     admitted = Admitted("a", 0, 6, Hit())
     backend.expect([Tried("a", admitted, False), Tried("b", None, True), Tried("c", None, True)])
     assert backend.try_admit("a", Hit()) == admitted
@@ -138,8 +138,9 @@ def test_a_follower_replays_rank_0s_answers_to_its_questions_in_order() -> None:
         backend.try_admit("e", Hit())
 
 
-def test_a_deferring_follower_replays_rank_0s_answers_in_order_and_nothing_else() -> None:
-    backend = FollowerBackend(defers=True)
+def test_a_follower_of_a_late_client_replays_rank_0s_answers_in_order_and_nothing_else() -> None:
+    backend = FollowerBackend(late=True)
+    assert backend.later is backend and FollowerBackend(late=False).later is None
     decision = Admitted("a", 0, 6, Hit(2, 0, 0))
     backend.expect([[], True, Headroom(5), [decision]])
     assert backend.collect() == []
