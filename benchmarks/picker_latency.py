@@ -6,9 +6,15 @@ Starts 8 `kvbank sidecar` processes (each with an engine session open, so its po
 one `kvbank picker` process over them, then streams requests to the picker as Envoy does
 (headers, then the body) at `--rate` a second, open loop. A request's decision latency is from
 its last body chunk sent to the picker's header answer received: the parse, the tokenizer, the
-count, the rule and the hold on the chosen sidecar, plus this client's own loop. The baseline,
-measured in the same run against the same sidecars, is one bare `Routing.Hold` round trip, the
-floor of any decision that reserves room. Target (issue 23): p99 at most 1 ms.
+count, the rule and the hold on the chosen sidecar, plus this client's own loop. Target (issue
+23): p99 at most 1 ms.
+
+Two baselines, measured in the same run: one bare `Routing.Hold` round trip (the floor of any
+decision that reserves room), and a null ext_proc server (this script with `--null-server`, a
+process of its own) that answers every stream with the same messages as a pick and does nothing
+else, driven by the same client at the same rate: the floor of this harness, Python's gRPC on
+both ends. The CPU each server process spends per request (its user and system time over the
+drive, from /proc) is printed beside them.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -148,6 +155,49 @@ async def holds(sidecar: str, count: int) -> list[float]:
     return latencies[50:]
 
 
+class NullProcessor(ep_grpc.ExternalProcessorServicer):
+    """Answers a stream as a pick does (the header answer with a destination, then the body
+    back), with no count, rule or hold."""
+
+    async def Process(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        async for request in request_iterator:
+            if request.WhichOneof("request") != "request_body":
+                continue
+            header = base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(
+                key="x-gateway-destination-endpoint", raw_value=b"10.0.0.1:8000"))  # fmt: skip
+            common = ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=[header]))
+            yield ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common))
+            streamed = ep.StreamedBodyResponse(body=request.request_body.body, end_of_stream=True)
+            mutation = ep.BodyMutation(streamed_response=streamed)
+            yield ep.ProcessingResponse(
+                request_body=ep.BodyResponse(response=ep.CommonResponse(body_mutation=mutation))
+            )
+
+
+async def serve_null() -> None:
+    server = grpc.aio.server()
+    ep_grpc.add_ExternalProcessorServicer_to_server(NullProcessor(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"serving ext_proc on 127.0.0.1:{port}", flush=True)
+    await server.wait_for_termination()
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user and system time so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(
+    proc: subprocess.Popen[str], port: int, rate: float, seconds: float
+) -> tuple[list[float], float]:
+    """Decision latencies at `rate`, and the server's CPU milliseconds per request."""
+    before = cpu_seconds(proc.pid)
+    latencies = asyncio.run(drive(port, rate, seconds))
+    return latencies, (cpu_seconds(proc.pid) - before) * 1e3 / max(1, len(latencies) + 50)
+
+
 def quantiles(values: list[float]) -> tuple[float, float]:
     cuts = statistics.quantiles(values, n=100)
     return cuts[49] * 1e3, cuts[98] * 1e3
@@ -158,7 +208,11 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=8)
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--null-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.null_server:
+        asyncio.run(serve_null())
+        return 0
     procs: list[subprocess.Popen[str]] = []
     try:
         sidecars = []
@@ -181,24 +235,37 @@ def main() -> int:
                "--hold-ttl-s", "1"]  # fmt: skip
         for i, sidecar in enumerate(sidecars):
             cmd += ["--pod", f"10.0.0.{i + 1}:8000={sidecar}"]
-        proc, port = start(cmd, re.compile(r"serving ext_proc on [\d.]+:(\d+)"))
+        serving = re.compile(r"serving ext_proc on [\d.]+:(\d+)")
+        proc, port = start(cmd, serving)
         procs.append(proc)
+        null, null_port = start([sys.executable, __file__, "--null-server"], serving)
+        procs.append(null)
         time.sleep(1.0)  # the watches' first figures
         baseline = asyncio.run(holds(sidecars[0], 1050))
-        picks = asyncio.run(drive(port, args.rate, args.seconds))
+        picks, pick_cpu = measured(proc, port, args.rate, args.seconds)
+        nulls, null_cpu = measured(null, null_port, args.rate, args.seconds)
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
-            proc.wait(10)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:  # a saturated server still draining its streams
+                proc.kill()
+                proc.wait()
     p50, p99 = quantiles(picks)
     h50, h99 = quantiles(baseline)
+    n50, n99 = quantiles(nulls)
     print(f"{len(picks)} requests at {args.rate:.0f}/s over {args.pods} pods, loopback")
-    print(f"decision latency  p50 {p50:.3f} ms  p99 {p99:.3f} ms  (target p99 <= 1 ms)")
+    print(f"decision latency  p50 {p50:.3f} ms  p99 {p99:.3f} ms  (target p99 <= 1 ms)"
+          f"  picker CPU {pick_cpu:.2f} ms a request")  # fmt: skip
     print(f"baseline: one Hold round trip  p50 {h50:.3f} ms  p99 {h99:.3f} ms")
+    print(f"baseline: a null ext_proc server, {len(nulls)} requests  p50 {n50:.3f} ms  "
+          f"p99 {n99:.3f} ms  its CPU {null_cpu:.2f} ms a request")  # fmt: skip
     if FAILURES:
         print(f"{len(FAILURES)} streams failed, e.g. {FAILURES[0]}")
     print(f"ratio decision / hold: p50 {p50 / h50:.2f}x  p99 {p99 / h99:.2f}x")
+    print(f"ratio decision / null server: p50 {p50 / n50:.2f}x  p99 {p99 / n99:.2f}x")
     return 0
 
 
