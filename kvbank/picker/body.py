@@ -37,6 +37,7 @@ class Counter:
     tokenizer: Tokenizer
     served_name: str | None = None  # None: any model name is this pool's
     default_class: ServiceClass = ServiceClass.STRICT
+    max_tokens: int | None = None  # the pool's limits.maxTokens, which its engines refuse above
 
 
 def _reject_constant(name: str) -> None:
@@ -87,6 +88,13 @@ def count_body(counter: Counter, path: str, body: dict[str, Any]) -> RequestCoun
         raise BadRequest(f"'n' is {n}; at most {MAX_N} sequences are sampled per prompt", "n")
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") else "max_tokens"
     max_tokens = _positive(body, key)
+    limit = counter.max_tokens
+    if max_tokens is not None and limit is not None and max_tokens > limit:
+        # The engine refuses it (400) before it submits: a pick would hold room for nothing.
+        raise BadRequest(
+            f"'{key}' is {max_tokens}; this pool allows at most {limit} (its limits.maxTokens)",
+            key,
+        )
     service_class = requested_class(body) or counter.default_class
     tokenizer = counter.tokenizer
     if chat:

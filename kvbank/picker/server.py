@@ -180,9 +180,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         ca = Path(args.sidecar_ca_file).read_bytes() if args.sidecar_ca_file else None
     except OSError as exc:
         raise ConfigError(str(exc)) from exc
-    counter = Counter(
-        model, served.pages, tokenizer, args.served_model_name, served.pool.admission.default_class
-    )
+    pool = served.pool
+    counter = Counter(model, served.pages, tokenizer, args.served_model_name,
+                      pool.admission.default_class, pool.limits.max_tokens)  # fmt: skip
     heartbeat = min(0.25, args.loss_after_s / 3)
     link = Link(token=token, ca_pem=ca, heartbeat_s=heartbeat, loss_after_s=args.loss_after_s)
     return Config(

@@ -167,6 +167,7 @@ def test_hostile_bodies_get_4xx_the_stream_stays_healthy_and_no_hold_leaks(
         (raw, {"content_length": len(raw) - 5}, 400),  # longer than it says
         (raw, {"content_length": len(raw) + 5}, 400),  # shorter than it says
         (raw, {"content_length": 10 << 20}, 413),
+        (json.dumps({**PROMPT, "max_tokens": 513}).encode(), {}, 400),  # over limits.maxTokens
     ]
     for body, kw, expected in cases:
         code, _ = status_of(answers(extproc, body, chunk=1 << 16, **kw))
