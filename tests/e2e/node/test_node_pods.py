@@ -27,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 from e2e_kube import CHART, FIRST_USE_TIMEOUT, ROOT, wait_for
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from node_kube import (
     CLUSTER,
     UP_TIMEOUT,
@@ -44,6 +46,7 @@ from node_kube import (
     ready_pods,
     sidecar_status,
 )
+from picker_gateway import HOLD, ask
 
 from kvbank.engine.model.builtin import builtin_model_dir
 
@@ -273,12 +276,18 @@ def vllm_pool() -> dict[str, Any]:
     return doc
 
 
-def complete(port: int, prompt: str, max_tokens: int = 16, timeout: float = 120) -> dict[str, Any]:
+def complete(
+    port: int,
+    prompt: str,
+    max_tokens: int = 16,
+    timeout: float = 120,
+    headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
         data=body,
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     with urllib.request.urlopen(request, timeout=timeout) as response:
         result: dict[str, Any] = json.loads(response.read())
@@ -381,6 +390,96 @@ def test_a_vllm_pool_serves_a_completion_through_its_service_and_reports_status(
         return doc if ready and live.get("pagesTotal") == 256 else None
 
     wait_for(f"ModelPool {VLLM_POOL} Ready with its live pages", reported, 60, every=1)
+
+
+ROUTED_POOL = "routed"
+INFERENCE_POOL_CRD = ROOT / "tests" / "data" / "inferencepool-crd.yaml"
+PICKER_SELECTOR = "app.kubernetes.io/name=kvbank-picker,kvbank.dev/picker={}"
+PICKER_PORT = 9002  # GAIE's endpoint picker port, as the operator renders it
+HOLD_TTL_S = 5.0  # the picker's default --hold-ttl-s
+
+
+def routed_pool() -> dict[str, Any]:
+    """Two replicas of the built-in model behind `kvbank picker`, asking for no GPU. A request of
+    2,000 output tokens takes 126 of a pod's 255 usable pages, so two picks fill a pod."""
+    doc = pool(ROUTED_POOL, 1)
+    doc["spec"]["replicas"] = 2
+    doc["spec"]["limits"] = {"maxSeqLen": 2048, "maxTokens": 2000}
+    doc["spec"]["admission"] = {"minConcurrency": 1}
+    doc["spec"]["routing"] = {"picker": "kvbank"}
+    # The engines run on CPU either way; asking for no GPU keeps the two replicas schedulable
+    # beside the pools before this test, which hold 3 of the node's 4 advertised GPUs.
+    doc["spec"]["template"] = {"resources": {"gpusPerRank": 0}}
+    return doc
+
+
+def test_a_pool_routed_by_kvbank_picker_places_requests_by_its_ledgers_and_drops_a_dead_sidecar(
+    session: Session,
+) -> None:
+    """Part 5 of routing (docs/routing.md): the picker as a pod in front of two replicas, driven
+    as Envoy drives it: a request that fits goes to a pod that admits it at once and is served
+    there under the picker's hold; one no pod could ever hold is a 400 with the capacity
+    function's message; a best-effort one with every pod full is shed (429); and a pod whose
+    sidecar is killed leaves the picks within a second."""
+    tools = session.tools
+    tools.ok("apply", "-f", str(INFERENCE_POOL_CRD))
+    tools.ok("wait", "--for=condition=Established", "--timeout=60s",
+             "crd/inferencepools.inference.networking.k8s.io")  # fmt: skip
+    out = tools.apply(routed_pool())
+    assert out.returncode == 0, out.stderr
+    ranks = ready_pods(tools, NAMESPACE, POOL_SELECTOR.format(ROUTED_POOL), 2)
+    pod_of = {p["status"]["podIP"]: p["metadata"]["name"] for p in ranks}
+    pickers = ready_pods(tools, NAMESPACE, PICKER_SELECTOR.format(ROUTED_POOL), 2)
+    inference_pool = tools.get("inferencepool", ROUTED_POOL, NAMESPACE)
+    assert inference_pool is not None
+    assert inference_pool["spec"]["endpointPickerRef"]["name"] == f"{ROUTED_POOL}-picker"
+    small = {"model": MODEL, "prompt": "routed by the ledger", "max_tokens": 8}
+    large = {**small, "max_tokens": 2000}
+    picker = pickers[0]["metadata"]["name"]
+    with (
+        port_forward(tools, NAMESPACE, f"pod/{picker}", PICKER_PORT) as port,
+        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        stub = ep_grpc.ExternalProcessorStub(channel)
+        picked = ask(stub, small)
+        assert picked.status == 200 and picked.hold.startswith("cmpl-"), picked
+        ip, _, target_port = picked.endpoint.rpartition(":")
+        assert ip in pod_of and target_port == "8000", (picked, pod_of)
+        with port_forward(tools, NAMESPACE, f"pod/{pod_of[ip]}", 8000) as engine:
+            served = complete(engine, str(small["prompt"]), 8, headers={HOLD: picked.hold})
+        # The engine took the hold as its request id: its submit released the picker's hold.
+        assert served["id"] == picked.hold and served["usage"]["completion_tokens"] > 0
+
+        never = ask(stub, {**large, "n": 4})  # 4 sequences of 126 pages: no pod ever holds it
+        assert never.status == 400 and never.body is not None, never
+        assert "lower n to at most 2" in never.body["error"]["message"], never
+
+        # Strict picks hold both pods' room (for the holds' TTL) and then queue; a best-effort
+        # request finds every pod full.
+        filled_by = time.monotonic() + HOLD_TTL_S - 1
+        shed = None
+        while shed is None and time.monotonic() < filled_by:
+            assert ask(stub, large).status == 200  # strict: never shed, it waits
+            flex = ask(stub, {**small, "service_tier": "flex"})
+            shed = flex if flex.status == 429 else None
+        assert shed is not None and shed.body is not None, "best-effort was never shed"
+        assert shed.body["error"]["code"] == "shed", shed
+
+        time.sleep(HOLD_TTL_S + 1)  # the holds expire: both pods have room again
+        target = ask(stub, small).endpoint
+        [victim] = [p for p in ranks if p["status"]["podIP"] == target.rpartition(":")[0]]
+        sidecar = container_status(victim, "sidecar")["containerID"]
+        os.kill(containerd_task_pid(sidecar.removeprefix("containerd://")), signal.SIGKILL)
+        killed_at = time.monotonic()
+        picks: list[tuple[float, str]] = []
+        while time.monotonic() - killed_at < 1.5:
+            answer = ask(stub, small)
+            picks.append((round(time.monotonic() - killed_at, 3), answer.endpoint))
+        after = [endpoint for at, endpoint in picks if at >= 1.0]
+        assert after and target not in after, picks
+    out = tools.kubectl("delete", "modelpool", ROUTED_POOL, "-n", NAMESPACE, "--wait=true",
+                        "--timeout=180s", timeout=240)  # fmt: skip
+    assert out.returncode == 0, out.stderr
 
 
 def _refusal(exc: urllib.error.HTTPError) -> str:
