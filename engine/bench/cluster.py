@@ -5,7 +5,9 @@ the router (engine/bench/routers.py) places each request as it arrives. Events r
 order: an arrival (open loop), a client freed by a finished request (closed loop: it sends its
 next request then), or the start of a replica's next step, whichever is soonest; a replica's
 step runs whole, so a pick may see a replica's state up to one step ahead (a few ms of virtual
-time). A request the router sheds (429) or refuses (400) frees its client at once.
+time). A request the router sheds (429) or refuses (400) frees its client at once. A request
+the router holds (the kvbank picker's lobby) is asked again after every step of any replica;
+its TTFT counts from its arrival, hold included.
 
 Figures: the bench's usual ones for the whole pool and for each replica, and how many requests
 the router placed where they then waited (not admitted in the first step after they arrived)
@@ -25,7 +27,8 @@ from kvbank.engine.bench.routers import make_router
 from kvbank.engine.bench.scenario import Scenario
 from kvbank.engine.bench.stats import percentile, served_metrics
 from kvbank.engine.bench.workload import Arrivals, RequestSpec
-from kvbank.picker import NoEndpoint, Pick, Refuse, Shed
+from kvbank.picker import Answer, NoEndpoint, Pick, Refuse, Shed
+from kvbank.picker.lobby import DEFAULT_MAX_HOLD_S
 from kvbank.service_class import ClassPolicy, ServiceClass
 
 
@@ -47,11 +50,12 @@ def run_cluster(
     classes: ClassPolicy | None = None,
     check: bool = False,
     debug: bool = False,
+    max_hold_s: float = DEFAULT_MAX_HOLD_S,
 ) -> ClusterResult:
     """`replicas` engines under `policy` behind `router_name`, the scenario's traffic sent to
     the pool as a whole."""
     pool = [Replica(scenario, policy, debug, None, classes, check) for _ in range(replicas)]
-    router = make_router(router_name, pool, scrape_s, scenario.workload.seed)
+    router = make_router(router_name, pool, scrape_s, scenario.workload.seed, max_hold_s)
     workload = scenario.workload
     arrivals = Arrivals(workload)
     freed: list[float] = []  # closed loop: when clients whose request ended are free again
@@ -60,15 +64,34 @@ def run_cluster(
     clock = 0.0
     stop = ""
 
+    holds: list[float] = []  # how long each request the router held waited there
+    held = 0
+
     def in_flight() -> int:
-        return sum(len(r.tracks) for r in pool) + len(freed)
+        return sum(len(r.tracks) for r in pool) + len(freed) + held
 
     def send(spec: RequestSpec) -> None:
+        nonlocal held
         answer = router.route(spec, clock)
+        if answer is None:
+            held += 1
+            release()
+        else:
+            place(spec, answer, clock)
+
+    def release() -> None:
+        nonlocal held
+        while placed := router.release(clock):
+            for one in placed:
+                held -= 1
+                holds.append(clock - one.since)
+                place(one.spec, one.answer, one.since)
+
+    def place(spec: RequestSpec, answer: Answer, since: float) -> None:
         if isinstance(answer, Pick):
             replica = pool[int(answer.pod)]
             replica.idle_to(clock)
-            replica.send(spec, clock)
+            replica.send(spec, since)
             return
         if isinstance(answer, Shed):
             answers["shed"] += 1
@@ -90,6 +113,8 @@ def run_cluster(
         if freed:
             events.append(freed[0])
         if not events:
+            if held:  # a pod that is idle admits any request it can hold: never expected
+                stop = f"the router holds {held} requests while every replica is idle"
             break
         soonest = min(events)
         replica = min(busy, key=lambda r: r.clock, default=None)
@@ -107,6 +132,7 @@ def run_cluster(
         if replica.overdue():
             stop = replica.stop
             break
+        release()
     duration = max([clock, *(r.clock for r in pool)])
     strict = {c.name for c in workload.classes if c.service_class is ServiceClass.STRICT}
     per_replica = []
@@ -123,6 +149,9 @@ def run_cluster(
         per_replica.append(figures)
     metrics = _pool_metrics(scenario, router.name, policy, pool, duration, answers)
     metrics["shed_by_class"] = shed_by_class
+    waited_there = [h for h in holds if h > 0]
+    metrics["held_by_router"] = len(waited_there)
+    metrics["hold_p99_s"] = percentile(waited_there, 99)
     metrics["stopped"] = stop or "finished"
     return ClusterResult(scenario.name, router.name, policy, metrics, per_replica)
 

@@ -18,6 +18,7 @@ from kvbank.engine.bench.cluster import ClusterResult, run_cluster
 from kvbank.engine.bench.routers import ROUTERS, SCRAPE_S
 from kvbank.engine.bench.scenario import Scenario
 from kvbank.mode import LEDGER_MODE_NAMES
+from kvbank.picker.lobby import DEFAULT_MAX_HOLD_S
 from kvbank.service_class import ClassPolicy
 
 # The replicas' admission when --policy names none: kvbank's ledger, peak-fit with backfill.
@@ -34,6 +35,8 @@ POOL_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("TTFT p50", "ttft_p50_s", "{:.2f}s"),
     ("TTFT p99", "ttft_p99_s", "{:.2f}s"),
     ("strict TTFT p99", "strict_ttft_p99_s", "{:.2f}s"),
+    ("held", "held_by_router", "{}"),
+    ("hold p99", "hold_p99_s", "{:.2f}s"),
     ("waited", "routed_then_waited", "{}"),
     ("wait p99", "wait_p99_s", "{:.2f}s"),
     ("KV util", "kv_utilisation", "{:.0%}"),
@@ -60,6 +63,8 @@ LEGEND = (
     ("shed", "best-effort requests the router answered 429 (every pod full)"),
     ("goodput/s", "completions per virtual second that met their class's SLO"),
     ("strict TTFT p99", "time to first token of strict requests, 99th percentile"),
+    ("held", "strict requests the kvbank picker held until a replica admitted them"),
+    ("hold p99", "how long those were held (their TTFT counts it), 99th percentile"),
     ("waited", "requests routed to a replica that did not admit them at its next step"),
     ("wait p99", "how long those waited to be admitted, 99th percentile"),
 )
@@ -85,6 +90,15 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="least-kv: how old its metrics may be, in virtual ms (the router scrapes every "
         "50 ms by default)",
+    )
+    parser.add_argument(
+        "--max-hold-s",
+        type=float,
+        default=DEFAULT_MAX_HOLD_S,
+        metavar="S",
+        help="kvbank: how long the picker holds a strict request no replica admits now before "
+        f"it queues where it starts soonest (`kvbank picker --max-hold-s`, default "
+        f"{DEFAULT_MAX_HOLD_S:g}; 0 holds nothing)",
     )
 
 
@@ -112,6 +126,8 @@ def run_cluster_cli(args: argparse.Namespace, scenario: Scenario) -> int:
         )
     if args.scrape_ms < 0:
         return _usage(f"--scrape-ms must be at least 0, got {args.scrape_ms:g}")
+    if not args.max_hold_s >= 0:  # NaN too
+        return _usage(f"--max-hold-s must be at least 0 (0 holds nothing), got {args.max_hold_s:g}")
     if getattr(args, "sidecar", None) or getattr(args, "plot", None):
         return _usage("--sidecar and --plot apply to one engine; drop them with --replicas")
     classes = ClassPolicy()
@@ -125,6 +141,7 @@ def run_cluster_cli(args: argparse.Namespace, scenario: Scenario) -> int:
             classes,
             check=getattr(args, "check", False),
             debug=args.debug,
+            max_hold_s=args.max_hold_s,
         )
         for router in routers
     ]

@@ -15,7 +15,8 @@
     walk stopping at the first block no pod holds, all of a routed prompt's blocks recorded
     for the pod picked, an LRU of `LRU_BLOCKS_PER_POD` per pod, at most `MAX_PREFIX_BLOCKS`).
 - `kvbank`: the picker's rule (kvbank/picker/rule.py) on each replica's ledger as it is now,
-  the figures a sidecar streams to the picker.
+  the figures a sidecar streams to the picker; a strict request no replica admits now is held
+  in the picker's lobby (kvbank/picker/lobby.py) until one does, for `max_hold_s` at most.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kvbank.capacity import RequestShape, count_pages
@@ -31,6 +32,7 @@ from kvbank.engine.bench.replica import Replica
 from kvbank.engine.bench.workload import RequestSpec
 from kvbank.ledger import Ledger
 from kvbank.picker import Answer, Pick, PodFigures, Release, RequestCount, count_request, pick
+from kvbank.picker.lobby import Lobby
 from kvbank.service_class import ServiceClass
 
 ROUTERS = ("round-robin", "least-kv", "kvbank")
@@ -43,10 +45,25 @@ MAX_PREFIX_BLOCKS = 256
 LRU_BLOCKS_PER_POD = 31250
 
 
+@dataclass(frozen=True)
+class Placed:
+    """A request the router held, now answered: `since` is when it arrived."""
+
+    spec: RequestSpec
+    answer: Answer
+    since: float
+
+
 class Router(Protocol):
     name: str
 
-    def route(self, spec: RequestSpec, now: float) -> Answer: ...
+    def route(self, spec: RequestSpec, now: float) -> Answer | None:
+        """Where `spec` goes, or None: the router holds it (`release` answers it later)."""
+        ...
+
+    def release(self, now: float) -> list[Placed]:
+        """The held requests that can go now, in the order they go."""
+        ...
 
 
 def prompt_blocks(prompt: Sequence[int], block_tokens: int, limit: int | None = None) -> list[int]:
@@ -74,6 +91,9 @@ class RoundRobin:
         index = self._next
         self._next = (index + 1) % len(self.replicas)
         return Pick(str(index))
+
+    def release(self, now: float) -> list[Placed]:
+        return []
 
 
 class LeastKv:
@@ -116,6 +136,9 @@ class LeastKv:
         self._record(chosen, blocks)
         return Pick(str(chosen))
 
+    def release(self, now: float) -> list[Placed]:
+        return []
+
     def _matched(self, index: int, blocks: list[int]) -> int:
         held = self._index[index]
         matched = 0
@@ -139,8 +162,10 @@ class KvbankRouter:
 
     name = "kvbank"
 
-    def __init__(self, replicas: Sequence[Replica]) -> None:
+    def __init__(self, replicas: Sequence[Replica], max_hold_s: float) -> None:
         self.replicas = replicas
+        self.lobby = Lobby(max_hold_s)
+        self._held: dict[str, RequestSpec] = {}
         scenario = replicas[0].scenario
         self.model = scenario.model
         self.pool_pages = scenario.pages
@@ -211,10 +236,39 @@ class KvbankRouter:
             held_blocks=held,
         )
 
-    def route(self, spec: RequestSpec, now: float) -> Answer:
+    def pods(self, request: RequestCount, prompt: Sequence[int]) -> list[PodFigures]:
+        return [self.figures(i, request, prompt) for i in range(len(self.replicas))]
+
+    def route(self, spec: RequestSpec, now: float) -> Answer | None:
         request = self.count(spec)
-        pods = [self.figures(i, request, spec.prompt) for i in range(len(self.replicas))]
-        return pick(request, pods)
+        if self.lobby.max_hold_s > 0 and spec.cls.service_class is ServiceClass.STRICT:
+            # Behind the requests held before it, even when a pod admits it now: the lobby
+            # decides whether it may pass them.
+            self.lobby.enter(spec.rid, request, now)
+            self._held[spec.rid] = spec
+            return None
+        return pick(request, self.pods(request, spec.prompt))
+
+    def release(self, now: float) -> list[Placed]:
+        placed: list[Placed] = []
+        claimed: set[str] = set()
+        for rid in self.lobby.in_order():
+            spec = self._held[rid]
+            request = self.lobby.request(rid)
+            answer = self.lobby.ask(rid, self.pods(request, spec.prompt), now)
+            if answer is None:
+                claimed.add(self.lobby.claim(rid) or "")
+                if len(claimed - {""}) >= len(self.replicas):
+                    break  # every replica is waited for: nobody further back can go
+                continue
+            placed.append(Placed(spec, answer, self.lobby.since(rid)))
+            self.lobby.leave(rid)
+            del self._held[rid]
+            if isinstance(answer, Pick):
+                # The bench places it at once (the picker's hold on the sidecar): the next
+                # request asked sees its pages.
+                return placed
+        return placed
 
 
 def ledger_of(replica: Replica) -> Ledger:
@@ -229,11 +283,13 @@ def ledger_of(replica: Replica) -> Ledger:
     return ledger
 
 
-def make_router(name: str, replicas: Sequence[Replica], scrape_s: float, seed: int) -> Router:
+def make_router(
+    name: str, replicas: Sequence[Replica], scrape_s: float, seed: int, max_hold_s: float
+) -> Router:
     if name == "round-robin":
         return RoundRobin(replicas)
     if name == "least-kv":
         return LeastKv(replicas, scrape_s, seed)
     if name == "kvbank":
-        return KvbankRouter(replicas)
+        return KvbankRouter(replicas, max_hold_s)
     raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)} or all")

@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from kvbank.cli import main
+from kvbank.engine.bench.cluster import run_cluster
 from kvbank.engine.bench.replica import Replica
-from kvbank.engine.bench.routers import KvbankRouter, LeastKv, prompt_blocks
+from kvbank.engine.bench.routers import KvbankRouter, LeastKv, Placed, prompt_blocks
 from kvbank.engine.bench.scenario import ScenarioError, parse_scenario
 from kvbank.engine.bench.workload import RequestSpec, generate
 from kvbank.picker import Pick, Shed
@@ -93,6 +94,8 @@ def test_a_run_is_deterministic_and_the_table_compares_kvbank_with_least_kv(
         (["--policy", "preempt"], "runs one of kvbank's ledger policies"),
         (["--replicas", "0"], "--replicas must be at least 1, got 0"),
         (["--scrape-ms", "-5"], "--scrape-ms must be at least 0"),
+        (["--max-hold-s", "-1"], "--max-hold-s must be at least 0 (0 holds nothing)"),
+        (["--max-hold-s", "nan"], "--max-hold-s must be at least 0"),
     ],
 )
 def test_a_bad_flag_exits_2_naming_it(
@@ -149,7 +152,7 @@ class TestKvbankRouter:
     def test_a_strict_request_goes_where_the_ledger_admits_it_now(self) -> None:
         scenario = parse_scenario(_data(TINY))
         pool = [Replica(scenario, "peak+backfill") for _ in range(2)]
-        router = KvbankRouter(pool)
+        router = KvbankRouter(pool, max_hold_s=0)
         big = _spec("big", list(range(2, 90)), max_tokens=32)  # 31 of 63 usable pages
         pool[0].send(big)
         pool[0].step()
@@ -159,10 +162,60 @@ class TestKvbankRouter:
     def test_best_effort_with_every_pod_full_is_shed(self) -> None:
         scenario = parse_scenario(_data(TINY))
         pool = [Replica(scenario, "peak+backfill")]
-        router = KvbankRouter(pool)
+        router = KvbankRouter(pool, max_hold_s=0)
         for i in range(2):
             pool[0].send(_spec(f"big{i}", list(range(2 + 100 * i, 90 + 100 * i)), 32))
         pool[0].step()
         batch = scenario.workload.classes[1]
         spec = RequestSpec("be", batch, list(range(300, 360)), 4, 0.0)
         assert isinstance(router.route(spec, 0.0), Shed)
+
+    def test_a_strict_request_no_replica_admits_is_held_until_one_does(self) -> None:
+        scenario = parse_scenario(_data(TINY))
+        pool = [Replica(scenario, "peak+backfill") for _ in range(2)]
+        router = KvbankRouter(pool, max_hold_s=10)
+        for r, replica in enumerate(pool):  # two of 31 pages each: 1 of 63 left on each
+            for i in range(2):
+                first = 2 + 100 * i + 300 * r
+                replica.send(_spec(f"big{r}{i}", list(range(first, first + 88)), 32))
+            replica.step()
+        held = _spec("held", list(range(700, 790)), 32)
+        assert router.route(held, 0.5) is None
+        assert router.release(0.5) == []
+        behind = _spec("behind", list(range(800, 810)), 8)  # 5 pages: no replica admits it
+        assert router.route(behind, 0.6) is None and router.release(0.6) == []
+        placed: list[Placed] = []
+        while not placed:  # only replica 1 makes progress: its requests finish first
+            assert pool[1].step()
+            placed = router.release(1.0)
+        # The head goes first, to the replica that freed room, counted from its arrival.
+        assert placed == [Placed(held, Pick("1"), 0.5)]
+
+    def test_past_max_hold_a_held_request_queues_where_it_starts_soonest(self) -> None:
+        scenario = parse_scenario(_data(TINY))
+        pool = [Replica(scenario, "peak+backfill")]
+        router = KvbankRouter(pool, max_hold_s=2)
+        for i in range(2):
+            pool[0].send(_spec(f"big{i}", list(range(2 + 100 * i, 90 + 100 * i)), 32))
+        pool[0].step()
+        held = _spec("held", list(range(700, 790)), 32)
+        assert router.route(held, 0.0) is None and router.release(1.9) == []
+        assert router.release(2.0) == [Placed(held, Pick("0", waits=True), 0.0)]
+
+
+def test_a_held_request_is_sent_with_its_arrival_time_so_its_ttft_counts_the_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scenario = parse_scenario(_data(TINY.replace("rate_per_s: 6", "rate_per_s: 40")))
+    sent: dict[str, float | None] = {}
+    send = Replica.send
+
+    def recording(self: Replica, spec: RequestSpec, now: float | None = None) -> bool:
+        sent[spec.rid] = now
+        return send(self, spec, now)
+
+    monkeypatch.setattr(Replica, "send", recording)
+    result = run_cluster(scenario, "kvbank", 2, "peak+backfill", 0.05, max_hold_s=10)
+    assert result.metrics["held_by_router"] > 0 and result.metrics["hung"] == 0
+    arrivals = {s.rid: s.arrival_s for s in generate(scenario.workload)}
+    assert sent and all(now == arrivals[rid] for rid, now in sent.items())
