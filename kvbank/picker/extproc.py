@@ -29,7 +29,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -43,8 +43,9 @@ from google.protobuf import struct_pb2
 
 from kvbank.engine.serve.http.errors import BadRequest
 from kvbank.picker.body import CHAT_PATHS, Counter, count_body, is_generation, parse_json
+from kvbank.picker.lobby import DEFAULT_MAX_HOLD_S, Lobby
 from kvbank.picker.metrics import PickerMetrics
-from kvbank.picker.rule import Answer, NoEndpoint, Pick, PodFigures, RequestCount, pick
+from kvbank.picker.rule import NoEndpoint, Pick, PodFigures, Refuse, RequestCount, Shed, pick
 from kvbank.picker.sidecars import Sidecars
 from kvbank.proto import admission_pb2 as pb
 from kvbank.service_class import ServiceClass
@@ -67,6 +68,7 @@ class Settings:
     counter: Counter
     max_body_bytes: int
     hold_ttl_s: float = 5.0
+    max_hold_s: float = DEFAULT_MAX_HOLD_S  # the lobby's (0: a strict request queues at once)
 
 
 @dataclass
@@ -137,6 +139,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         self.sidecars = sidecars
         self.metrics = metrics
         self._threads = ThreadPoolExecutor(2, thread_name_prefix="picker-tokenize")
+        self.lobby = Lobby(settings.max_hold_s)
 
     async def Process(  # gRPC method name
         self,
@@ -260,8 +263,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 none = f"none of the {len(allowed)} endpoints of the subset hint is a ready pod"
                 raise Refusal(503, none, "server_error", "no_endpoint", "no_endpoint")
         chat = stream.path.split("?", 1)[0] in CHAT_PATHS
-        chosen, hold_id = await self._choose(count, candidates, chat)
-        self.metrics.decision.observe(time.perf_counter() - started)
+        chosen, hold_id, held_s = await self._choose(count, candidates, chat)
+        self.metrics.decision.observe(time.perf_counter() - started - held_s)
         headers = [_header(DESTINATION, chosen)]
         if hold_id:
             headers.append(_header(HOLD_HEADER, hold_id))
@@ -287,49 +290,113 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
 
     async def _choose(
         self, count: RequestCount | None, candidates: list[PodFigures], chat: bool
-    ) -> tuple[str, str | None]:
-        """The endpoint and the hold taken there (None for a request that is not counted)."""
+    ) -> tuple[str, str | None, float]:
+        """The endpoint, the hold taken there (None for a request that is not counted) and how
+        long the request was held in the lobby."""
         if count is None:  # not a generation: the ready pod with the most headroom
             ready = [pod for pod in candidates if pod.ready]
             if not ready:
                 raise Refusal(503, "no ready endpoint in this pool", "server_error", "no_endpoint",
                               "no_endpoint")  # fmt: skip
             self.metrics.answers.labels("pick").inc()
-            return max(ready, key=lambda p: (p.headroom_pages, p.name)).name, None
+            return max(ready, key=lambda p: (p.headroom_pages, p.name)).name, None, 0.0
         # The engine takes this as its request id, so its submit releases the hold.
         hold_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        answer: Answer = NoEndpoint("no ready endpoint in this pool")
+        allowed = {pod.name for pod in candidates}  # the subset hint's, less pods that failed
+
+        def fresh() -> list[PodFigures]:
+            return [pod for pod in self.sidecars.candidates() if pod.name in allowed]
+
+        if count.service_class is ServiceClass.STRICT and self.lobby.max_hold_s > 0:
+            return await self._held(count, hold_id, allowed, fresh)
         for attempt in range(PICK_ATTEMPTS):
             answer = pick(count, candidates)
             if not isinstance(answer, Pick):
-                break
-            ahead = None
-            if count.service_class is ServiceClass.BEST_EFFORT:
-                kind, pages = pb.HoldRequest.BEST_EFFORT, count.pages_to_start
-            else:
-                kind = pb.HoldRequest.QUEUE if answer.waits else pb.HoldRequest.NOW
-                pages = count.pages
-                if answer.waits and attempt < PICK_ATTEMPTS - 1:  # the last try queues anyway
-                    seen = next(pod for pod in candidates if pod.name == answer.pod)
-                    ahead = sum(seen.waiting_pages)
-            granted = await self.sidecars.hold(
-                answer.pod, hold_id, pages, kind, self.settings.hold_ttl_s, ahead
-            )
-            if granted:
-                self.metrics.answers.labels("wait" if answer.waits else "pick").inc()
-                return answer.pod, hold_id
-            allowed = {pod.name for pod in candidates}
-            if granted is False:
-                self.metrics.hold_refusals.inc()
-            else:  # no answer in time: not this pod, for this request
-                allowed.discard(answer.pod)
-            candidates = [pod for pod in self.sidecars.candidates() if pod.name in allowed]
+                raise self._refusal(answer)
+            last = attempt == PICK_ATTEMPTS - 1
+            if await self._hold(count, answer, hold_id, candidates, allowed, last):
+                return answer.pod, hold_id, 0.0
+            candidates = fresh()
+        raise self._refusal(self._too_many_tries())
+
+    async def _held(
+        self,
+        count: RequestCount,
+        hold_id: str,
+        allowed: set[str],
+        fresh: Callable[[], list[PodFigures]],
+    ) -> tuple[str, str, float]:
+        """A strict request in the lobby (kvbank/picker/lobby.py): asked again whenever a pod's
+        figures change, it goes to the first pod that admits it; past --max-hold-s, where it
+        starts soonest, to wait in that pod's queue."""
+        loop = asyncio.get_running_loop()
+        self.lobby.enter(hold_id, count, loop.time())
+        self.metrics.held.inc()
+        queued_tries = 0
+        try:
+            while True:
+                candidates = fresh()
+                answer = self.lobby.ask(hold_id, candidates, loop.time())
+                if answer is None:
+                    left = self.lobby.since(hold_id) + self.lobby.max_hold_s - loop.time()
+                    await self.sidecars.changed(max(0.0, left))
+                    continue
+                if not isinstance(answer, Pick):
+                    raise self._refusal(answer)
+                if answer.waits:
+                    queued_tries += 1
+                last = queued_tries >= PICK_ATTEMPTS
+                if await self._hold(count, answer, hold_id, candidates, allowed, last):
+                    held_s = loop.time() - self.lobby.since(hold_id)
+                    self.metrics.held_seconds.observe(held_s)
+                    return answer.pod, hold_id, held_s
+                if last:
+                    raise self._refusal(self._too_many_tries())
+        finally:
+            self.lobby.leave(hold_id)
+            self.metrics.held.dec()
+
+    async def _hold(
+        self,
+        count: RequestCount,
+        answer: Pick,
+        hold_id: str,
+        seen: list[PodFigures],
+        allowed: set[str],
+        last: bool,
+    ) -> bool:
+        """Hold the pick's room on its pod. False: the room went to another pick first (the
+        pod's figures are updated), or the pod did not answer (it leaves `allowed`)."""
+        ahead = None
+        if count.service_class is ServiceClass.BEST_EFFORT:
+            kind, pages = pb.HoldRequest.BEST_EFFORT, count.pages_to_start
         else:
-            answer = NoEndpoint(
-                f"every pick's hold went to another request first ({PICK_ATTEMPTS} tries); retry"
-            )
+            kind = pb.HoldRequest.QUEUE if answer.waits else pb.HoldRequest.NOW
+            pages = count.pages
+            if answer.waits and not last:  # the last try queues anyway
+                ahead = sum(next(p for p in seen if p.name == answer.pod).waiting_pages)
+        granted = await self.sidecars.hold(
+            answer.pod, hold_id, pages, kind, self.settings.hold_ttl_s, ahead
+        )
+        if granted:
+            self.metrics.answers.labels("wait" if answer.waits else "pick").inc()
+            return True
+        if granted is False:
+            self.metrics.hold_refusals.inc()
+        else:  # no answer in time: not this pod, for this request
+            allowed.discard(answer.pod)
+        return False
+
+    @staticmethod
+    def _too_many_tries() -> NoEndpoint:
+        return NoEndpoint(
+            f"every pick's hold went to another request first ({PICK_ATTEMPTS} tries); retry"
+        )
+
+    @staticmethod
+    def _refusal(answer: Refuse | Shed | NoEndpoint) -> Refusal:
         kind_of = {400: "invalid_request_error", 429: "rate_limit_error"}
         code = {400: "request_too_large", 429: "shed", 503: "no_endpoint"}
         outcome = {400: "refused", 429: "shed"}.get(answer.status, "no_endpoint")
-        raise Refusal(answer.status, answer.message, kind_of.get(answer.status, "server_error"),
-                      code.get(answer.status), outcome)  # fmt: skip
+        return Refusal(answer.status, answer.message, kind_of.get(answer.status, "server_error"),
+                       code.get(answer.status), outcome)  # fmt: skip

@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # A decision is a parse, a count and a hold round trip on the pod network: tens of
 # microseconds to a few milliseconds.
 DECISION_BUCKETS = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.05, 0.25)
+# A held request waits for a pod to free room: a step to many seconds.
+HELD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 
 
 class PickerMetrics:
@@ -22,8 +24,19 @@ class PickerMetrics:
         )
         self.decision = Histogram(
             "kvbank_picker_decision_seconds",
-            "from a request's last body chunk to the picker's answer",
+            "from a request's last body chunk to the picker's answer, less the time it was held",
             buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.held = Gauge(
+            "kvbank_picker_held_requests",
+            "strict requests held now because no pod's ledger admits them yet",
+            registry=r,
+        )
+        self.held_seconds = Histogram(
+            "kvbank_picker_held_seconds",
+            "how long a strict request was held until a pod admitted it (or --max-hold-s)",
+            buckets=HELD_BUCKETS,
             registry=r,
         )
         self.hold_latency = Histogram(

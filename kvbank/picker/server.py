@@ -34,6 +34,7 @@ from kvbank.picker.body import DEFAULT_MAX_BODY_BYTES, Counter
 from kvbank.picker.discovery import Discovery, Target
 from kvbank.picker.extproc import ExternalProcessor, Settings
 from kvbank.picker.kube import PodApi
+from kvbank.picker.lobby import DEFAULT_MAX_HOLD_S
 from kvbank.picker.metrics import PickerMetrics
 from kvbank.picker.sidecars import Link, Pod, Sidecars
 from kvbank.poolfile import PoolFileError, read_pool
@@ -41,6 +42,7 @@ from kvbank.poolfile import PoolFileError, read_pool
 EXT_PROC = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 READY_SERVICES = ("", "readiness", EXT_PROC)
 DEFAULT_LISTEN = "0.0.0.0:9002"
+MAX_HOLD_LIMIT_S = 3600.0  # a request held longer is lost to its client's own timeout anyway
 
 
 class ConfigError(Exception):
@@ -86,6 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hold-ttl-s", type=float, default=5.0, help="a hold lasts this long without a submit"
     )
     parser.add_argument(
+        "--max-hold-s",
+        type=float,
+        default=DEFAULT_MAX_HOLD_S,
+        help="hold a strict request no pod admits now for up to this long, until one does; "
+        "then it queues where it starts soonest (0: queue at once). The gateway's ext_proc "
+        "message timeout must be longer",
+    )
+    parser.add_argument(
         "--loss-after-s",
         type=float,
         default=0.75,
@@ -110,6 +120,7 @@ class Config:
     metrics_port: int
     metrics_host: str
     hold_ttl_s: float
+    max_hold_s: float
     max_body_bytes: int
     grace_s: float
     kubeconfig: str | None = None
@@ -161,6 +172,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ConfigError("a --pod endpoint is given twice; give each pod once")
     if args.max_body_bytes < 1 or args.hold_ttl_s <= 0 or args.loss_after_s <= 0:
         raise ConfigError("--max-body-bytes, --hold-ttl-s and --loss-after-s must be positive")
+    if not 0 <= args.max_hold_s <= MAX_HOLD_LIMIT_S:  # NaN too
+        raise ConfigError(
+            f"--max-hold-s must be between 0 (hold nothing) and {MAX_HOLD_LIMIT_S:g} seconds, "
+            f"not {args.max_hold_s:g}"
+        )
     try:
         served = read_pool(args.pool, "the picker")
         model = served.capacity_model()
@@ -194,6 +210,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         hold_ttl_s=args.hold_ttl_s,
+        max_hold_s=args.max_hold_s,
         max_body_bytes=args.max_body_bytes,
         grace_s=args.grace_s,
         kubeconfig=args.kubeconfig,
@@ -216,7 +233,7 @@ async def serve(
     """`pod_api` makes the Kubernetes client discovery uses (tests give their own)."""
     metrics = PickerMetrics()
     sidecars = Sidecars(list(config.pods), config.link, metrics)
-    settings = Settings(config.counter, config.max_body_bytes, config.hold_ttl_s)
+    settings = Settings(config.counter, config.max_body_bytes, config.hold_ttl_s, config.max_hold_s)
     limit = config.max_body_bytes + (1 << 16)  # one chunk may carry the whole body
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
     ep_grpc.add_ExternalProcessorServicer_to_server(

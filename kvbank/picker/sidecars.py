@@ -80,6 +80,17 @@ class Sidecars:
         self._started = False
         # False while a discovery has not listed the pods yet: the candidates are not known.
         self.listed = True
+        self._changed = asyncio.Event()  # set, and replaced, whenever the candidates change
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self, timeout: float) -> None:
+        """Wait until a pod's figures change (or a pod joins or leaves), `timeout` s at most."""
+        event = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.link.token}"),) if self.link.token else ()
@@ -120,6 +131,7 @@ class Sidecars:
         log.info("kvbank picker: pod %s joins (sidecar %s)", pod.endpoint, pod.sidecar)
         if self._started:
             self._start_one(watched)
+        self._notify()
 
     async def remove(self, endpoint: str, why: str) -> None:
         """A pod leaves the candidates for good (unready, or gone): its watch stops."""
@@ -128,6 +140,7 @@ class Sidecars:
             return
         log.info("kvbank picker: pod %s leaves the candidates (%s)", endpoint, why)
         self.metrics.pod_live(endpoint, False)
+        self._notify()
         await self._stop_one(watched)
 
     @property
@@ -148,6 +161,7 @@ class Sidecars:
                 watched.pod.sidecar,
                 why,
             )
+            self._notify()
         watched.heard = True
 
     async def _watch(self, watched: Watched) -> None:
@@ -171,6 +185,7 @@ class Sidecars:
                         log.info("kvbank picker: watching pod %s", watched.pod.endpoint)
                     watched.live = watched.heard = True
                     self.metrics.pod_live(watched.pod.endpoint, True)
+                    self._notify()
                     backoff = 0.05
             except asyncio.CancelledError:
                 call.cancel()
@@ -223,6 +238,7 @@ class Sidecars:
             self.metrics.hold_latency.observe(time.perf_counter() - started)
         if reply.figures.version >= (watched.figures.version if watched.figures else 0):
             watched.figures = reply.figures
+            self._notify()
         return bool(reply.granted)
 
     async def unhold(self, endpoint: str, hold_id: str) -> None:

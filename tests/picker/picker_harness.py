@@ -73,6 +73,13 @@ class Pod:
         self.client.report(pb.ReportRequest(session=self.session, report_seq=self.reports,
                                             applied_seq=-1, events=[event]))  # fmt: skip
 
+    def cancel(self, rid: str) -> None:
+        """The engine drops a waiting request (its client went away): its pages free."""
+        self.reports += 1
+        event = pb.Event(cancel=pb.Cancel(rid=rid))
+        self.client.report(pb.ReportRequest(session=self.session, report_seq=self.reports,
+                                            applied_seq=-1, events=[event]))  # fmt: skip
+
     def figures(self) -> pb.RoutingFigures:
         with grpc.insecure_channel(self.sidecar.address) as channel:
             stream = pb_grpc.RoutingStub(channel).Watch(pb.WatchRequest())

@@ -9,10 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from picker_harness import BUFFERED, STREAMED, Pod, ThreadPicker, envoy_stream
+
+from kvbank.picker import server
 
 PROMPT = {"model": "tiny", "prompt": "the page cache holds the prompt", "max_tokens": 100}
 
@@ -66,8 +69,11 @@ def test_two_picker_replicas_never_take_the_same_room(pods: list[Pod], pool_file
     # Two sequences of 512 output tokens each: 66 pages; a pod's 100 admit one at once. Four
     # such requests at the same instant through two replicas that see the same figures: the
     # sidecars' holds let exactly one start now on each pod, and queue the other two.
+    # --max-hold-s 0: the two that cannot start queue at once (a lobby would hold them until
+    # the first two holds expire, and then they too would start at once).
     big = {**PROMPT, "n": 2, "max_tokens": 512}
-    replicas = [ThreadPicker(pods, pool_file).start_and_wait() for _ in range(2)]
+    replicas = [ThreadPicker(pods, pool_file, "--max-hold-s", "0").start_and_wait()
+                for _ in range(2)]  # fmt: skip
     try:
         channels = [grpc.insecure_channel(f"127.0.0.1:{r.port}") for r in replicas]
         stubs = [ep_grpc.ExternalProcessorStub(c) for c in channels]
@@ -115,20 +121,63 @@ def test_unholdable_is_400_with_the_capacity_message_and_best_effort_is_shed_whe
     code, body = status_of(answers(extproc, {**PROMPT, "n": 4, "max_tokens": 512}))
     assert code == 400
     assert "lower n to at most 3" in body["error"]["message"]  # type: ignore[index]
-    for pod in pods:  # both pods full: 100 pages waiting on each
-        pod.submit("filler", 100)
+    fill(pods)
+    code, body = status_of(answers(extproc, {**PROMPT, "service_tier": "flex"}))
+    assert code == 429 and body["error"]["code"] == "shed"  # type: ignore[index]
+
+
+def fill(pods: list[Pod]) -> None:
+    """Both pods full: 100 pages waiting on each, as `filler-0` and `filler-1`."""
+    for index, pod in enumerate(pods):
+        pod.submit(f"filler-{index}", 100)
     deadline = time.monotonic() + 2
     while any(not pod_full(p) for p in pods):
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    code, body = status_of(answers(extproc, {**PROMPT, "service_tier": "flex"}))
-    assert code == 429 and body["error"]["code"] == "shed"  # type: ignore[index]
-    # A strict request waits where it would start soonest rather than being shed.
-    assert destination(answers(extproc, PROMPT))[0] in {p.endpoint for p in pods}
 
 
 def pod_full(pod: Pod) -> bool:
     return list(pod.figures().waiting_pages)[:1] == [100]
+
+
+def test_a_strict_request_no_pod_admits_is_held_until_one_frees_room_and_starts_there(
+    extproc: ep_grpc.ExternalProcessorStub, pods: list[Pod]
+) -> None:
+    fill(pods)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(answers, extproc, PROMPT)
+        time.sleep(0.5)
+        assert not held.done(), "a strict request no pod admits was answered at once"
+        pods[1].cancel("filler-1")  # pod 1 frees its room first
+        header, _, _ = destination(held.result(timeout=5))
+    assert header == pods[1].endpoint
+    taken = pods[1].figures()
+    # It holds room to start now there, rather than waiting in either pod's queue.
+    assert taken.holds == 1 and list(taken.waiting_pages) == []
+    assert list(pods[0].figures().waiting_pages) == [100]
+
+
+def test_past_max_hold_a_strict_request_queues_where_it_starts_soonest(
+    pods: list[Pod], pool_file: Path
+) -> None:
+    fill(pods)
+    picker = ThreadPicker(pods, pool_file, "--max-hold-s", "0.4").start_and_wait()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{picker.port}") as channel:
+            started = time.monotonic()
+            header, _, _ = destination(answers(ep_grpc.ExternalProcessorStub(channel), PROMPT))
+            waited = time.monotonic() - started
+    finally:
+        picker.shutdown()
+    assert waited >= 0.4
+    queued = next(pod for pod in pods if pod.endpoint == header).figures()
+    assert len(queued.waiting_pages) == 2 and queued.holds == 1  # behind the filler
+
+
+def test_a_bad_max_hold_is_refused_naming_the_range(pods: list[Pod], pool_file: Path) -> None:
+    for value in ("-1", "nan", "7200"):
+        with pytest.raises(server.ConfigError, match="--max-hold-s must be between 0"):
+            ThreadPicker(pods, pool_file, "--max-hold-s", value)
 
 
 def test_no_ready_endpoint_is_503(pool_file: Path) -> None:
