@@ -224,6 +224,9 @@ class SidecarBackend:
     def backfilling(self) -> bool:
         return self._backfilling
 
+    def refuses_behind(self, rid: str, most_held: int, prefill_chunks: int | None) -> bool:
+        return False  # the ledger is the sidecar's: only a question tells
+
     def start(self, rid: str, prefill_chunks: int) -> None:
         """The engine started a request this backend's sidecar admitted (non-blocking peak)."""
         self.books.events.append(pb.Event(start=pb.Start(rid=rid, prefill_chunks=prefill_chunks)))

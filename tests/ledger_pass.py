@@ -23,10 +23,24 @@ def admit_all(
         def try_admit(
             self, rid: str, hit: Hit | None, prefill_chunks: int | None = None
         ) -> Admitted | None:
-            return ledger.try_admit(rid, hit, prefill_chunks, deferred=deferred)
+            # Every pass checks `refuses_behind` against the answer, with the tightest bound (the
+            # hit's own held part): a refusal it foresees must be the ledger's answer.
+            foreseen = (
+                hit is not None
+                and not deferred
+                and ledger.refuses_behind(rid, hit.pages - hit.idle_pages, prefill_chunks)
+            )
+            decision = ledger.try_admit(rid, hit, prefill_chunks, deferred=deferred)
+            assert not (foreseen and decision is not None), (
+                f"refuses_behind foresaw {rid!r} refused with {hit}, and it was admitted"
+            )
+            return decision
 
         def backfilling(self) -> bool:
             return ledger.backfilling()
+
+        def refuses_behind(self, rid: str, most_held: int, prefill_chunks: int | None) -> bool:
+            return ledger.refuses_behind(rid, most_held, prefill_chunks)
 
     depth = ledger.policy.backfill_depth if ledger.policy is not None else 0
     admitted = []

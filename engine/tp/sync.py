@@ -159,6 +159,9 @@ class RecordingBackend:
         last = self.polls[-1] if self.polls else None
         return isinstance(last, Tried) and last.backfilling
 
+    def refuses_behind(self, rid: str, most_held: int, prefill_chunks: int | None) -> bool:
+        return False  # every question is asked, so the followers replay the same answers
+
     def take_polls(self) -> list[Answer]:
         polls, self.polls = self.polls, []
         return polls
@@ -260,6 +263,9 @@ class FollowerBackend:
 
     def backfilling(self) -> bool:
         return self._backfilling
+
+    def refuses_behind(self, rid: str, most_held: int, prefill_chunks: int | None) -> bool:
+        return False  # rank 0 asked every question
 
     def poll(self, room: int) -> list[Decision]:
         return self._next(list) if self._planned else []  # type: ignore[return-value]

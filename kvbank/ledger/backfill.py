@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from kvbank.ledger.books import Books
 from kvbank.ledger.shape import PeakShape
+from kvbank.ledger.types import Hit
 
 if TYPE_CHECKING:
     from kvbank.ledger.ledger import AnyTimeline
@@ -39,3 +40,26 @@ def promise(books: Books, timeline: AnyTimeline, head: str, deferred: bool) -> P
         return None
     window = frozenset(itertools.islice(books.waiting, 1, 1 + timeline.backfill_depth))
     return Promise(head, head_shape, start, window)
+
+
+def refuses(
+    books: Books,
+    timeline: AnyTimeline,
+    held: Promise | None,
+    rid: str,
+    most_held: int,
+    prefill_chunks: int | None,
+) -> bool:
+    """Whether the waiting `rid` behind the head is refused now with any hit whose held part
+    (pages less idle pages) is at most `most_held`: outside the promise's window, or over the
+    supply at the running requests' peak step even with such a hit (`Timeline.over_at_peak`,
+    the first test `fits_behind` makes). The caller then need not look its hit up. False for
+    the head, and for a request that is not waiting (`try_admit` says what is wrong)."""
+    if rid == books.head or rid not in books.waiting:
+        return False
+    if held is None or rid not in held.window:
+        return True
+    waiting = books.waiting[rid]
+    books.keep_chunks(waiting, prefill_chunks)
+    shape = timeline.shape_of(waiting, False)
+    return timeline.over_at_peak(shape, Hit(max(0, most_held)), books.supply)

@@ -10,7 +10,7 @@ with the largest claim."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvbank.capacity import SINK_PAGES, usable_pages
 from kvbank.fields import quote
@@ -152,6 +152,14 @@ class Books:
             raise InvalidPages(f"{name} must be a non-negative integer, got {quote(pages)}", name)
         if bounded and pages > self.total_pages:
             raise InvalidPages(f"{name}={pages} exceeds the pool's {self.total_pages} pages", name)
+
+    def keep_chunks(self, waiting: Waiting, prefill_chunks: int | None) -> None:
+        """Keep a waiting request's worst-case prefill steps if admitted now in its shape."""
+        if prefill_chunks is None:
+            return
+        self.check_pages(prefill_chunks, "prefill_chunks", bounded=False)
+        if waiting.shape and waiting.shape.prefill_chunks != prefill_chunks:
+            waiting.shape = replace(waiting.shape, prefill_chunks=prefill_chunks)
 
     def check_give_back(
         self, rid: str, held: int, reserved: int, shape: PeakShape | None

@@ -117,6 +117,12 @@ class LedgerClient(Protocol):
         asking this step."""
         ...
 
+    def refuses_behind(self, rid: str, most_held: int, prefill_chunks: int | None) -> bool:
+        """Whether `try_admit` surely refuses `rid` behind the head with any hit whose held part
+        is at most `most_held` (`Ledger.refuses_behind`), so its hit need not be looked up.
+        False when the client cannot tell without asking (a sidecar's)."""
+        ...
+
     def cancel(self, rid: str) -> None:
         """A waiting request left before it was admitted."""
         ...
@@ -182,6 +188,8 @@ class Answers(Protocol):
 
     def backfilling(self) -> bool: ...
 
+    def refuses_behind(self, rid: str, most_held: int, prefill_chunks: int | None) -> bool: ...
+
 
 def ask_in_order(
     client: Answers,
@@ -189,6 +197,7 @@ def ask_in_order(
     rid: Callable[[T], str],
     ask: Callable[[T], tuple[Hit | None, int | None]],
     depth: int,
+    bound: Callable[[T], tuple[int, int | None]] | None = None,
 ) -> Iterator[tuple[T, Admitted]]:
     """One admission pass, for every host: ask the ledger about the head of the waiting queue
     (`queue()`, read afresh: the ledger's own order) while it is admitted, then, behind a
@@ -197,7 +206,10 @@ def ask_in_order(
     behind the head) and its prefill bound. Each admission is yielded before the next
     question: the host starts it first (taking it off its queue), so the next question sees
     its lease and its pages, and a request queued meanwhile (a best-effort one promoted by a
-    preemption that made room) is asked in the same pass."""
+    preemption that made room) is asked in the same pass. `bound(item)`: the most its hit's
+    held part can be, and its prefill bound, cheaper than `ask`: behind the head, a request the
+    ledger refuses whatever such hit it brings (`refuses_behind`) is passed over unasked, which
+    changes no answer (the look-up `ask` makes is most of a refused request's cost)."""
     while waiting := queue():
         item = waiting[0]
         hit, chunks = ask(item)
@@ -210,6 +222,8 @@ def ask_in_order(
     if not client.backfilling():
         return
     for item in list(waiting)[1 : 1 + depth]:
+        if bound is not None and client.refuses_behind(rid(item), *bound(item)):
+            continue
         hit, chunks = ask(item)
         decision = client.try_admit(rid(item), hit, chunks)
         if decision is not None:
@@ -256,6 +270,9 @@ class EmbeddedClient:
 
     def backfilling(self) -> bool:
         return self.ledger.backfilling()
+
+    def refuses_behind(self, rid: str, most_held: int, prefill_chunks: int | None) -> bool:
+        return self.ledger.refuses_behind(rid, most_held, prefill_chunks)
 
     def headroom(self) -> int:
         return self.ledger.headroom

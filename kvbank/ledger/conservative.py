@@ -38,6 +38,9 @@ class ConservativeTimeline:
     def fits(self, shape: PeakShape, hit: Hit, supply: int) -> bool:
         return False
 
+    def over_at_peak(self, shape: PeakShape, hit: Hit, supply: int) -> bool:
+        return True  # as `fits`: nothing is admitted behind a head
+
     def promise(self, rid: str, head: PeakShape, supply: int) -> int | None:
         return None
 

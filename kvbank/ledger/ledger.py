@@ -19,7 +19,6 @@ engine reports what the pool did. Parts: books.py, timeline.py (else conservativ
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from itertools import islice
 from typing import TypeVar
 
@@ -211,13 +210,9 @@ class Ledger:
         books = self.books
         waiting = books.waiting_entry(rid)
         is_head = rid == books.head
-        if prefill_chunks is not None:
-            books.check_pages(prefill_chunks, "prefill_chunks", bounded=False)
         if is_head and hit is not None:
             books.check_hit(hit, waiting.pages)  # before anything changes
-        now = waiting.shape
-        if prefill_chunks is not None and now and now.prefill_chunks != prefill_chunks:
-            waiting.shape = replace(now, prefill_chunks=prefill_chunks)
+        books.keep_chunks(waiting, prefill_chunks)
         if is_head:
             self._forget_promise()
             if hit is not None and self._fits(waiting, hit, deferred):
@@ -231,9 +226,8 @@ class Ledger:
             books.check_hit(hit, waiting.pages)
         except InvalidPages:
             return None
-        timeline = self.timeline
-        shape = timeline.shape_of(waiting, deferred)
-        if not timeline.fits_behind(held.shape, held.start, shape, hit, books.supply):
+        shape = self.timeline.shape_of(waiting, deferred)
+        if not self.timeline.fits_behind(held.shape, held.start, shape, hit, books.supply):
             return None
         return self._admit(rid, hit, deferred)
 
@@ -241,6 +235,12 @@ class Ledger:
         """Whether a refused head's promise holds, so a request behind it may still be admitted
         this step (`try_admit`)."""
         return self._backfill is not None
+
+    def refuses_behind(self, rid: str, most_held: int, prefill_chunks: int | None = None) -> bool:
+        """Whether `try_admit` refuses `rid` with any hit holding at most `most_held` pages of
+        running requests' (`backfill.refuses`), keeping `prefill_chunks` as `try_admit` does."""
+        return backfill.refuses(self.books, self.timeline, self._backfill, rid, most_held,
+                                prefill_chunks)  # fmt: skip
 
     def _fits(self, waiting: Waiting, hit: Hit, deferred: bool) -> bool:
         books, timeline = self.books, self.timeline

@@ -206,6 +206,7 @@ class Profile:
     def _arrange(self, columns: Columns, pace: Pace, clock: int) -> None:
         """Everything but the demand: the candidates and the returns, O(requests log)."""
         self.columns, self.pace, self.clock = columns, pace, clock
+        self._peak: tuple[int, int] | None = None
         self.page_size = columns.lines.page_size
         self.count = len(columns.rows)
         end = columns.lines.end
@@ -326,6 +327,9 @@ class Profile:
         return by[np.searchsorted(self.ends_sorted, ks, side="right")]  # type: ignore[no-any-return]
 
     def peak(self) -> tuple[int, int]:
-        """(highest extra demand, the step it is reached)."""
-        i = int(np.argmax(self.demand_at_candidates))
-        return int(self.demand_at_candidates[i]), int(self.candidates[i])
+        """(highest extra demand, the step it is reached), found once: every request asked
+        about in a step is tried against it first (`Timeline.over_at_peak`)."""
+        if self._peak is None:
+            i = int(np.argmax(self.demand_at_candidates))
+            self._peak = int(self.demand_at_candidates[i]), int(self.candidates[i])
+        return self._peak

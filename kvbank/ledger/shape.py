@@ -303,6 +303,27 @@ def newcomer(
     return pages
 
 
+def newcomer_at(
+    shape: PeakShape,
+    pace: Pace,
+    page_size: int,
+    k: int,
+    hit_pages: int,
+    idle_pages: int,
+    peak: bool,
+) -> int:
+    """`newcomer` of a request started now, at the one step `k`, in Python integers: the early
+    test of every request asked about needs one step, where an array costs more than the sum."""
+    if k >= shape.prefill_chunks + shape.output_budget:
+        return -idle_pages
+    if not peak:
+        return sum(pages_for(worst, page_size) for worst in shape.worst) - hit_pages
+    steps = max(k - min(shape.prefill_chunks, 1) + 1, 0)
+    written = pace.advance * steps + pace.lookahead * min(steps, 1)
+    grown = zip(shape.base, shape.per_output, shape.worst, strict=True)
+    return sum(pages_for(min(b + p * written, w), page_size) for b, p, w in grown) - hit_pages
+
+
 def steps_for(shape: PeakShape, start: int) -> Steps:
     """The step at which a request started at `start` may set the peak beside the running ones
     (whose own such steps are the profile's candidates): the step before its finish. Its start

@@ -26,6 +26,7 @@ from kvbank.ledger.shape import (
     flat_shape,
     give_back_problem,
     newcomer,
+    newcomer_at,
     open_ended,
     steps_for,
     track_for,
@@ -55,8 +56,7 @@ class Timeline:
         self.unstarted: dict[str, PeakShape] = {}
 
     def __deepcopy__(self, memo: dict[int, object]) -> Timeline:
-        """The copy a ledger applying a batch all-or-nothing works on (Ledger.copy): each track
-        copied, the immutable profile shared (a change on either side drops only its own)."""
+        """A ledger's all-or-nothing copy: each track copied, the immutable profile shared."""
         twin = copy.copy(self)
         twin.tracks = {rid: replace(t, tokens=list(t.tokens)) for rid, t in self.tracks.items()}
         twin.unstarted = dict(self.unstarted)
@@ -320,14 +320,18 @@ class Timeline:
 
     def fits(self, shape: PeakShape, hit: Hit, supply: int) -> bool:
         """Whether the newcomer, started now with `hit`, keeps the peak within supply. The
-        running requests' peak plus the newcomer's demand at that step is one of the sums
-        `_highest` takes the maximum of: when it is already over, the answer is no without the
-        rest (on a full pool, most of the requests asked about are refused this way)."""
-        room, (highest, step) = supply - hit.idle_pages, self.peak()
-        at_peak = self._newcomer(shape, np.array([step], dtype=np.int64), 0, hit)
-        if highest + int(at_peak[0]) > room:
+        running requests' peak plus its demand at that step is one of the sums `_highest` takes
+        the maximum of: when that is over, the answer is no (most refusals on a full pool)."""
+        if self.over_at_peak(shape, hit, supply):
             return False
-        return self._highest(shape, 0, hit, None) <= room
+        return self._highest(shape, 0, hit, None) <= supply - hit.idle_pages
+
+    def over_at_peak(self, shape: PeakShape, hit: Hit, supply: int) -> bool:
+        """`fits`' first test: only the hit's held part counts (`backfill.refuses`)."""
+        highest, step = self.peak()
+        at_peak = newcomer_at(shape, self.pace, self.peak_policy.page_size, step, hit.pages,
+                              hit.idle_pages, self.peak_active)  # fmt: skip
+        return highest + at_peak > supply - hit.idle_pages
 
     def promise(self, rid: str, head: PeakShape, supply: int) -> int | None:
         """Steps from now until the head surely fits, counting no cached hit for it (a hit only

@@ -4,9 +4,10 @@ ledger must be told as vLLM's blocks move.
 vLLM's waiting queue holds only requests the ledger admitted; the others wait here, in arrival
 order (FIFO, as the ledger decides). Each step, before vLLM schedules:
 
-1. The admission pass (`ask_in_order`, kvbank/ledger/client.py, the one kvbank's own engine
-   runs) asks the ledger about the head (and, with backfill, later requests) with each one's
-   cached hit, read from vLLM's prefix cache without touching it, and its prefill bound.
+1. The admission pass (`ask_in_order`, as kvbank's own engine runs it) asks the ledger about
+   the head (and, with backfill, later requests) with each one's cached hit, read from vLLM's
+   prefix cache without touching it (behind the head, only if a hit could help), and its
+   prefill bound.
 2. An admitted request's hit blocks are pinned (their reference count raised) at once, so
    nothing vLLM allocates before the request is scheduled can evict them; the pin is dropped
    once vLLM has given the request its own reference. Blocks only the cache held (idle) leave
@@ -26,23 +27,21 @@ less what windows freed that the ledger still counts as their requests' (kvbank.
 Each of vLLM's KV cache groups is a label of the request's count (kvbank.vllm.layout); a hit,
 a pin and what a request holds are its blocks in every group, vLLM's null blocks left out.
 
-Best-effort requests (kvbank.vllm.classes, `classes`) are never in the ledger's books: the
-supply counts blocks only they hold as reclaimable, a hit and a request's exclusive pages count
-a block's strict holders and pins only, and they are preempted to make room for strict ones.
+Best-effort requests (kvbank.vllm.classes) are never in the ledger's books: the supply counts
+blocks only they hold as reclaimable, hits and exclusive pages count a block's strict holders
+and pins only, and they are preempted to make room for strict ones.
 
 Under vLLM's async scheduling a step is scheduled while the model runs the previous one, and
 its output is processed after the next schedule: what the ledger is told after a step's output
-(num_computed_tokens, which already counts the next step's positions) covers every schedule
-before it, and the ledger's step k from then is vLLM's k-th schedule. Output tokens and
-releases are a step late, which counts a request's finish a step late, as vLLM frees its blocks
-(the ledger's curve of a request depends only on what it has written and may still produce).
-The one schedule that follows another with no output between (the first after the engine was
-idle) admits nothing: the ledger has not heard what the previous one allocated.
+(num_computed_tokens already counts the next step's positions) covers every schedule before it,
+and its step k from then is vLLM's k-th schedule. Output tokens and releases, and so finishes,
+come a step late, as vLLM frees blocks (a request's curve depends only on what it wrote and may
+still produce). A schedule that follows another with no output between (the first after the
+engine was idle) admits nothing: the ledger has not heard what the previous one allocated.
 
-The prefill bound a peak-fit admission is promised with is the one kvbank's engine keeps
-(`PrefillPace`, kvbank/ledger/policy.py): the scheduler puts decode rows before prefill chunks
-and keeps the running set below the token budget, so a prompt admitted behind `T` prefill tokens
-finishes its prefill within ceil(T / (budget - running cap)) + 1 steps.
+The prefill bound of a peak-fit admission is kvbank's engine's (`PrefillPace`): decode rows go
+before prefill chunks and the running set stays below the token budget, so a prompt admitted
+behind `T` prefill tokens is computed within ceil(T / (budget - running cap)) + 1 steps.
 """
 
 from __future__ import annotations
@@ -172,7 +171,9 @@ class Admission:
         if self.waiting:
             # Best-effort holdings do not change while the ledger is asked: counted once.
             self._holders = self.classes.strict_holders()
-            passed = ask_in_order(self.backend, self._queue, _rid, self._ask, self.depth)
+            passed = ask_in_order(
+                self.backend, self._queue, _rid, self._ask, self.depth, self._bound
+            )
             for _, admitted in passed:
                 self._started(admitted)
         self._peeked.clear()
@@ -190,7 +191,7 @@ class Admission:
             self.head_pins.settle()
             self._pin_head(later)
             self._sync_supply()
-        self._apply(later, later.poll(max(0, self.pace.running_cap - self._in_flight())))
+        self._apply(later, later.poll(max(0, self.pace.running_cap - len(self.admitted))))
 
     def _pin_head(self, later: LateAnswers) -> None:
         """Pin more of the head's computed blocks within the ledger's headroom (`HeadPins.pin`)
@@ -226,9 +227,8 @@ class Admission:
                 self.backend.release(rid)
                 continue
             pins = self.head_pins.keep(rid, decision.hit.pages)
-            chunks = None
-            if self.peak:
-                chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens)
+            chunks = self._chunks(request)
+            if chunks is not None:
                 later.start(rid, chunks)  # before vLLM takes the prompt's blocks
             holding = Holding.of(self.model, request, count, pins, holders)
             self.admitted[rid] = Entry(request, holding, pins, chunks)
@@ -239,27 +239,30 @@ class Admission:
     def _queue(self) -> list[Any]:
         return list(self.waiting.values())
 
-    def _in_flight(self) -> int:
-        return len(self.admitted)
+    def _chunks(self, request: Any) -> int | None:
+        """Its prefill bound if admitted now (peak-fit): the prompt tokens admitted requests
+        have still to compute, then its own."""
+        if not self.peak:
+            return None
+        admitted = (e.request for e in self.admitted.values() if e.chunks is not None)
+        ahead = sum(r.num_tokens - r.num_computed_tokens for r in admitted)
+        return self.pace.bound(ahead, request.num_tokens)
 
-    def _prefill_ahead(self) -> int:
-        """Prompt tokens admitted requests have still to compute."""
-        return sum(
-            e.request.num_tokens - e.request.num_computed_tokens
-            for e in self.admitted.values()
-            if e.chunks is not None
-        )
+    def _bound(self, request: Any) -> tuple[int, int | None]:
+        """What `_ask` gives without the look-up: the most its hit can count (every full block
+        of each steady group shared) and the prefill bound."""
+        most = sum(self.steady) * (request.num_tokens // self.model.page_size)
+        return most, self._chunks(request)
 
     def _ask(self, request: Any) -> tuple[Hit | None, int | None]:
         """The ledger's question for `request`: its shared cached hit (None: the running cap
         is reached) and its prefill bound if admitted now."""
-        if self._in_flight() >= self.pace.running_cap:
+        if len(self.admitted) >= self.pace.running_cap:
             return None, None
-        chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens) if self.peak else None
         hit = self.tables.hit(request)
         self._peeked[request.request_id] = hit
         credit, sole = hit_credit(hit, self.steady, self._holders)
-        return Hit(credit, 0, sole), chunks
+        return Hit(credit, 0, sole), self._chunks(request)
 
     def _started(self, decision: Admitted) -> None:
         rid = decision.rid
@@ -268,9 +271,7 @@ class Admission:
             raise InvariantBreach(f"request {rid!r} was admitted but is not waiting")
         pin = self._peeked.pop(rid, [[] for _ in range(self.groups)])
         taken = len(flat(pin)) - decision.hit.pages  # idle blocks and window copies
-        chunks = None
-        if self.peak:
-            chunks = self.pace.bound(self._prefill_ahead(), request.num_tokens)
+        chunks = self._chunks(request)
         self.pool.touch(flat(pin))
         holding = Holding.of(self.model, request, self.counts.pop(rid), pin, self._holders)
         self.admitted[rid] = Entry(request, holding, pin, chunks)
@@ -301,10 +302,9 @@ class Admission:
             grown = holding.hold(rid, self.tables.held(rid), holders)
             if holding.shared > shared:
                 # vLLM caches a prompt's full blocks as it allocates them, so a request
-                # scheduled after another in the same step can hit blocks the other has just
-                # taken: pages it holds without taking them from the supply, which the other
-                # no longer returns alone. The ledger counts them as taken (the request needs
-                # no more of them) and hears the exact exclusive counts at this step's end.
+                # scheduled after another in one step can hit blocks the other just took, which
+                # the other no longer returns alone: counted as taken (it needs no more of
+                # them), the ledger hears the exact exclusive counts at this step's end.
                 self._sharing_changed = True
             if grown:
                 self.backend.take(rid, grown)

@@ -207,6 +207,29 @@ def test_backfill_on_the_conservative_reading_uses_worst_cases() -> None:
     assert ledger.promised == ("H", 2)
 
 
+def test_a_request_behind_the_head_is_passed_over_unasked_only_when_no_hit_could_help() -> None:
+    # pageSize 4, 10 usable pages; r0 (prompt 16, 8 output) runs holding 5 pages. The head H
+    # (prompt 20, 8 output) is refused and promised. P behind it (prompt 20, 8 output) shares
+    # r0's 16-token prefix: with 3 or 4 of those pages held by r0 as its hit it may start; with
+    # 2 or fewer its pages at the running requests' peak step are already over the supply.
+    model = text_model(4)
+    ledger = Ledger(11, debug=True, policy=PeakPolicy(4, backfill=True))
+    r0 = peak_shape(model, RequestShape(16, 8))
+    ledger.submit("r0", r0.pages, shape=r0)
+    admit_all(ledger)
+    ledger.take("r0", 5)
+    ledger.advance("r0", 1)
+    for rid in ("H", "P"):
+        shape = peak_shape(model, RequestShape(20, 8))
+        ledger.submit(rid, shape.pages, shape=shape)
+    assert ledger.try_admit("H", Hit()) is None and ledger.backfilling()
+    assert [ledger.refuses_behind("P", held) for held in range(5)] == [True] * 3 + [False] * 2
+    assert ledger.copy().try_admit("P", Hit(2, 0, 0)) is None
+    assert ledger.copy().try_admit("P", Hit(4, 0, 0)) is not None
+    assert not ledger.refuses_behind("H", 0)  # the head is always asked
+    assert not ledger.refuses_behind("nobody", 0)  # try_admit says what is wrong with it
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ import kvbank.ledger.profile
 from kvbank.capacity import CapacityModel, RequestShape
 from kvbank.ledger import NEVER, Hit, PeakPolicy, PeakShape, Timeline, peak_shape
 from kvbank.ledger.profile import Profile
+from kvbank.ledger.shape import Pace, newcomer, newcomer_at
 from kvbank.modelpool import KvSlot
 
 OPS = ["add", "add", "restore", "start", "take", "advance", "deviate", "exclusive", "step"]
@@ -101,6 +102,23 @@ def assert_fits_reads_the_whole_curve(
 @given(st.data())
 def test_an_early_refusal_answers_as_the_whole_curve(data: st.DataObject) -> None:
     drive(data, assert_fits_reads_the_whole_curve)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_newcomer_at_one_step_is_the_curve_there(data: st.DataObject) -> None:
+    page_size = data.draw(st.sampled_from([1, 3, 4, 16]))
+    spec = data.draw(st.integers(0, 2))
+    slots = {"main": KvSlot(1, 1, 0)}
+    if data.draw(st.booleans()):
+        slots["cross"] = KvSlot(0, 0, data.draw(st.integers(1, 12)))
+    model = CapacityModel(slots, page_size, 64, data.draw(st.integers(1, 40)), spec)
+    shape, hit = draw_newcomer(data, model)
+    pace = Pace.of(spec, data.draw(st.sampled_from([None, 1])))
+    peak = data.draw(st.booleans())
+    for k in range(0, shape.prefill_chunks + shape.output_budget + 2):
+        curve = newcomer(shape, pace, page_size, np.array([k]), 0, hit.pages, hit.idle_pages, peak)
+        assert newcomer_at(shape, pace, page_size, k, hit.pages, hit.idle_pages, peak) == curve[0]
 
 
 def drive(data: st.DataObject, check: Check) -> None:

@@ -3,6 +3,9 @@ stepped synchronously (--no-async-scheduling) and as vLLM's async scheduling ste
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from vllm.config import SpeculativeConfig
@@ -16,9 +19,12 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm_builders import MODES, PAGE, _configs, bench, drive, scenario
 
+from kvbank.engine.bench.scenario import load_scenario
 from kvbank.engine.bench.vllm_engine import FinishReason, vllm_configs
 from kvbank.engine.bench.vllm_simulate import run_vllm_policy
+from kvbank.ledger import client as client_module
 from kvbank.vllm import KvbankScheduler
+from kvbank.vllm import admission as admission_module
 from kvbank.vllm import scheduler as scheduler_module
 from kvbank.vllm.layout import UnsupportedLayout
 from kvbank.vllm.scheduler import KvbankAsyncScheduler
@@ -26,6 +32,7 @@ from kvbank.vllm.settings import Settings, SettingsError
 from kvbank.vllm.versions import SUPPORTED, UnsupportedVllm, check_vllm_version
 
 pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[2]
 
 # Eight clients send one shared 20-page prompt into a 48-page pool: vLLM's own thrash.
 SHARED = {
@@ -250,3 +257,35 @@ def test_a_prefix_two_requests_share_within_one_schedule_is_not_counted_twice() 
     run.check_integrity()
     drive(run, {})  # to the end, checked every step
     assert run.sched.kvbank.backend.ledger.outstanding == 0
+
+
+def test_requests_passed_over_unasked_change_no_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Behind a refused head, a request the ledger refuses with any hit `_bound` allows is not
+    looked up (`refuses_behind`): on vLLM's thrash mix the run is the run that asks every one,
+    and every hit asked for is within its bound."""
+    case = load_scenario(str(ROOT / "benchmarks" / "vllm-cpu-thrash.yaml"))
+    passed_over = []
+    refuses = client_module.EmbeddedClient.refuses_behind
+
+    def counted(self: Any, rid: str, most_held: int, chunks: int | None) -> bool:
+        refused = refuses(self, rid, most_held, chunks)
+        passed_over.append(refused)
+        return refused
+
+    ask, bound = admission_module.Admission._ask, admission_module.Admission._bound
+
+    def checked(self: Any, request: Any) -> tuple[Any, int | None]:
+        hit, chunks = ask(self, request)
+        most, bound_chunks = bound(self, request)
+        assert hit is None or (hit.pages - hit.idle_pages <= most and chunks == bound_chunks)
+        return hit, chunks
+
+    monkeypatch.setattr(client_module.EmbeddedClient, "refuses_behind", counted)
+    monkeypatch.setattr(admission_module.Admission, "_ask", checked)
+    skipping = run_vllm_policy(case, "vllm+peak+backfill", debug=True).metrics
+    assert sum(passed_over) > 100  # most requests behind a refused head, on a full pool
+    monkeypatch.setattr(client_module.EmbeddedClient, "refuses_behind", lambda *a: False)
+    asking = run_vllm_policy(case, "vllm+peak+backfill", debug=True).metrics
+    for figures in (skipping, asking):
+        figures.pop("wall_s", None)
+    assert skipping == asking
