@@ -126,6 +126,18 @@ def _spec(rid: str, prompt: list[int], max_tokens: int = 24) -> RequestSpec:
     return RequestSpec(rid, replace(cls, max_tokens=max_tokens), prompt, 4, 0.0)
 
 
+def filled(replicas: int) -> list[Replica]:
+    """Replicas of TINY, each running two requests of 31 pages: 1 of its 63 usable is left."""
+    scenario = parse_scenario(_data(TINY))
+    pool = [Replica(scenario, "peak+backfill") for _ in range(replicas)]
+    for r, replica in enumerate(pool):
+        for i in range(2):
+            first = 2 + 100 * i + 300 * r
+            replica.send(_spec(f"big{r}{i}", list(range(first, first + 88)), 32))
+        replica.step()
+    return pool
+
+
 class TestLeastKv:
     def test_its_metrics_lag_by_the_scrape_interval(self) -> None:
         scenario = parse_scenario(_data(TINY))
@@ -160,25 +172,15 @@ class TestKvbankRouter:
         assert router.route(_spec("next", list(range(200, 290)), 32), 0.0) == Pick("1")
 
     def test_best_effort_with_every_pod_full_is_shed(self) -> None:
-        scenario = parse_scenario(_data(TINY))
-        pool = [Replica(scenario, "peak+backfill")]
+        pool = filled(1)
         router = KvbankRouter(pool, max_hold_s=0)
-        for i in range(2):
-            pool[0].send(_spec(f"big{i}", list(range(2 + 100 * i, 90 + 100 * i)), 32))
-        pool[0].step()
-        batch = scenario.workload.classes[1]
+        batch = pool[0].scenario.workload.classes[1]
         spec = RequestSpec("be", batch, list(range(300, 360)), 4, 0.0)
         assert isinstance(router.route(spec, 0.0), Shed)
 
     def test_a_strict_request_no_replica_admits_is_held_until_one_does(self) -> None:
-        scenario = parse_scenario(_data(TINY))
-        pool = [Replica(scenario, "peak+backfill") for _ in range(2)]
+        pool = filled(2)
         router = KvbankRouter(pool, max_hold_s=10)
-        for r, replica in enumerate(pool):  # two of 31 pages each: 1 of 63 left on each
-            for i in range(2):
-                first = 2 + 100 * i + 300 * r
-                replica.send(_spec(f"big{r}{i}", list(range(first, first + 88)), 32))
-            replica.step()
         held = _spec("held", list(range(700, 790)), 32)
         assert router.route(held, 0.5) is None
         assert router.release(0.5) == []
@@ -192,12 +194,8 @@ class TestKvbankRouter:
         assert placed == [Placed(held, Pick("1"), 0.5)]
 
     def test_past_max_hold_a_held_request_queues_where_it_starts_soonest(self) -> None:
-        scenario = parse_scenario(_data(TINY))
-        pool = [Replica(scenario, "peak+backfill")]
+        pool = filled(1)
         router = KvbankRouter(pool, max_hold_s=2)
-        for i in range(2):
-            pool[0].send(_spec(f"big{i}", list(range(2 + 100 * i, 90 + 100 * i)), 32))
-        pool[0].step()
         held = _spec("held", list(range(700, 790)), 32)
         assert router.route(held, 0.0) is None and router.release(1.9) == []
         assert router.release(2.0) == [Placed(held, Pick("0", waits=True), 0.0)]

@@ -168,6 +168,18 @@ def test_a_stalled_step_admits_conservatively_until_every_request_advances() -> 
     assert [a.rid for a in admit_all(ledger)] == ["r2"]
 
 
+def running_r0(policy: PeakPolicy, held: int, produced: int) -> Ledger:
+    """A ledger of 10 usable pages of 4 tokens running r0 (prompt 16, 8 output), which holds
+    `held` pages after `produced` output tokens."""
+    ledger = Ledger(11, debug=True, policy=policy)
+    r0 = peak_shape(text_model(4), RequestShape(16, 8))
+    ledger.submit("r0", r0.pages, shape=r0)
+    admit_all(ledger)
+    ledger.take("r0", held)
+    ledger.advance("r0", produced)
+    return ledger
+
+
 def test_backfill_starts_what_cannot_delay_the_head_and_holds_back_what_would() -> None:
     # pageSize 4, 10 usable pages; r0: prompt 16 + 8 output, 6 pages held, 2 steps left.
     # Head H (prompt 20: 5 pages at once) cannot start while supply is 4; it surely fits
@@ -175,12 +187,7 @@ def test_backfill_starts_what_cannot_delay_the_head_and_holds_back_what_would() 
     # fits now but would need 5 pages beside H's 7 at step 10: 12 - 6 > 4. S (prompt 4, 4
     # output, 2 pages) fits beside H at every step.
     model = text_model(4)
-    ledger = Ledger(11, debug=True, policy=PeakPolicy(4, backfill=True))
-    r0 = peak_shape(model, RequestShape(16, 8))
-    ledger.submit("r0", r0.pages, shape=r0)
-    admit_all(ledger)
-    ledger.take("r0", 6)
-    ledger.advance("r0", 6)
+    ledger = running_r0(PeakPolicy(4, backfill=True), held=6, produced=6)
     for rid, prompt, output in (("H", 20, 8), ("B", 8, 16), ("S", 4, 4)):
         shape = peak_shape(model, RequestShape(prompt, output))
         ledger.submit(rid, shape.pages, shape=shape)
@@ -194,12 +201,7 @@ def test_backfill_on_the_conservative_reading_uses_worst_cases() -> None:
     # Flat curves: S's 2 pages fit now (outstanding 0 + 2 <= 4) and H still fits at step 2
     # (r0's 6 back: 10 - 2 >= 7); B's 6 pages do not fit now at all.
     model = text_model(4)
-    ledger = Ledger(11, debug=True, policy=PeakPolicy(4, peak=False, backfill=True))
-    r0 = peak_shape(model, RequestShape(16, 8))
-    ledger.submit("r0", r0.pages, shape=r0)
-    admit_all(ledger)
-    ledger.take("r0", 6)
-    ledger.advance("r0", 6)
+    ledger = running_r0(PeakPolicy(4, peak=False, backfill=True), held=6, produced=6)
     for rid, prompt, output in (("H", 20, 8), ("B", 8, 16), ("S", 4, 4)):
         shape = peak_shape(model, RequestShape(prompt, output))
         ledger.submit(rid, shape.pages, shape=shape)
@@ -213,12 +215,7 @@ def test_a_request_behind_the_head_is_passed_over_unasked_only_when_no_hit_could
     # r0's 16-token prefix: with 3 or 4 of those pages held by r0 as its hit it may start; with
     # 2 or fewer its pages at the running requests' peak step are already over the supply.
     model = text_model(4)
-    ledger = Ledger(11, debug=True, policy=PeakPolicy(4, backfill=True))
-    r0 = peak_shape(model, RequestShape(16, 8))
-    ledger.submit("r0", r0.pages, shape=r0)
-    admit_all(ledger)
-    ledger.take("r0", 5)
-    ledger.advance("r0", 1)
+    ledger = running_r0(PeakPolicy(4, backfill=True), held=5, produced=1)
     for rid in ("H", "P"):
         shape = peak_shape(model, RequestShape(20, 8))
         ledger.submit(rid, shape.pages, shape=shape)

@@ -107,12 +107,8 @@ def test_an_early_refusal_answers_as_the_whole_curve(data: st.DataObject) -> Non
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_the_newcomer_at_one_step_is_the_curve_there(data: st.DataObject) -> None:
-    page_size = data.draw(st.sampled_from([1, 3, 4, 16]))
-    spec = data.draw(st.integers(0, 2))
-    slots = {"main": KvSlot(1, 1, 0)}
-    if data.draw(st.booleans()):
-        slots["cross"] = KvSlot(0, 0, data.draw(st.integers(1, 12)))
-    model = CapacityModel(slots, page_size, 64, data.draw(st.integers(1, 40)), spec)
+    model = draw_model(data)
+    page_size, spec = model.page_size, model.speculative_tokens
     shape, hit = draw_newcomer(data, model)
     pace = Pace.of(spec, data.draw(st.sampled_from([None, 1])))
     peak = data.draw(st.booleans())
@@ -121,13 +117,20 @@ def test_the_newcomer_at_one_step_is_the_curve_there(data: st.DataObject) -> Non
         assert newcomer_at(shape, pace, page_size, k, hit.pages, hit.idle_pages, peak) == curve[0]
 
 
-def drive(data: st.DataObject, check: Check) -> None:
+def draw_model(data: st.DataObject) -> CapacityModel:
+    """A text model, with a fixed cross-attention label or not, pages of 1 to 16 tokens."""
     page_size = data.draw(st.sampled_from([1, 3, 4, 16]))
-    spec = data.draw(st.integers(0, 2))
     slots = {"main": KvSlot(1, 1, 0)}
     if data.draw(st.booleans()):
         slots["cross"] = KvSlot(0, 0, data.draw(st.integers(1, 12)))
-    model = CapacityModel(slots, page_size, 64, data.draw(st.integers(1, 40)), spec)
+    return CapacityModel(
+        slots, page_size, 64, data.draw(st.integers(1, 40)), data.draw(st.integers(0, 2))
+    )
+
+
+def drive(data: st.DataObject, check: Check) -> None:
+    model = draw_model(data)
+    page_size, spec = model.page_size, model.speculative_tokens
     max_advance = data.draw(st.sampled_from([None, 1]))
     policy = PeakPolicy(page_size, spec, peak=data.draw(st.booleans()), max_advance=max_advance)
     timeline = Timeline(policy)
