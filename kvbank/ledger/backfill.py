@@ -57,9 +57,9 @@ def refuses(
     the head, and for a request that is not waiting (`try_admit` says what is wrong)."""
     if rid == books.head or rid not in books.waiting:
         return False
+    waiting = books.waiting[rid]
+    books.keep_chunks(waiting, prefill_chunks)  # as `try_admit` would, whatever it answers
     if held is None or rid not in held.window:
         return True
-    waiting = books.waiting[rid]
-    books.keep_chunks(waiting, prefill_chunks)
     shape = timeline.shape_of(waiting, False)
     return timeline.over_at_peak(shape, Hit(max(0, most_held)), books.supply)

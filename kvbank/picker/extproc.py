@@ -332,26 +332,30 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         loop = asyncio.get_running_loop()
         self.lobby.enter(hold_id, count, loop.time())
         self.metrics.held.inc()
-        queued_tries = 0
+        deadline = self.lobby.since(hold_id) + self.lobby.max_hold_s
+        late_tries = 0  # holds tried past --max-hold-s: at most PICK_ATTEMPTS, as unheld
         try:
             while True:
                 candidates = fresh()
                 answer = self.lobby.ask(hold_id, candidates, loop.time())
                 if answer is None:
-                    left = self.lobby.since(hold_id) + self.lobby.max_hold_s - loop.time()
-                    await self.sidecars.changed(max(0.0, left))
+                    await self.sidecars.changed(max(0.0, deadline - loop.time()))
                     continue
                 if not isinstance(answer, Pick):
                     raise self._refusal(answer)
-                if answer.waits:
-                    queued_tries += 1
-                last = queued_tries >= PICK_ATTEMPTS
+                if loop.time() >= deadline:
+                    late_tries += 1
+                last = late_tries >= PICK_ATTEMPTS
                 if await self._hold(count, answer, hold_id, candidates, allowed, last):
                     held_s = loop.time() - self.lobby.since(hold_id)
                     self.metrics.held_seconds.observe(held_s)
                     return answer.pod, hold_id, held_s
                 if last:
                     raise self._refusal(self._too_many_tries())
+                if loop.time() < deadline:
+                    # The room went to another pick: ask again once a pod's figures change,
+                    # not at once (a sidecar whose figures and holds disagree is not spun on).
+                    await self.sidecars.changed(max(0.0, deadline - loop.time()))
         finally:
             self.lobby.leave(hold_id)
             self.metrics.held.dec()

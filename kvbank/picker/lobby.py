@@ -82,7 +82,9 @@ class Lobby:
             if other.claimed is not None:
                 claimed.add(other.claimed)
         free = [pod for pod in pods if pod.name not in claimed]
-        answer: Answer = pick(held.request, free) if free else NoEndpoint("every pod is claimed")
+        answer: Answer = everywhere
+        if len(free) < len(pods):  # with nothing claimed, the pick is the one just made
+            answer = pick(held.request, free) if free else NoEndpoint("every pod is claimed")
         if isinstance(answer, Pick) and not answer.waits:
             held.claimed = answer.pod
             return answer

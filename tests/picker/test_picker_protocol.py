@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from picker_harness import BUFFERED, STREAMED, Pod, ThreadPicker, envoy_stream
 
-from kvbank.picker import server
+from kvbank.picker import server, sidecars
 
 PROMPT = {"model": "tiny", "prompt": "the page cache holds the prompt", "max_tokens": 100}
 
@@ -172,6 +172,30 @@ def test_past_max_hold_a_strict_request_queues_where_it_starts_soonest(
     assert waited >= 0.4
     queued = next(pod for pod in pods if pod.endpoint == header).figures()
     assert len(queued.waiting_pages) == 2 and queued.holds == 1  # behind the filler
+
+
+def test_holds_a_sidecar_keeps_refusing_are_retried_on_its_changes_then_answered_503(
+    pods: list[Pod], pool_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Figures that show room beside holds that are always refused (another picker racing, or
+    a sidecar at fault): the request is asked again as figures change, not at once, and past
+    --max-hold-s it gets PICK_ATTEMPTS more tries, then 503."""
+    calls: list[float] = []
+
+    async def refused(*args: object, **kwargs: object) -> bool:
+        calls.append(time.monotonic())
+        return False
+
+    monkeypatch.setattr(sidecars.Sidecars, "hold", refused)
+    picker = ThreadPicker(pods, pool_file, "--max-hold-s", "1").start_and_wait()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{picker.port}") as channel:
+            code, body = status_of(answers(ep_grpc.ExternalProcessorStub(channel), PROMPT))
+    finally:
+        picker.shutdown()
+    assert code == 503 and "went to another request first" in body["error"]["message"]  # type: ignore[index]
+    # Two pods heartbeat every 0.25 s: about 8 changes in the second held, and 4 tries after.
+    assert 4 <= len(calls) <= 40, len(calls)
 
 
 def test_a_bad_max_hold_is_refused_naming_the_range(pods: list[Pod], pool_file: Path) -> None:
