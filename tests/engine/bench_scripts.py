@@ -11,7 +11,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """benchmarks/NAME.py, imported under NAME."""
+    """benchmarks/NAME.py, imported under NAME, with benchmarks/ on the path for the scripts it
+    imports as it does when run."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.append(str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
