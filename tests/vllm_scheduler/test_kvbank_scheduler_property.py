@@ -41,8 +41,10 @@ workload = st.lists(request, min_size=1, max_size=24)
 
 
 def _run(pages: int, policy: str, requests: list, mode: str, backend=None, pause_s=0.0,  # type: ignore[no-untyped-def]
-         scheduling: str = "fcfs") -> None:  # fmt: skip
-    run = bench(pages, policy, backend=backend, async_scheduling=MODES[mode], scheduling=scheduling)
+         scheduling: str = "fcfs", order: tuple[str, int] = ("fifo", 0)) -> None:  # fmt: skip
+    settings_ = Settings(policy, order=order[0], max_defer_steps=order[1])
+    run = bench(pages, policy, backend=backend, async_scheduling=MODES[mode], scheduling=scheduling,
+                settings=None if backend is not None else settings_)  # fmt: skip
     assert run.async_scheduling == MODES[mode]  # vLLM's engine core steps it so
     arrivals: dict[int, list] = {}
     aborts: dict[int, list[str]] = {}
@@ -94,12 +96,15 @@ SHARED_WITH_BEST_EFFORT = [
     policy=st.sampled_from(["banker", "peak+backfill", "peak", "banker+backfill"]),
     requests=workload,
     scheduling=st.sampled_from(["fcfs", "priority"]),  # vllm serve --scheduling-policy
+    # KVBANK_ORDER and KVBANK_MAX_DEFER_STEPS (kvbank.vllm.order)
+    order=st.sampled_from([("fifo", 0), ("prefix", 0), ("prefix", 4), ("prefix", 2048)]),
 )
-@example(pages=43, policy="peak+backfill", requests=SHARED_WITH_BEST_EFFORT, scheduling="fcfs")
+@example(pages=43, policy="peak+backfill", requests=SHARED_WITH_BEST_EFFORT, scheduling="fcfs",
+         order=("fifo", 0))  # fmt: skip
 def test_random_workloads_never_preempt_what_kvbank_admitted(
-    mode: str, pages: int, policy: str, requests: list, scheduling: str
+    mode: str, pages: int, policy: str, requests: list, scheduling: str, order: tuple[str, int]
 ) -> None:
-    _run(pages, policy, requests, mode, scheduling=scheduling)
+    _run(pages, policy, requests, mode, scheduling=scheduling, order=order)
 
 
 @pytest.fixture(scope="module")
