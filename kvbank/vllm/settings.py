@@ -27,7 +27,7 @@ vLLM allocates anything.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,14 +78,21 @@ def _shown(value: str) -> str:
     return repr(value if len(value) <= 60 else value[:57] + "...")
 
 
-def from_env(environ: Mapping[str, str]) -> Settings:
-    policy = environ.get("KVBANK_POLICY", "").strip() or DEFAULT_POLICY
-    if policy not in POLICIES:
+def _choice(
+    environ: Mapping[str, str], variable: str, what: str, choices: Sequence[str], default: str
+) -> str:
+    value = environ.get(variable, "").strip() or default
+    if value not in choices:
         raise SettingsError(
-            "KVBANK_POLICY",
-            f"unknown policy {_shown(policy)}; set one of {', '.join(POLICIES)} "
-            f"(or leave it unset for {DEFAULT_POLICY})",
+            variable,
+            f"unknown {what} {_shown(value)}; set one of {', '.join(choices)} "
+            f"(or leave it unset for {default})",
         )
+    return value
+
+
+def from_env(environ: Mapping[str, str]) -> Settings:
+    policy = _choice(environ, "KVBANK_POLICY", "policy", POLICIES, DEFAULT_POLICY)
     sidecar = environ.get("KVBANK_SIDECAR", "").strip() or None
     classes = {**_classes(environ), **_order(environ, sidecar)}
     token_file = environ.get("KVBANK_SIDECAR_TOKEN_FILE", "").strip() or None
@@ -128,13 +135,7 @@ def from_env(environ: Mapping[str, str]) -> Settings:
 def _classes(environ: Mapping[str, str]) -> dict[str, Any]:
     """The class settings (kvbank.vllm.classes), as Settings' keyword arguments."""
     names = [c.value for c in ServiceClass]
-    default = environ.get("KVBANK_DEFAULT_CLASS", "").strip() or ServiceClass.STRICT.value
-    if default not in names:
-        raise SettingsError(
-            "KVBANK_DEFAULT_CLASS",
-            f"unknown class {_shown(default)}; set one of {', '.join(names)} "
-            f"(or leave it unset for strict)",
-        )
+    default = _choice(environ, "KVBANK_DEFAULT_CLASS", "class", names, ServiceClass.STRICT.value)
     preemptions = _integer(environ, "KVBANK_MAX_PREEMPTIONS", DEFAULT_MAX_PREEMPTIONS)
     if preemptions < 0:
         raise SettingsError(
@@ -152,13 +153,7 @@ def _classes(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def _order(environ: Mapping[str, str], sidecar: str | None) -> dict[str, Any]:
     """The order settings (kvbank.vllm.order), as Settings' keyword arguments."""
-    order = environ.get("KVBANK_ORDER", "").strip() or DEFAULT_ORDER
-    if order not in ORDERS:
-        raise SettingsError(
-            "KVBANK_ORDER",
-            f"unknown order {_shown(order)}; set one of {', '.join(ORDERS)} "
-            f"(or leave it unset for {DEFAULT_ORDER})",
-        )
+    order = _choice(environ, "KVBANK_ORDER", "order", ORDERS, DEFAULT_ORDER)
     if order == "prefix" and sidecar is not None:
         raise SettingsError(
             "KVBANK_ORDER",
