@@ -45,13 +45,6 @@ def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 **common,
             ),
             VllmServer(model_dir, logs / "stock.log", kvbank=False, **common),
-            VllmServer(
-                model_dir,
-                logs / "kvbank-prefix.log",
-                kvbank=True,
-                env={"KVBANK_POLICY": "peak+backfill", "KVBANK_ORDER": "prefix"},
-                **common,
-            ),
         ]
     )
     yield both
@@ -67,12 +60,6 @@ def kvbank(servers: list[VllmServer]) -> VllmServer:
 @pytest.fixture(scope="module")
 def stock(servers: list[VllmServer]) -> VllmServer:
     return servers[1]
-
-
-@pytest.fixture(scope="module")
-def kvbank_prefix(servers: list[VllmServer]) -> VllmServer:
-    """kvbank's scheduler class with KVBANK_ORDER=prefix (kvbank/vllm/order.py)."""
-    return servers[2]
 
 
 def greedy(server: VllmServer, max_tokens: int = 16) -> list[tuple[str, list[int]]]:
@@ -237,22 +224,3 @@ def test_best_effort_requests_run_beside_strict_ones_and_only_they_are_preempted
     assert [len(ids) for ids in served] == [max_tokens] * requests
     assert "which kvbank admitted" not in kvbank.log_text()
     assert preempted > 0, "no best-effort request was preempted: the pool was not under pressure"
-
-
-def test_in_prefix_order_two_shared_prompts_are_served_with_no_preemption(
-    kvbank_prefix: VllmServer, stock: VllmServer
-) -> None:
-    # Two shared prompts of about 250 tokens (a block and more each), twelve requests in turn
-    # from each, 240 tokens out: about 4 blocks each at its end, 15 blocks in the pool.
-    prefixes = ("alpha " * 50, "beta gamma " * 25)
-    requests, max_tokens = 12, 240
-    results = {}
-    for name, server in (("stock", stock), ("prefix", kvbank_prefix)):
-        before = server.metric("vllm:num_preemptions_total")
-        served = press(server, requests, max_tokens, prefixes=prefixes)
-        results[name] = (served, server.metric("vllm:num_preemptions_total") - before)
-    assert results["stock"][1] > 0, "the pool was not under pressure: stock vLLM never preempted"
-    served, preemptions = results["prefix"]
-    assert preemptions == 0, f"kvbank's admission let vLLM preempt {preemptions}"
-    assert [len(ids) for ids in served] == [max_tokens] * requests
-    assert served == results["stock"][0]  # the order changes when, not what
