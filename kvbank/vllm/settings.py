@@ -136,13 +136,10 @@ def _classes(environ: Mapping[str, str]) -> dict[str, Any]:
     """The class settings (kvbank.vllm.classes), as Settings' keyword arguments."""
     names = [c.value for c in ServiceClass]
     default = _choice(environ, "KVBANK_DEFAULT_CLASS", "class", names, ServiceClass.STRICT.value)
-    preemptions = _integer(environ, "KVBANK_MAX_PREEMPTIONS", DEFAULT_MAX_PREEMPTIONS)
-    if preemptions < 0:
-        raise SettingsError(
-            "KVBANK_MAX_PREEMPTIONS",
-            f"is {preemptions}; set the times a best-effort request may be preempted before it "
-            f"runs strict, 0 or more (or leave it unset for {DEFAULT_MAX_PREEMPTIONS})",
-        )
+    preemptions = _count(
+        environ, "KVBANK_MAX_PREEMPTIONS", DEFAULT_MAX_PREEMPTIONS,
+        "the times a best-effort request may be preempted before it runs strict",
+    )  # fmt: skip
     priority = _integer(environ, "KVBANK_BEST_EFFORT_PRIORITY", DEFAULT_BEST_EFFORT_PRIORITY)
     return {
         "default_class": ServiceClass(default),
@@ -160,14 +157,21 @@ def _order(environ: Mapping[str, str], sidecar: str | None) -> dict[str, Any]:
             "prefix reorders the ledger's queue, which a sidecar that answers later cannot "
             "follow; unset KVBANK_SIDECAR for the embedded ledger, or KVBANK_ORDER",
         )
-    steps = _integer(environ, "KVBANK_MAX_DEFER_STEPS", DEFAULT_MAX_DEFER_STEPS)
-    if steps < 0:
-        raise SettingsError(
-            "KVBANK_MAX_DEFER_STEPS",
-            f"is {steps}; set the admission passes a request may be moved behind later ones, "
-            f"0 or more (or leave it unset for {DEFAULT_MAX_DEFER_STEPS})",
-        )
+    steps = _count(
+        environ, "KVBANK_MAX_DEFER_STEPS", DEFAULT_MAX_DEFER_STEPS,
+        "the admission passes a request may be moved behind later ones",
+    )  # fmt: skip
     return {"order": order, "max_defer_steps": steps}
+
+
+def _count(environ: Mapping[str, str], variable: str, default: int, what: str) -> int:
+    """A non-negative integer setting; `what` says what it counts."""
+    value = _integer(environ, variable, default)
+    if value < 0:
+        raise SettingsError(
+            variable, f"is {value}; set {what}, 0 or more (or leave it unset for {default})"
+        )
+    return value
 
 
 def _integer(environ: Mapping[str, str], variable: str, default: int) -> int:
