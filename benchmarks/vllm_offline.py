@@ -109,31 +109,29 @@ def exact_schedule(mix: list[Request], blocks: int, order: str) -> Schedule:
     horizon = sum(r.output for r in mix) + 1
     own = np.zeros(horizon, dtype=np.int64)
     holders = np.zeros((PREFIXES, horizon), dtype=np.int64)
-    waiting, running = list(range(len(mix))), 0
-    step = 0
+    stairs = [np.array([own_blocks(r, age) for age in range(r.output)]) for r in mix]
+    waiting = list(range(len(mix)))
+    step = last_end = 0
     starts = [0] * len(mix)
-    ends: list[int] = []
-    while waiting or running:
+    while waiting or step < last_end:
         held = {p for p in range(PREFIXES) if holders[p, step] > 0}
         if order == "prefix":
             waiting.sort(key=lambda i: (mix[i].prefix not in held, i))
         for i in list(waiting):
             r = mix[i]
-            window = slice(step, step + r.output)
-            stair = np.array([own_blocks(r, age) for age in range(r.output)])
+            window, stair = slice(step, step + r.output), stairs[i]
             present = (holders[:, window] > 0).sum(axis=0) + (holders[r.prefix, window] == 0)
             if int((own[window] + stair + prefix_blocks * present).max()) <= usable:
                 own[window] += stair
                 holders[r.prefix, window] += 1
                 waiting.remove(i)
                 starts[i] = step
-                ends.append(step + r.output)
+                last_end = max(last_end, step + r.output)
             elif order == "fifo":
                 break
-        if not any(end > step for end in ends):
+        if waiting and last_end <= step:  # nothing runs, and the oldest does not fit alone
             raise ValueError(f"{blocks} blocks never hold request {waiting[0]} of the mix")
         step += 1
-        running = sum(1 for end in ends if end > step)
     return Schedule(order, step, tuple(starts))
 
 
