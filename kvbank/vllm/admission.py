@@ -100,12 +100,10 @@ class Admission:
         self.depth = depth
         self._peeked: dict[str, list[list[Any]]] = {}
         self._sharing_changed = False
-        # A sidecar the schedule never waits on: the head's cached blocks pinned until its
-        # decision is applied, and the last decision applied (each is applied once).
+        # A sidecar's later answers: the head's pins (kvbank.vllm.pins), the last one applied.
         self.head_pins = HeadPins(self.pool, self.tables, self.steady, self.peak)
         self._last_seq = -1
-        # Whether the ledger has heard the progress of every schedule so far (a step's output
-        # was processed since the latest schedule); admissions wait for it.
+        # The ledger heard every schedule's progress (an output since the last): admit then.
         self._reported = True
         self.classes = Classes(sched, self.tables, settings)
         self.order = make_order(settings.order, settings.max_defer_steps)
@@ -182,14 +180,16 @@ class Admission:
     # ---- a sidecar the schedule never waits on --------------------------------------------------
 
     def _admit_later(self, later: LateAnswers) -> None:
-        """Apply the decisions that arrived, pin the head's cached blocks while nothing is in
-        flight (a decision on its way may have counted the pages a pin would take), and send
-        the next report without waiting for its answer."""
+        """Apply the decisions that arrived; while nothing is in flight (a decision on its way
+        may have counted what a pin takes, or name a request the order moves) reorder the
+        waiting requests and pin the head; send the next report without waiting for its answer."""
         self._apply(later, later.collect())
         if later.settled():
             # Every answer is known: a request that left was either admitted, and released by
-            # `_apply` ahead of the supply below, or never will be.
+            # `_apply` ahead of the supply below, or never will be. A moved head's pins go.
             self.head_pins.settle()
+            moved = self.order.reorder(self.waiting, self.admitted.values(), self.backend)
+            self.head_pins.drop(moved)
             self._pin_head(later)
             self._sync_supply()
         self._apply(later, later.poll(max(0, self.pace.running_cap - len(self.admitted))))

@@ -16,10 +16,11 @@ ledger's queue as in arrival order, where the ledger's own rule starts it (the h
 when it fits, and a refused head's promise is never delayed): docs/admission.md.
 
 The ledger's queue is reordered with the ledger's own events: a moved request is cancelled
-and submitted again, with the same pages and shape, which queues it last. That needs every
-call answered at once (the embedded ledger, or a sidecar each schedule waits on). A sidecar
-that answers later may have a decision in flight about a request being moved, so
-`KVBANK_ORDER=prefix` with `KVBANK_SIDECAR` is refused at start-up (kvbank.vllm.settings).
+and submitted again, with the same pages and shape, which queues it last. The embedded ledger
+(or a sidecar each schedule waits on) answers every call at once. Over a sidecar the schedule
+never waits on, the plug-in reorders only while no report is in flight, so no decision on its
+way names a request being moved; the events go, in order, with the next report, and a moved
+head's pinned hit is unpinned with its cancel (kvbank.vllm.admission, kvbank.vllm.pins).
 """
 
 from __future__ import annotations

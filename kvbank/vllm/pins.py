@@ -115,6 +115,12 @@ class HeadPins:
             self.unpinned_in_flight += sum(1 for b in flat(pins) if holders(b) == 1)
         self.pool.free_blocks(flat(pins))
 
+    def drop(self, rids: list[str]) -> None:
+        """Drop every pin of requests moved back in the ledger's queue while no decision was in
+        flight (kvbank.vllm.order): the cancel that moved one made the ledger forget its hit."""
+        for rid in rids:
+            self.pool.free_blocks(flat(self._pins.pop(rid, [])))
+
     def settle(self) -> None:
         """Every answer is known: a request that left was either admitted, and released ahead
         of the next supply, or never will be."""

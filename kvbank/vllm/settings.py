@@ -13,7 +13,7 @@
 - `KVBANK_MAX_PREEMPTIONS`: a best-effort request preempted this many times runs strict from then
   on (default `ClassPolicy`'s, 2).
 - `KVBANK_ORDER`: the order strict requests meet the ledger in (kvbank.vllm.order), fifo or
-  prefix (default fifo). prefix needs the embedded ledger.
+  prefix (default fifo), with the embedded ledger or a sidecar's.
 - `KVBANK_MAX_DEFER_STEPS`: under prefix order, admission passes (one a schedule while requests
   wait) a request may be moved behind later ones before it keeps its place (default 2048; 0 never
   moves one).
@@ -94,7 +94,7 @@ def _choice(
 def from_env(environ: Mapping[str, str]) -> Settings:
     policy = _choice(environ, "KVBANK_POLICY", "policy", POLICIES, DEFAULT_POLICY)
     sidecar = environ.get("KVBANK_SIDECAR", "").strip() or None
-    classes = {**_classes(environ), **_order(environ, sidecar)}
+    classes = {**_classes(environ), **_order(environ)}
     token_file = environ.get("KVBANK_SIDECAR_TOKEN_FILE", "").strip() or None
     ca_file = environ.get("KVBANK_SIDECAR_CA_FILE", "").strip() or None
     if sidecar is None:
@@ -148,15 +148,9 @@ def _classes(environ: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def _order(environ: Mapping[str, str], sidecar: str | None) -> dict[str, Any]:
+def _order(environ: Mapping[str, str]) -> dict[str, Any]:
     """The order settings (kvbank.vllm.order), as Settings' keyword arguments."""
     order = _choice(environ, "KVBANK_ORDER", "order", ORDERS, DEFAULT_ORDER)
-    if order == "prefix" and sidecar is not None:
-        raise SettingsError(
-            "KVBANK_ORDER",
-            "prefix reorders the ledger's queue, which a sidecar that answers later cannot "
-            "follow; unset KVBANK_SIDECAR for the embedded ledger, or KVBANK_ORDER",
-        )
     steps = _count(
         environ, "KVBANK_MAX_DEFER_STEPS", DEFAULT_MAX_DEFER_STEPS,
         "the admission passes a request may be moved behind later ones",

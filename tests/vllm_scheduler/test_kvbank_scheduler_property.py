@@ -8,13 +8,6 @@ steps it."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
@@ -25,7 +18,6 @@ from kvbank.vllm.scheduler import make_backend
 from kvbank.vllm.settings import Settings
 
 pytestmark = pytest.mark.timeout(900)
-ROOT = Path(__file__).resolve().parents[2]
 PREFIXES = {"a": [11] * 200, "b": [12] * 120}  # shared system prompts, 12 and 7 pages
 
 request = st.tuples(
@@ -44,7 +36,7 @@ def _run(pages: int, policy: str, requests: list, mode: str, backend=None, pause
          scheduling: str = "fcfs", order: tuple[str, int] = ("fifo", 0)) -> None:  # fmt: skip
     settings_ = Settings(policy, order=order[0], max_defer_steps=order[1])
     run = bench(pages, policy, backend=backend, async_scheduling=MODES[mode], scheduling=scheduling,
-                settings=None if backend is not None else settings_)  # fmt: skip
+                settings=settings_)  # fmt: skip
     assert run.async_scheduling == MODES[mode]  # vLLM's engine core steps it so
     arrivals: dict[int, list] = {}
     aborts: dict[int, list[str]] = {}
@@ -107,33 +99,6 @@ def test_random_workloads_never_preempt_what_kvbank_admitted(
     _run(pages, policy, requests, mode, scheduling=scheduling, order=order)
 
 
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real `kvbank sidecar` on loopback, peak+backfill, with a token and debug checks."""
-    token = tmp_path_factory.mktemp("sidecar") / "token"
-    token.write_text("vllm-property\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbank.cli", "sidecar", "--listen", "127.0.0.1:0",
-         "--metrics-port", "-1", "--policy", "peak+backfill", "--token-file", str(token),
-         "--debug"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        match = re.search(r"serving on [\d.]+:(\d+)", line)
-        assert match, f"the sidecar did not start: {line!r}"
-        yield f"127.0.0.1:{match.group(1)}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 SIDECAR_PAGES = 48
 _sessions = iter(range(1 << 30))
 
@@ -141,17 +106,19 @@ _sessions = iter(range(1 << 30))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("blocking", [True, False], ids=["waits", "never-waits"])
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=workload)
+@given(requests=workload, order=st.sampled_from([("fifo", 0), ("prefix", 4), ("prefix", 2048)]))
 def test_random_workloads_over_a_real_sidecar(
-    sidecar: str, blocking: bool, mode: str, requests: list
+    sidecar: str, blocking: bool, mode: str, requests: list, order: tuple[str, int]
 ) -> None:
     """Waiting for each answer (a bench's run), and as a served vLLM runs: no schedule waits,
-    decisions are applied a schedule or more later, the head's cached blocks pinned until then."""
+    decisions are applied a schedule or more later, the head's cached blocks pinned until then
+    (and unpinned when the prefix order moves the head back)."""
     settings_ = Settings("peak+backfill", sidecar, token="vllm-property", blocking=blocking)
     backend = make_backend(
         settings_, SIDECAR_PAGES, PAGE, 0, engine_id=f"vllm-property-{next(_sessions)}"
     )
-    _run(SIDECAR_PAGES, "peak+backfill", requests, mode, backend, 0 if blocking else 0.001)
+    pause_s = 0 if blocking else 0.001
+    _run(SIDECAR_PAGES, "peak+backfill", requests, mode, backend, pause_s, order=order)
     # No session was lost and re-opened (none opens when every request left before a step).
     assert backend.sessions_opened <= 1
 

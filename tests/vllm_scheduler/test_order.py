@@ -1,13 +1,15 @@
 """`KVBANK_ORDER=prefix` in vLLM's real scheduler (CPU, no model): on a pool that holds one
 long shared prefix beside its requests but not two, asking the held prefix's requests first
 finishes the same work in fewer steps than arrival order, with no preemption and the ledger
-checked after every step; with `max_defer_steps` 0 it is arrival order, step for step."""
+checked after every step; with `max_defer_steps` 0 it is arrival order, step for step. The same
+over a real `kvbank sidecar`, waited on and as a served vLLM runs it (never waited on)."""
 
 from __future__ import annotations
 
 import pytest
-from vllm_builders import MODES, bench, drive
+from vllm_builders import MODES, PAGE, bench, drive
 
+from kvbank.vllm.scheduler import make_backend
 from kvbank.vllm.settings import Settings
 
 pytestmark = pytest.mark.timeout(300)
@@ -51,3 +53,50 @@ def test_with_no_deferral_allowed_prefix_order_is_arrival_order() -> None:
     never, admission = run("prefix", "sync", max_defer_steps=0)
     assert admission.order.moved == 0
     assert never.steps == fifo.steps
+
+
+def run_over(sidecar: str, order: str, blocking: bool, engine_id: str) -> tuple:
+    """`run` with the ledger in a real `kvbank sidecar`: waited on (a bench's run), or never
+    waited on, as a served vLLM runs (decisions applied a step or more later, the head's hit
+    pinned until then), with a pause per step for its replies to arrive in."""
+    settings = Settings("peak+backfill", sidecar, token="vllm-property", blocking=blocking,
+                        order=order)  # fmt: skip
+    backend = make_backend(settings, 28, PAGE, 0, engine_id=engine_id)
+    scheduler = bench(28, "peak+backfill", backend=backend, settings=settings)
+    dropped: list[str] = []
+    drop = scheduler.sched.kvbank.head_pins.drop
+    pinned = scheduler.sched.kvbank.head_pins.__contains__
+
+    def counted(rids: list[str]) -> None:
+        dropped.extend(rid for rid in rids if pinned(rid))
+        drop(rids)
+
+    scheduler.sched.kvbank.head_pins.drop = counted
+    seen = drive(scheduler, alternating(), max_steps=60000, pause_s=0 if blocking else 0.001)
+    assert backend.outstanding() == 0 and backend.sessions_opened == 1
+    return seen, scheduler.sched.kvbank, dropped
+
+
+def test_over_a_sidecar_waited_on_prefix_order_is_the_embedded_run(sidecar: str) -> None:
+    embedded, _ = run("prefix", "sync")
+    over, admission, _ = run_over(sidecar, "prefix", True, "order-waits")
+    assert admission.order.moved > 0
+    assert (over.steps, over.tokens, over.preemptions) == (
+        embedded.steps, embedded.tokens, embedded.preemptions
+    )  # fmt: skip
+
+
+def test_over_a_sidecar_never_waited_on_prefix_order_moves_pinned_heads_and_keeps_its_gain(
+    sidecar: str,
+) -> None:
+    """The plug-in reorders only while no report is in flight; a head pinned for the sidecar's
+    decision and then moved back loses its pins with its cancel (the ledger checked after every
+    step agrees with vLLM's free blocks, so a pin left behind would show)."""
+    fifo, _, _ = run_over(sidecar, "fifo", False, "order-fifo")
+    prefix, admission, dropped = run_over(sidecar, "prefix", False, "order-prefix")
+    for seen in (fifo, prefix):
+        assert seen.preemptions == 0
+        assert seen.tokens == {f"r{i}": 48 for i in range(16)}
+    assert admission.order.moved > 0
+    assert dropped, "no pinned head was moved: the unpinning was not exercised"
+    assert prefix.steps < 0.8 * fifo.steps, (prefix.steps, fifo.steps)
