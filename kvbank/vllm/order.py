@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from itertools import islice
 from typing import Any
 
 from kvbank.ledger.client import LedgerClient
@@ -34,6 +35,10 @@ from kvbank.ledger.client import LedgerClient
 ORDERS = ("fifo", "prefix")
 DEFAULT_ORDER = "fifo"
 DEFAULT_MAX_DEFER_STEPS = 2048
+# A pass looks at the first this many waiting requests: the ledger asks the head and a few
+# behind it each pass, and each move is two ledger events (a sidecar's report carries them),
+# so a long queue costs a pass at most this many moves, not one per waiting request.
+REORDER_WINDOW = 128
 
 
 def first_block(request: Any) -> Any:
@@ -60,15 +65,15 @@ class PrefixOrder:
         self, waiting: OrderedDict[str, Any], admitted: Iterable[Any], backend: LedgerClient
     ) -> list[str]:
         """Move the waiting requests whose first block no `admitted` entry's request holds
-        behind the others, in `waiting` and in the ledger's queue, before a pass; the moved
-        ids, in their order."""
+        behind the others of the first `REORDER_WINDOW`, to the queue's end, in `waiting` and in
+        the ledger's queue, before a pass; the moved ids, in their order."""
         self.steps += 1
         self._queued = {rid: v for rid, v in self._queued.items() if rid in waiting}  # left
         holding = {first_block(entry.request) for entry in admitted} - {None}
         if not holding:
             return []
         back, stays_behind = [], False
-        for rid, request in waiting.items():
+        for rid, request in islice(waiting.items(), REORDER_WINDOW):
             if self._defers(rid, request, holding):
                 back.append(rid)
             elif back:

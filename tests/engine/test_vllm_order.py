@@ -7,7 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvbank.ledger.client import embedded
-from kvbank.vllm.order import FifoOrder, PrefixOrder, make_order
+from kvbank.vllm.order import REORDER_WINDOW, FifoOrder, PrefixOrder, make_order
 
 
 @dataclass
@@ -47,6 +47,22 @@ def test_requests_of_no_held_prefix_go_behind_in_both_queues() -> None:
     assert ledger_order(backend) == list(waiting)
     # Nothing running: no prefix is held, so arrival order among the rest stays as it is.
     assert order.reorder(waiting, [], backend) == []
+
+
+def test_a_pass_looks_at_the_first_window_of_the_queue_only() -> None:
+    """A long queue of cold requests: a pass costs at most REORDER_WINDOW moves, and a request
+    of the held prefix past the window is not pulled forward."""
+    running = [Entry(Request([1]))]
+    cold = {f"c{i}": 1000 + i for i in range(REORDER_WINDOW + 20)}
+    backend, order = embedded(4096), PrefixOrder(max_defer_steps=100)
+    waiting = queue(order, backend, {**cold, "far": 1})
+    assert order.reorder(waiting, running, backend) == []
+    backend, order = embedded(4096), PrefixOrder(max_defer_steps=100)
+    waiting = queue(order, backend, {"c0": 1000, "c1": 1001, "hot": 1, **cold})
+    moved = order.reorder(waiting, running, backend)
+    assert moved == [f"c{i}" for i in range(REORDER_WINDOW - 1)]  # the window's cold ones
+    assert list(waiting)[:2] == ["hot", f"c{REORDER_WINDOW - 1}"]
+    assert ledger_order(backend) == list(waiting)
 
 
 def test_a_request_that_waited_max_defer_steps_keeps_its_place() -> None:
