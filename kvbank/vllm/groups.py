@@ -130,7 +130,8 @@ class Tables:
         self.manager = kv_cache_manager
 
     def held(self, rid: str) -> list[list[Any]]:
-        return [live(group) for group in self.manager.get_blocks(rid).blocks]
+        # The coordinator's lists, which `get_blocks` wraps in a new KVCacheBlocks each call.
+        return [live(group) for group in self.manager.coordinator.get_blocks(rid)]
 
     def hit(self, request: Any) -> list[list[Any]]:
         """The cached blocks vLLM would give this waiting request now, per group."""
@@ -151,6 +152,7 @@ class Holding:
     shared: int = 0  # of its steady blocks now, those another strict request (or a pin) holds too
     window_ids: list[int] = field(default_factory=list)  # its window and state blocks now
     _terms: Any = field(default=None, repr=False)
+    _read_tables: Any = field(default=None, repr=False)  # what `hold` last read: see there
 
     @classmethod
     def of(
@@ -172,8 +174,18 @@ class Holding:
     def hold(self, rid: str, tables: list[list[Any]], holders: Holders) -> int:
         """What vLLM holds for it now (`tables`, per group); returns the pages the ledger must
         hear as taken. Raises InvariantBreach, naming the group, where vLLM holds more than
-        kvbank counted. `holders`: see `_read`."""
-        self._read(rid, tables, holders)
+        kvbank counted. `holders`: see `_read`.
+
+        Steady groups only append while a request runs, so with no window or state group a
+        table whose length and last block are as `hold` last read them is unchanged, and is
+        not read again (a step grows a table once a block of tokens). Its `shared` may then lag
+        its blocks' sharers; sharing gained comes from a newcomer, whose own table changed (and
+        is read: `Admission.scheduled` sees its `shared` grow), or from an admission with a hit
+        or a pin, and every figure the ledger hears of sharing is `recount`ed fresh."""
+        tables_now = [(len(group), group[-1].block_id if group else -1) for group in tables]
+        if tables_now != self._read_tables or not all(self.steady):
+            self._read(rid, tables, holders)
+            self._read_tables = tables_now
         grown = 0
         for i, held in enumerate(self.now):
             if held > self.counted[i]:

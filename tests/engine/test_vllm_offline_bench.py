@@ -82,10 +82,11 @@ def test_on_the_thrash_mix_holding_one_prefix_at_a_time_packs_best() -> None:
 
 
 def test_ratios_split_throughput_into_packing_and_time_per_step() -> None:
-    stock = offline.Run("stock", 10.0, 1000, 3.9, 7, 60)
-    kvbank = offline.Run("kvbank", 16.0, 1250, 3.3, 5, 0)
+    stock = offline.Run("stock", 10.0, 1000, 3.9, 7, 60, scheduler_s=0.9)
+    kvbank = offline.Run("kvbank", 16.0, 1250, 3.3, 5, 0, scheduler_s=2.0)
     got = offline.ratios(stock, kvbank)
-    assert got == {"throughput": 0.625, "packing": 0.8, "time_per_step": 0.781}
+    assert got == {"throughput": 0.625, "packing": 0.8, "time_per_step": 0.781,
+                   "scheduler_ms_added": 0.7}  # fmt: skip
     assert got["packing"] * got["time_per_step"] == pytest.approx(got["throughput"], abs=1e-3)
 
 
