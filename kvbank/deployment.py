@@ -299,6 +299,12 @@ def parse_deployment(doc: Any) -> Deployment:
     engine = _engine(r, spec.get("engine"))
     if engine.kind == "vllm":
         _vllm_refusals(r, spec)
+    elif _section(spec, "admission").get("order") == "prefix":
+        r.fail(
+            "spec.admission.order",
+            "is prefix, which kvbank's scheduler class inside vLLM carries out; kvbank's own "
+            "engine asks in arrival order; drop it, or set spec.engine.kind: vllm",
+        )
     api_key = None
     if "apiKeySecret" in spec:
         api_key = _secret_key(r, spec["apiKeySecret"], "spec.apiKeySecret", DEFAULT_API_KEY)

@@ -104,6 +104,9 @@ class Admission:
     max_preemptions: int = MAX_PREEMPTIONS_DEFAULT
     victim: Victim = Victim.NEWEST
     estimate: Estimate = Estimate.LEARNED
+    # The order waiting strict requests meet the ledger in, inside vLLM (kvbank/vllm/order.py):
+    # arrival, or those of a prefix a running request holds first. kvbank's engine: arrival.
+    order: str = "fifo"
 
     @property
     def classes(self) -> ClassPolicy:
@@ -181,6 +184,8 @@ def _kv_slots(r: FieldReader, obj: Any) -> dict[str, KvSlot]:
 
 
 CLASS_FIELDS = ("defaultClass", "bestEffort")
+# spec.admission.order, which vLLM's scheduler class carries out (KVBANK_ORDER)
+ORDERS = ("fifo", "prefix")
 Classes = tuple[ServiceClass, int, Victim, Estimate]
 
 
@@ -290,7 +295,8 @@ def parse_modelpool(doc: Any) -> ModelPool:
         )
 
     adm = r.mapping(spec.get("admission"), "spec.admission", required=False) or {}
-    r.unknown(adm, "spec.admission", {"minConcurrency", "policy", "backfill", *CLASS_FIELDS})
+    r.unknown(adm, "spec.admission",
+              {"minConcurrency", "policy", "backfill", "order", *CLASS_FIELDS})  # fmt: skip
     min_conc = r.integer(adm, "minConcurrency", "spec.admission", lo=0, hi=MAX_PAGES, default=0)
     policy = r.string(
         adm,
@@ -305,6 +311,8 @@ def parse_modelpool(doc: Any) -> ModelPool:
         r.fail("spec.admission.backfill", f"must be true or false, got {quote(backfill)}")
 
     classes = _classes(r, adm)
+    order = r.string(adm, "order", "spec.admission", required=False, choices=ORDERS,
+                     default=Admission.order)  # fmt: skip
 
     if r.errors:
         raise SpecError(r.errors)
@@ -322,6 +330,6 @@ def parse_modelpool(doc: Any) -> ModelPool:
         kv=KvPool(page_size, pages, fraction, spec_tokens, host_pages),
         kv_slots=slots,
         limits=Limits(max_seq_len, max_tokens, batched),
-        admission=Admission(min_conc, policy, bool(backfill), *classes),
+        admission=Admission(min_conc, policy, bool(backfill), *classes, order=order or "fifo"),
         from_config=source,
     )

@@ -49,6 +49,12 @@ def read_pool(path: str) -> PoolFile:
     what to change."""
     served = read_pool_file(path, "the engine")
     where = path
+    if served.pool.admission.order != "fifo":
+        raise ValueError(
+            f"--pool {where}: spec.admission.order is {served.pool.admission.order}, which "
+            "kvbank's scheduler class inside vLLM carries out; this engine asks in arrival "
+            "order; drop it, or serve the pool with vLLM (spec.engine.kind: vllm)"
+        )
     configured = served.configured
     if configured is not None:
         groups = configured.pool.groups

@@ -31,9 +31,9 @@ from itertools import islice
 from typing import Any
 
 from kvbank.ledger.client import LedgerClient
+from kvbank.modelpool import Admission
 
-ORDERS = ("fifo", "prefix")
-DEFAULT_ORDER = "fifo"
+DEFAULT_ORDER = Admission.order
 DEFAULT_MAX_DEFER_STEPS = 2048
 # A pass looks at the first this many waiting requests: the ledger asks the head and a few
 # behind it each pass, and each move is two ledger events (a sidecar's report carries them),

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbank.modelpool import ORDERS
 from kvbank.service_class import DEFAULT_MAX_PREEMPTIONS, ServiceClass
-from kvbank.vllm.order import DEFAULT_MAX_DEFER_STEPS, DEFAULT_ORDER, ORDERS
+from kvbank.vllm.order import DEFAULT_MAX_DEFER_STEPS, DEFAULT_ORDER
 
 POLICIES = ("banker", "banker+backfill", "peak", "peak+backfill")
 DEFAULT_POLICY = "peak+backfill"

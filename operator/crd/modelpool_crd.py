@@ -32,6 +32,7 @@ from kvbank.modelpool import (
     MAX_SLOT_MULTIPLIER,
     MAX_SPECULATIVE,
     MAX_TP,
+    ORDERS,
     SERVICE_CLASSES,
     VICTIMS,
     Admission,
@@ -262,6 +263,15 @@ def _spec() -> Schema:
                         "default": Admission.default_class.value,
                     },
                     "bestEffort": _best_effort(),
+                    "order": {
+                        **enum(
+                            ORDERS,
+                            "the order waiting strict requests meet the ledger in under "
+                            "spec.engine.kind vllm: fifo (arrival) or prefix (those whose prompt "
+                            "starts with a prefix a running request holds first)",
+                        ),
+                        "default": Admission.order,
+                    },
                 }
             ),
             "template": pod_schema.template(),

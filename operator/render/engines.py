@@ -193,6 +193,7 @@ def vllm_env(
         {"name": "KVBANK_SIDECAR_TOKEN_FILE", "value": TOKEN_FILE},
         {"name": "KVBANK_DEFAULT_CLASS", "value": pool.admission.default_class.value},
         {"name": "KVBANK_MAX_PREEMPTIONS", "value": str(pool.admission.max_preemptions)},
+        {"name": "KVBANK_ORDER", "value": pool.admission.order},
     ]
     if tls:
         env.append({"name": "KVBANK_SIDECAR_CA_FILE", "value": TLS_CA_FILE})

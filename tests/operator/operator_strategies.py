@@ -77,6 +77,7 @@ BASE_SPEC = st.fixed_dictionaries(
                 "policy": st.sampled_from(["conservative", "peak"]),
                 "backfill": st.booleans(),
                 "defaultClass": st.sampled_from(["strict", "best-effort"]),
+                "order": st.just("fifo"),  # prefix: engine kind vllm's (kvbank.deployment)
                 "bestEffort": st.fixed_dictionaries(
                     {},
                     optional={
@@ -184,6 +185,7 @@ MUTATIONS: list[tuple[tuple[str, ...], Any]] = [
     (("admission",), "fast"),
     (("admission", "defaultClass"), "flex"),
     (("admission", "defaultClass"), "gold"),
+    (("admission", "order"), "lpm"),
     (("admission", "bestEffort"), 2),
     (("admission", "bestEffort", "maxPreemptions"), -1),
     (("admission", "bestEffort", "maxPreemptions"), 65),

@@ -173,6 +173,36 @@ class TestVllm:
         assert (strict["KVBANK_DEFAULT_CLASS"], strict["KVBANK_MAX_PREEMPTIONS"]) == ("strict", "2")
 
 
+class TestOrder:
+    """spec.admission.order: vLLM's scheduler class carries it out (KVBANK_ORDER)."""
+
+    @staticmethod
+    def env(doc: dict[str, Any]) -> dict[str, str]:
+        deployment = parse_deployment(doc)
+        env = vllm_env(parse_modelpool(doc), SETTINGS, deployment, tls=False)
+        return {e["name"]: e["value"] for e in env}
+
+    def test_it_reaches_the_scheduler_class_and_defaults_to_arrival(self) -> None:
+        assert parse_modelpool(pool_doc()).admission.order == "fifo"
+        assert self.env(pool_doc(engine=VLLM))["KVBANK_ORDER"] == "fifo"
+        doc = pool_doc(engine=VLLM, admission={"order": "prefix"})
+        assert parse_modelpool(doc).admission.order == "prefix"
+        assert self.env(doc)["KVBANK_ORDER"] == "prefix"
+
+    def test_a_bad_order_names_the_choices(self) -> None:
+        assert errors_of(pool_doc(admission={"order": "lpm"})) == [
+            "spec.admission.order: must be one of fifo, prefix, got 'lpm'"
+        ]
+
+    def test_kvbanks_own_engine_refuses_the_prefix_order(self) -> None:
+        with pytest.raises(SpecError) as caught:
+            parse_deployment(pool_doc(admission={"order": "prefix"}))
+        (error,) = caught.value.errors
+        assert str(error).startswith("spec.admission.order: is prefix, which kvbank's scheduler")
+        assert "set spec.engine.kind: vllm" in str(error)
+        parse_deployment(pool_doc(admission={"order": "fifo"}))  # arrival order: its own
+
+
 class TestWebhookLogic:
     AROUND = Neighbourhood({}, [], [])
 
@@ -181,6 +211,12 @@ class TestWebhookLogic:
         decision = decide(doc, self.AROUND)
         assert decision.reason == "InvalidSpec"
         assert any("spec.kv.hostPages: is 8" in v for v in decision.violations)
+
+    def test_the_webhook_refuses_the_prefix_order_under_kvbanks_engine(self) -> None:
+        decision = decide(pool_doc(admission={"order": "prefix"}), self.AROUND)
+        assert decision.reason == "InvalidSpec"
+        assert any("spec.admission.order: is prefix" in v for v in decision.violations)
+        assert decide(pool_doc(engine=VLLM, admission={"order": "prefix"}), self.AROUND).ok
 
     def test_the_class_fields_add_no_warning(self) -> None:
         doc = pool_doc(admission={"bestEffort": {"estimate": "ratio"}})

@@ -265,6 +265,7 @@ class TestEngineCommand:
             {"name": "KVBANK_SIDECAR_TOKEN_FILE", "value": "/var/run/kvbank/sidecar-token/token"},
             {"name": "KVBANK_DEFAULT_CLASS", "value": "strict"},
             {"name": "KVBANK_MAX_PREEMPTIONS", "value": "2"},
+            {"name": "KVBANK_ORDER", "value": "fifo"},
             {"name": "KVBANK_SIDECAR_CA_FILE", "value": "/etc/kvbank/sidecar-tls/ca.crt"},
         ]
 

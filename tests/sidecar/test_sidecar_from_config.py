@@ -88,6 +88,21 @@ def test_serve_refuses_a_layout_its_decoder_cannot_write(tmp_path: Path) -> None
     )
 
 
+def test_serve_refuses_the_prefix_order_which_only_vllms_scheduler_class_runs(
+    tmp_path: Path,
+) -> None:
+    path = manifest(tmp_path, "llama-3.1-8b.json", admission={"order": "prefix"})
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ValueError) as refused:
+        options_from_args(parser.parse_args(["--pool", str(path)]))
+    assert str(refused.value) == (
+        f"--pool {path}: spec.admission.order is prefix, which kvbank's scheduler class inside "
+        "vLLM carries out; this engine asks in arrival order; drop it, or serve the pool with "
+        "vLLM (spec.engine.kind: vllm)"
+    )
+
+
 def test_a_config_missing_beside_the_manifest_is_refused_naming_the_field(
     tmp_path: Path,
 ) -> None:

@@ -271,6 +271,7 @@ def vllm_pool() -> dict[str, Any]:
     # vLLM's CPU attention takes blocks of a multiple of 32 tokens.
     doc["spec"]["kv"] = {"pageSize": 32, "pages": 256}
     doc["spec"]["engine"] = {"kind": "vllm", "args": VLLM_ARGS}
+    doc["spec"]["admission"] = {"order": "prefix"}  # over the sidecar's Unix socket
     # vLLM's engine core talks to its worker through /dev/shm (160 MiB; a container's own is 64).
     doc["spec"]["template"] = {"resources": {"gpusPerRank": 0}, "shmSize": "512Mi"}
     return doc
@@ -363,6 +364,8 @@ def test_a_vllm_pool_serves_a_completion_through_its_service_and_reports_status(
     assert engine["image"] == session.node.images["kvbank-vllm"]
     assert pod["metadata"]["labels"]["inference.networking.k8s.io/engine-type"] == "vllm"
     assert "nvidia.com/gpu" not in engine["resources"].get("limits", {})
+    env = {e["name"]: e.get("value") for e in engine.get("env", [])}
+    assert (env["KVBANK_ORDER"], env["KVBANK_SIDECAR"][:7]) == ("prefix", "unix://"), env
     with port_forward(tools, NAMESPACE, f"service/{VLLM_POOL}", 80) as port:
         result = complete(port, "vLLM admits through kvbank")
     assert result["choices"][0]["text"], result
