@@ -1,7 +1,9 @@
 """`vllm serve` with kvbank's scheduler class under `KVBANK_ORDER=prefix` (kvbank/vllm/order.py)
 beside stock vLLM: two shared prompts under KV pressure, served with no preemption and stock's
-greedy tokens. Servers of their own, started after test_serve.py's have stopped, so no test
-there shares the cores with a third server."""
+greedy tokens. The ledger is a real `kvbank sidecar` process's, which the engine never waits on,
+as the operator's pods run it: the order is kept between reports (the embedded ledger's served
+runs are benchmarks/vllm_cpu.py's; the scheduler tests run both). Servers of their own, started
+after test_serve.py's have stopped, so no test there shares the cores with a third server."""
 
 from __future__ import annotations
 
@@ -12,14 +14,26 @@ import pytest
 from test_serve import BLOCKS, MAX_MODEL_LEN, press
 from vllm_server import VllmServer, start_all
 
+from kvbank.sidecar.client import SidecarClient
+from tests.sidecar.sidecar_harness import spawn_sidecar, stop_process
+
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list]:
+def sidecar() -> Iterator[str]:
+    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--debug")
+    yield f"127.0.0.1:{port}"
+    stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def servers(
+    model_dir: Path, sidecar: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list]:
     logs = tmp_path_factory.mktemp("vllm-serve-order")
     common = {"blocks": BLOCKS, "max_model_len": MAX_MODEL_LEN}
-    env = {"KVBANK_POLICY": "peak+backfill", "KVBANK_ORDER": "prefix"}
+    env = {"KVBANK_POLICY": "peak+backfill", "KVBANK_ORDER": "prefix", "KVBANK_SIDECAR": sidecar}
     both = start_all(
         [
             VllmServer(model_dir, logs / "kvbank-prefix.log", kvbank=True, env=env, **common),
@@ -32,7 +46,7 @@ def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def test_in_prefix_order_two_shared_prompts_are_served_with_no_preemption(
-    servers: list[VllmServer],
+    servers: list[VllmServer], sidecar: str
 ) -> None:
     # Two shared prompts of about 250 tokens (a block and more each), twelve requests in turn
     # from each, 240 tokens out: about 4 blocks each at its end, 15 blocks in the pool.
@@ -49,3 +63,6 @@ def test_in_prefix_order_two_shared_prompts_are_served_with_no_preemption(
     assert preemptions == 0, f"kvbank's admission let vLLM preempt {preemptions}"
     assert [len(ids) for ids in served] == [max_tokens] * requests
     assert served == results["stock"][0]  # the order changes when, not what
+    with SidecarClient(sidecar) as client:  # the sidecar's books: nothing left waiting
+        status = client.status_reply()
+    assert status.pool.total_pages == BLOCKS and not status.waiting, status
