@@ -165,10 +165,13 @@ def press(
     max_tokens: int,
     flex: frozenset[int] = frozenset(),
     prefixes: tuple[str, ...] = ("",),
+    flex_first: bool = False,
 ) -> list[list[int]]:
     """`requests` concurrent completions that all run to `max_tokens` (ignore_eos, greedy);
     the token ids each got. Those numbered in `flex` ask to be best-effort; request i's prompt
-    starts with `prefixes[i % len(prefixes)]`."""
+    starts with `prefixes[i % len(prefixes)]`. `flex_first`: the others are sent once the
+    server runs every best-effort one (or after 30 s), so they meet a pool the best-effort ones
+    hold, whatever the machine's load does to the requests' arrival."""
 
     def one(i: int) -> list[int]:
         extra: dict[str, Any] = {"ignore_eos": True, "return_token_ids": True}
@@ -184,7 +187,18 @@ def press(
         return list(getattr(reply.choices[0], "token_ids", None) or [])
 
     with ThreadPoolExecutor(requests) as pool:
-        return list(pool.map(one, range(requests)))
+        if not flex_first:
+            return list(pool.map(one, range(requests)))
+        early = {i: pool.submit(one, i) for i in sorted(flex)}
+        deadline = time.monotonic() + 30
+        while (
+            server.metric("vllm:num_requests_running") < len(flex)
+            and time.monotonic() < deadline
+            and not any(f.done() for f in early.values())
+        ):
+            time.sleep(0.05)
+        later = {i: pool.submit(one, i) for i in range(requests) if i not in flex}
+        return [{**early, **later}[i].result() for i in range(requests)]
 
 
 def test_under_kv_pressure_stock_vllm_preempts_and_kvbank_never_does(
@@ -215,10 +229,13 @@ def test_best_effort_requests_run_beside_strict_ones_and_only_they_are_preempted
     # The pressure above, half of it best-effort: the strict half is admitted by the ledger and
     # never preempted; the best-effort half runs on what it leaves and is taken back, then
     # promoted after KVBANK_MAX_PREEMPTIONS (kvbank/vllm/classes.py), so every request finishes.
+    # The best-effort half is sent first and the strict half once it runs, so the strict half
+    # always meets a pool the best-effort half holds (sent together on a loaded machine, the
+    # strict half could be admitted first and the best-effort half then wait, never preempted).
     requests, max_tokens = 12, 320
     flex = frozenset(range(1, requests, 2))
     before = kvbank.metric("vllm:num_preemptions_total")
-    served = press(kvbank, requests, max_tokens, flex)
+    served = press(kvbank, requests, max_tokens, flex, flex_first=True)
     preempted = kvbank.metric("vllm:num_preemptions_total") - before
     print(f"kvbank, half best-effort: {preempted:.0f} preemptions")
     assert [len(ids) for ids in served] == [max_tokens] * requests
