@@ -9,12 +9,6 @@ Layouts kvbank cannot count are refused at start-up, naming the group."""
 from __future__ import annotations
 
 import functools
-import os
-import re
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,7 +35,6 @@ from kvbank.vllm.scheduler import make_backend
 from kvbank.vllm.settings import Settings
 
 pytestmark = pytest.mark.timeout(900)
-ROOT = Path(__file__).resolve().parents[2]
 PAGE = 16
 BATCH = 64  # a small step budget, so a window's cap (window + one step) binds
 FULL = {"prompt": 1, "output": 1}
@@ -171,26 +164,6 @@ def test_random_workloads_on_several_groups_never_preempt_and_stay_within_each_g
     _run(layout, pages, policy, requests)
 
 
-@pytest.fixture(scope="module")
-def sidecar() -> Iterator[str]:
-    """A real `kvbank sidecar` on loopback, peak+backfill, with debug checks."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbank.cli", "sidecar", "--listen", "127.0.0.1:0",
-         "--metrics-port", "-1", "--policy", "peak+backfill", "--debug"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        match = re.search(r"serving on [\d.]+:(\d+)", line)
-        assert match, f"the sidecar did not start: {line!r}"
-        yield f"127.0.0.1:{match.group(1)}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 _sessions = iter(range(1 << 30))
 
 
@@ -200,7 +173,7 @@ _sessions = iter(range(1 << 30))
 def test_a_hybrid_pool_over_a_real_sidecar(sidecar: str, blocking: bool, requests: list) -> None:
     """Sliding window and full attention over the sidecar, waited on and not (the head's whole
     hit pinned until the decision arrives)."""
-    chosen = Settings("peak+backfill", sidecar, blocking=blocking)
+    chosen = Settings("peak+backfill", sidecar, token="vllm-property", blocking=blocking)
     lookahead = 0
     backend = make_backend(chosen, 48, PAGE, lookahead, engine_id=f"groups-{next(_sessions)}")
     _run("sliding+full", 48, "peak+backfill", requests, backend, 0 if blocking else 0.001)
