@@ -74,13 +74,18 @@ def test_serve_takes_a_full_attention_layout_as_its_one_label(tmp_path: Path) ->
     assert (options.pages, options.kv_label) == (judged_pages(path), "full")
 
 
-def test_serve_refuses_a_layout_its_decoder_cannot_write(tmp_path: Path) -> None:
-    path = manifest(tmp_path, "gpt-oss-20b.json")
+def serve_refusal(path: Path) -> str:
+    """What `kvbank serve --pool path` says as it refuses the pool."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     with pytest.raises(ValueError) as refused:
         options_from_args(parser.parse_args(["--pool", str(path)]))
-    assert str(refused.value) == (
+    return str(refused.value)
+
+
+def test_serve_refuses_a_layout_its_decoder_cannot_write(tmp_path: Path) -> None:
+    path = manifest(tmp_path, "gpt-oss-20b.json")
+    assert serve_refusal(path) == (
         f"--pool {path}: spec.model.architecture.fromConfig lays this model out in 2 KV "
         "group(s): sliding (12 layers, window 128: at most 265 pages), full (12 layers, every "
         "position); this engine's decoder writes one group of full attention. Serve it with "
@@ -92,11 +97,7 @@ def test_serve_refuses_the_prefix_order_which_only_vllms_scheduler_class_runs(
     tmp_path: Path,
 ) -> None:
     path = manifest(tmp_path, "llama-3.1-8b.json", admission={"order": "prefix"})
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    with pytest.raises(ValueError) as refused:
-        options_from_args(parser.parse_args(["--pool", str(path)]))
-    assert str(refused.value) == (
+    assert serve_refusal(path) == (
         f"--pool {path}: spec.admission.order is prefix, which kvbank's scheduler class inside "
         "vLLM carries out; this engine asks in arrival order; drop it, or serve the pool with "
         "vLLM (spec.engine.kind: vllm)"

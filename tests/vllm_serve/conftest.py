@@ -44,3 +44,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
     for name, value in getattr(item, "funcargs", {}).items():
         if isinstance(value, VllmServer):
             report.sections.append((f"{name}: vllm serve log (tail)", value.log_tail()))
+
+
+@pytest.fixture(scope="module")
+def sidecar() -> Iterator[str]:
+    """A real `kvbank sidecar` process on loopback, with its debug checks; a module's own."""
+    from tests.sidecar.sidecar_harness import spawn_sidecar, stop_process
+
+    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--debug")
+    yield f"127.0.0.1:{port}"
+    stop_process(proc)

@@ -15,16 +15,8 @@ from test_serve import BLOCKS, MAX_MODEL_LEN, press
 from vllm_server import VllmServer, start_all
 
 from kvbank.sidecar.client import SidecarClient
-from tests.sidecar.sidecar_harness import spawn_sidecar, stop_process
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def sidecar() -> Iterator[str]:
-    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--debug")
-    yield f"127.0.0.1:{port}"
-    stop_process(proc)
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,10 @@ import pytest
 from vllm_server import MODEL_NAME, VllmServer, start_all
 
 from kvbank.sidecar.client import SidecarClient
-from tests.sidecar.sidecar_harness import spawn_sidecar, stop_process
 
 pytestmark = pytest.mark.timeout(600)
 
 BLOCKS = 16
-
-
-@pytest.fixture(scope="module")
-def sidecar() -> Iterator[str]:
-    proc, port, _ = spawn_sidecar("--metrics-port", "-1", "--debug")
-    yield f"127.0.0.1:{port}"
-    stop_process(proc)
 
 
 @pytest.fixture(scope="module")
