@@ -23,8 +23,16 @@ class Recorder:
         self.arrived: dict[str, float] = {}  # rid -> arrival time, for the wait histogram
 
     def arrive(self, rids: list[str], now: float) -> None:
+        """A report's arrivals. A request the engine moved back in the queue (cancelled, then
+        submitted again in the same report: vLLM's prefix order) keeps its first arrival."""
         for rid in rids:
-            self.arrived[rid] = now
+            self.arrived.setdefault(rid, now)
+
+    def forget_left(self, ledger: Ledger) -> None:
+        """After a report's decisions are recorded (each admission's wait observed): forget the
+        arrivals of requests that left unadmitted, so cancelled requests do not pile up."""
+        if len(self.arrived) > ledger.waiting_count():
+            self.arrived = {r: t for r, t in self.arrived.items() if r in ledger.books.waiting}
 
     def stalled(self, before: Ledger | None, after: Ledger) -> None:
         """The steps `after` closed with a stalled request since `before`, counted."""

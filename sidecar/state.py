@@ -219,6 +219,7 @@ class AdmissionState:
         self.recorder.arrive(arrived, now)
         reply = pb.ReportReply(waiting=ledger.waiting_count(), backfilling=ledger.backfilling())
         self.recorder.record_all(reply, decisions, s, now, unapplied)
+        self.recorder.forget_left(ledger)
         s.unapplied_idle = unapplied
         if waited:
             self.metrics.waits.inc()
