@@ -293,8 +293,7 @@ class Admission:
         running = _running()
         holders = self.classes.strict_holders()
         for rid, entry in self.admitted.items():
-            request = entry.request
-            if request.status != running:
+            if entry.request.status != running:
                 continue
             entry.unpin(self.pool)  # vLLM holds the hit now
             holding = entry.holding
@@ -303,8 +302,8 @@ class Admission:
             if holding.shared > shared:
                 # vLLM caches a prompt's full blocks as it allocates them, so a request
                 # scheduled after another in one step can hit blocks the other just took, which
-                # the other no longer returns alone: counted as taken (it needs no more of
-                # them), the ledger hears the exact exclusive counts at this step's end.
+                # the other no longer returns alone: counted as taken, the ledger hears the
+                # exact exclusive counts at this step's end.
                 self._sharing_changed = True
             if grown:
                 self.backend.take(rid, grown)
@@ -343,10 +342,11 @@ class Admission:
         self.stalled_steps = ended.stalled_steps
 
     def _release(self, rid: str) -> None:
-        self.admitted.pop(rid).unpin(self.pool)
+        entry = self.admitted.pop(rid)
+        entry.unpin(self.pool)
         self.classes.cancel(rid)  # a promoted request's offsets
         self.backend.release(rid)
-        if self.admitted:
+        if self.admitted and entry.holding.shared:  # its sharers may now hold those alone
             self._sharing_changed = True
 
     def _sync_supply(self) -> None:
