@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("kvbank", "vllm"),
         default="kvbank",
         help="kvbank's engine, or vLLM's own v1 scheduler and KV cache manager (policies vllm, "
-        "vllm+banker, vllm+peak+backfill; runs in vLLM's environment, see `make vllm-venv`)",
+        "vllm+banker, vllm+peak+backfill, vllm+peak+backfill+prefix: the prefix order; runs in "
+        "vLLM's environment, see `make vllm-venv`)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON, one object per policy")
     parser.add_argument(

@@ -1,5 +1,5 @@
 """`kvbank bench --engine vllm`: the scenario through vLLM's own scheduler (policies `vllm`,
-`vllm+banker`, `vllm+peak+backfill`).
+`vllm+banker`, `vllm+peak+backfill`, `vllm+peak+backfill+prefix`).
 
 vLLM lives in its own virtual environment (its torch pin differs from the engine's). When this
 interpreter cannot import vllm, the command runs itself again under the interpreter that can:
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from kvbank.engine.bench.scenario import Scenario
 
-POLICIES = ("vllm", "vllm+banker", "vllm+peak+backfill")  # kvbank.engine.bench.vllm_simulate
+# kvbank.engine.bench.vllm_simulate; +prefix: KVBANK_ORDER=prefix
+POLICIES = ("vllm", "vllm+banker", "vllm+peak+backfill", "vllm+peak+backfill+prefix")
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the checkout: engine/bench/ -> root
 
 

@@ -33,11 +33,13 @@ from kvbank.service_class import ServiceClass
 from kvbank.vllm.settings import Settings
 
 # `kvbank bench --engine vllm` policies: stock vLLM, and vLLM with kvbank's scheduler class
-# running the named ledger policy.
+# running the named ledger policy, its waiting requests in arrival order or, `+prefix`, in the
+# prefix order (kvbank/vllm/order.py, KVBANK_ORDER).
 VLLM_POLICIES: dict[str, str | None] = {
     "vllm": None,
     "vllm+banker": "banker",
     "vllm+peak+backfill": "peak+backfill",
+    "vllm+peak+backfill+prefix": "peak+backfill",
 }
 
 
@@ -54,7 +56,8 @@ def run_vllm_policy(
     ledger_policy = VLLM_POLICIES[policy]
     settings = None
     if ledger_policy is not None:  # a bench waits for the sidecar's answers: the embedded run
-        settings = Settings(ledger_policy, sidecar, blocking=True)
+        order = "prefix" if policy.endswith("+prefix") else "fifo"
+        settings = Settings(ledger_policy, sidecar, blocking=True, order=order)
     bench = VllmBench(scenario, settings, async_scheduling=async_scheduling)
     workload = scenario.workload
     arrivals = Arrivals(workload)
