@@ -33,13 +33,13 @@ from kvbank.service_class import ServiceClass
 from kvbank.vllm.settings import Settings
 
 # `kvbank bench --engine vllm` policies: stock vLLM, and vLLM with kvbank's scheduler class
-# running the named ledger policy, its waiting requests in arrival order or, `+prefix`, in the
-# prefix order (kvbank/vllm/order.py, KVBANK_ORDER).
-VLLM_POLICIES: dict[str, str | None] = {
+# running the named ledger policy with its waiting requests in the named order (arrival, or
+# the prefix order: kvbank/vllm/order.py, KVBANK_ORDER).
+VLLM_POLICIES: dict[str, tuple[str, str] | None] = {
     "vllm": None,
-    "vllm+banker": "banker",
-    "vllm+peak+backfill": "peak+backfill",
-    "vllm+peak+backfill+prefix": "peak+backfill",
+    "vllm+banker": ("banker", "fifo"),
+    "vllm+peak+backfill": ("peak+backfill", "fifo"),
+    "vllm+peak+backfill+prefix": ("peak+backfill", "prefix"),
 }
 
 
@@ -53,11 +53,11 @@ def run_vllm_policy(
 ) -> RunResult:
     """`sidecar` (host:port) keeps a kvbank policy's ledger in that `kvbank sidecar`, which
     must run the same policy; `async_scheduling` steps vLLM as its async scheduling does."""
-    ledger_policy = VLLM_POLICIES[policy]
+    kvbank = VLLM_POLICIES[policy]
+    ledger_policy = kvbank[0] if kvbank is not None else None
     settings = None
-    if ledger_policy is not None:  # a bench waits for the sidecar's answers: the embedded run
-        order = "prefix" if policy.endswith("+prefix") else "fifo"
-        settings = Settings(ledger_policy, sidecar, blocking=True, order=order)
+    if kvbank is not None:  # a bench waits for the sidecar's answers: the embedded run
+        settings = Settings(kvbank[0], sidecar, blocking=True, order=kvbank[1])
     bench = VllmBench(scenario, settings, async_scheduling=async_scheduling)
     workload = scenario.workload
     arrivals = Arrivals(workload)

@@ -188,8 +188,8 @@ class Admission:
             # Every answer is known: a request that left was either admitted, and released by
             # `_apply` ahead of the supply below, or never will be. A moved head's pins go.
             self.head_pins.settle()
-            moved = self.order.reorder(self.waiting, self.admitted.values(), self.backend)
-            self.head_pins.drop(moved)
+            for rid in self.order.reorder(self.waiting, self.admitted.values(), self.backend):
+                self.head_pins.unpin(rid, in_flight=False)
             self._pin_head(later)
             self._sync_supply()
         self._apply(later, later.poll(max(0, self.pace.running_cap - len(self.admitted))))

@@ -105,21 +105,18 @@ class HeadPins:
             self.pool.free_blocks(dropped)
         return kept
 
-    def unpin(self, rid: str, in_flight: bool, holders: Callable[[Any], int]) -> None:
-        """Drop every pin of a request that left. `in_flight`: a report is on its way, whose
-        answer may admit it with those pins as its hit."""
+    def unpin(self, rid: str, in_flight: bool, holders: Callable[[Any], int] | None = None) -> None:
+        """Drop every pin of a request that left, or that the order moved back while no
+        decision was in flight (kvbank.vllm.order: the cancel that moved it made the ledger
+        forget its hit). `in_flight`: a report is on its way, whose answer may admit it with
+        those pins as its hit; `holders` then counts what comes back to the supply."""
         pins = self._pins.pop(rid, None)
         if not pins:
             return
         if in_flight:
+            assert holders is not None
             self.unpinned_in_flight += sum(1 for b in flat(pins) if holders(b) == 1)
         self.pool.free_blocks(flat(pins))
-
-    def drop(self, rids: list[str]) -> None:
-        """Drop every pin of requests moved back in the ledger's queue while no decision was in
-        flight (kvbank.vllm.order): the cancel that moved one made the ledger forget its hit."""
-        for rid in rids:
-            self.pool.free_blocks(flat(self._pins.pop(rid, [])))
 
     def settle(self) -> None:
         """Every answer is known: a request that left was either admitted, and released ahead

@@ -7,6 +7,7 @@ over a real `kvbank sidecar`, waited on and as a served vLLM runs it (never wait
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm_builders import MODES, PAGE, bench, drive
@@ -66,15 +67,16 @@ def run_over(sidecar: str, order: str, blocking: bool, engine_id: str) -> tuple:
                         order=order)  # fmt: skip
     backend = make_backend(settings, 28, PAGE, 0, engine_id=engine_id)
     scheduler = bench(28, "peak+backfill", backend=backend, settings=settings)
-    dropped: list[str] = []
-    drop = scheduler.sched.kvbank.head_pins.drop
-    pinned = scheduler.sched.kvbank.head_pins.__contains__
+    admission = scheduler.sched.kvbank
+    dropped: list[str] = []  # pinned heads unpinned while still waiting: moved back
+    unpin = admission.head_pins.unpin
 
-    def counted(rids: list[str]) -> None:
-        dropped.extend(rid for rid in rids if pinned(rid))
-        drop(rids)
+    def counted(rid: str, *args: Any, **kwargs: Any) -> None:
+        if rid in admission.head_pins and rid in admission.waiting:
+            dropped.append(rid)
+        unpin(rid, *args, **kwargs)
 
-    scheduler.sched.kvbank.head_pins.drop = counted
+    admission.head_pins.unpin = counted
     seen = drive(scheduler, alternating(), max_steps=60000, pause_s=0 if blocking else 0.001)
     assert backend.outstanding() == 0 and backend.sessions_opened == 1
     return seen, scheduler.sched.kvbank, dropped
