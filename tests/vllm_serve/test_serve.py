@@ -166,12 +166,14 @@ def press(
     flex: frozenset[int] = frozenset(),
     prefixes: tuple[str, ...] = ("",),
     flex_first: bool = False,
+    flex_tokens: int | None = None,
 ) -> list[list[int]]:
     """`requests` concurrent completions that all run to `max_tokens` (ignore_eos, greedy);
-    the token ids each got. Those numbered in `flex` ask to be best-effort; request i's prompt
-    starts with `prefixes[i % len(prefixes)]`. `flex_first`: the others are sent once the
-    server runs every best-effort one (or after 30 s), so they meet a pool the best-effort ones
-    hold, whatever the machine's load does to the requests' arrival."""
+    the token ids each got. Those numbered in `flex` ask to be best-effort, and run to
+    `flex_tokens` where given; request i's prompt starts with `prefixes[i % len(prefixes)]`.
+    `flex_first`: the others are sent once the server runs every best-effort one (or after
+    30 s), so they meet a pool the best-effort ones hold, whatever the machine's load does to
+    the requests' arrival."""
 
     def one(i: int) -> list[int]:
         extra: dict[str, Any] = {"ignore_eos": True, "return_token_ids": True}
@@ -180,7 +182,7 @@ def press(
         reply = server.client.completions.create(
             model=MODEL_NAME,
             prompt=f"{prefixes[i % len(prefixes)]}{i} {PROMPTS[i % len(PROMPTS)]} {i}",
-            max_tokens=max_tokens,
+            max_tokens=flex_tokens if i in flex and flex_tokens else max_tokens,
             temperature=0,
             extra_body=extra,
         )
@@ -226,18 +228,23 @@ def test_under_kv_pressure_stock_vllm_preempts_and_kvbank_never_does(
 def test_best_effort_requests_run_beside_strict_ones_and_only_they_are_preempted(
     kvbank: VllmServer,
 ) -> None:
-    # The pressure above, half of it best-effort: the strict half is admitted by the ledger and
-    # never preempted; the best-effort half runs on what it leaves and is taken back, then
-    # promoted after KVBANK_MAX_PREEMPTIONS (kvbank/vllm/classes.py), so every request finishes.
-    # The best-effort half is sent first and the strict half once it runs, so the strict half
-    # always meets a pool the best-effort half holds (sent together on a loaded machine, the
-    # strict half could be admitted first and the best-effort half then wait, never preempted).
-    requests, max_tokens = 12, 320
+    # Half of twelve requests best-effort: the strict half is admitted by the ledger and never
+    # preempted; the best-effort half runs on what it leaves and is taken back, then promoted
+    # after KVBANK_MAX_PREEMPTIONS (kvbank/vllm/classes.py), so every request finishes.
+    # The pressure does not rest on how close together requests arrive: the strict half is sent
+    # once vLLM runs all six best-effort ones at once. Six on 15 blocks, the second least
+    # advanced then holds 2 blocks at most (256 tokens). Running to 1,400 tokens (12 blocks),
+    # the two least advanced cannot both keep their pages: when the second ends, the first is
+    # past 1,144 (9 blocks). Before, a best-effort request ran to 320 tokens, and one arriving
+    # late on a loaded machine let the others finish first: no preemption (CI, once).
+    requests, max_tokens, flex_tokens = 12, 320, 1400
     flex = frozenset(range(1, requests, 2))
     before = kvbank.metric("vllm:num_preemptions_total")
-    served = press(kvbank, requests, max_tokens, flex, flex_first=True)
+    served = press(kvbank, requests, max_tokens, flex, flex_first=True, flex_tokens=flex_tokens)
     preempted = kvbank.metric("vllm:num_preemptions_total") - before
     print(f"kvbank, half best-effort: {preempted:.0f} preemptions")
-    assert [len(ids) for ids in served] == [max_tokens] * requests
+    assert [len(ids) for ids in served] == [
+        flex_tokens if i in flex else max_tokens for i in range(requests)
+    ]
     assert "which kvbank admitted" not in kvbank.log_text()
     assert preempted > 0, "no best-effort request was preempted: the pool was not under pressure"
