@@ -27,16 +27,15 @@ less what windows freed that the ledger still counts as their requests' (kvbank.
 Each of vLLM's KV cache groups is a label of the request's count (kvbank.vllm.layout); a hit, a
 pin and what a request holds are its blocks in every group, null blocks left out.
 
-Best-effort requests (kvbank.vllm.classes) are never in the ledger's books: the supply counts
-blocks only they hold as reclaimable, hits and exclusive pages count a block's strict holders
-and pins only, and they are preempted to make room for strict ones.
+Best-effort requests (kvbank.vllm.classes) are never in the ledger's books: blocks only they hold
+are reclaimable supply, and they are preempted to make room for strict ones.
 
-Under vLLM's async scheduling a step is scheduled while the model runs the previous one, and
-its output is processed after the next schedule: what the ledger is told after a step's output
-(num_computed_tokens already counts the next step's positions) covers every schedule before it,
-and its step k from then is vLLM's k-th schedule. Output tokens and releases, and so finishes,
-come a step late, as vLLM frees blocks (a request's curve depends only on what it wrote and may
-still produce). A schedule that follows another with no output between (the first after the
+Under vLLM's async scheduling a step is scheduled while the model runs the previous one, and its
+output is processed after the next schedule: what the ledger is told after a step's output (its
+num_computed_tokens counts the next step's positions) covers every schedule before it, and its
+step k from then is vLLM's k-th schedule. Output tokens and releases, and so finishes, come a
+step late, as vLLM frees blocks (a request's curve depends only on what it wrote and may still
+produce). A schedule that follows another with no output between (the first after the
 engine was idle) admits nothing: the ledger has not heard what the previous one allocated.
 
 The prefill bound of a peak-fit admission is kvbank's engine's (`PrefillPace`): decode rows go
@@ -49,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
+from operator import attrgetter
 from typing import Any
 
 from kvbank.capacity import CapacityModel, PageCount, RequestShape, count_pages, refusal
@@ -63,6 +63,7 @@ from kvbank.vllm.pins import HeadPins
 from kvbank.vllm.settings import Settings
 
 log = logging.getLogger(__name__)
+_RID = attrgetter("request_id")
 
 
 class Admission:
@@ -108,6 +109,7 @@ class Admission:
         self.classes = Classes(sched, self.tables, settings)
         self.order = make_order(settings.order, settings.max_defer_steps)
         self._holders = self.classes.strict_holders()  # a block's strict holders, this pass
+        self._ahead: int | None = None  # the admitted prompts' rest (`_chunks`), this pass
 
     # ---- arrivals ------------------------------------------------------------------------------
 
@@ -157,6 +159,7 @@ class Admission:
         # running strict request advances every step, which peak-fit's promises rely on; then
         # best-effort rows, so vLLM's FCFS victim (`running[-1]`) is one while one runs.
         self.sched.running.sort(key=self.classes.running_order)
+        self._ahead = None  # vLLM computed prompt tokens since
         for request, count, shape in self.classes.promotions(self.model):
             self._submit(request, count, shape)  # strict from now on
         if self._reported:  # async scheduling, a schedule right after another: see the docstring
@@ -172,7 +175,8 @@ class Admission:
             # Best-effort holdings do not change while the ledger is asked: counted once.
             self._holders = self.classes.strict_holders()
             self.order.reorder(self.waiting, self.admitted.values(), self.backend)
-            done = ask_in_order(self.backend, self._queue, _rid, self._ask, self.depth, self._bound)
+            done = ask_in_order(self.backend, lambda: [*self.waiting.values()], _RID, self._ask,
+                                self.depth, self._bound)  # fmt: skip
             for _, admitted in done:
                 self._started(admitted)
         self._peeked.clear()
@@ -185,8 +189,8 @@ class Admission:
         waiting requests and pin the head; send the next report without waiting for its answer."""
         self._apply(later, later.collect())
         if later.settled():
-            # Every answer is known: a request that left was either admitted, and released by
-            # `_apply` ahead of the supply below, or never will be. A moved head's pins go.
+            # Every answer is known: a request that left was admitted (and released by `_apply`
+            # ahead of the supply below) or never will be. A moved head's pins go.
             self.head_pins.settle()
             for rid in self.order.reorder(self.waiting, self.admitted.values(), self.backend):
                 self.head_pins.unpin(rid, in_flight=False)
@@ -196,9 +200,8 @@ class Admission:
 
     def _pin_head(self, later: LateAnswers) -> None:
         """Pin more of the head's computed blocks within the ledger's headroom (`HeadPins.pin`)
-        and tell the ledger: the pages the pins cost, the pinned blocks as the head's hit, held,
-        with no idle part, and (peak-fit, a pin that shares a block) the admitted requests'
-        exact exclusive counts."""
+        and tell the ledger the pins' cost, the pinned blocks as the head's hit (held, none idle)
+        and (peak-fit, a pin that shares a block) the admitted requests' exclusive counts."""
         head = next(iter(self.waiting.values()), None)
         if head is None:
             return
@@ -232,21 +235,17 @@ class Admission:
             if chunks is not None:
                 later.start(rid, chunks)  # before vLLM takes the prompt's blocks
             holding = Holding.of(self.model, request, count, pins, holders)
-            self.admitted[rid] = Entry(request, holding, pins, chunks)
-            if decision.hit.pages:
-                self._sharing_changed = True
-            self.sched._enqueue_waiting_request(request)  # as vLLM queues an arrival
-
-    def _queue(self) -> list[Any]:
-        return list(self.waiting.values())
+            self._enter(request, Entry(request, holding, pins, chunks), decision)
 
     def _chunks(self, request: Any) -> int | None:
-        """Its prefill bound if admitted now (peak-fit): the admitted prompts' rest, then its."""
+        """Its prefill bound if admitted now (peak-fit): the admitted prompts' rest, then its.
+        The rest is summed once until a request is admitted, not for every candidate."""
         if not self.peak:
             return None
-        admitted = (e.request for e in self.admitted.values() if e.chunks is not None)
-        ahead = sum(r.num_tokens - r.num_computed_tokens for r in admitted)
-        return self.pace.bound(ahead, request.num_tokens)
+        if self._ahead is None:
+            admitted = (e.request for e in self.admitted.values() if e.chunks is not None)
+            self._ahead = sum(r.num_tokens - r.num_computed_tokens for r in admitted)
+        return self.pace.bound(self._ahead, request.num_tokens)
 
     def _bound(self, request: Any) -> tuple[int, int | None]:
         """What `_ask` gives without the look-up: the most its hit can count (every full block
@@ -274,12 +273,16 @@ class Admission:
         chunks = self._chunks(request)
         self.pool.touch(flat(pin))
         holding = Holding.of(self.model, request, self.counts.pop(rid), pin, self._holders)
-        self.admitted[rid] = Entry(request, holding, pin, chunks)
         if taken:
             self.backend.take(rid, taken)  # the pin took them off the supply
-        if decision.hit.pages:
-            self._sharing_changed = True
-        self.sched._enqueue_waiting_request(request)  # as vLLM queues an arrival
+        self._enter(request, Entry(request, holding, pin, chunks), decision)
+
+    def _enter(self, request: Any, entry: Entry, decision: Admitted) -> None:
+        """An admitted request joins vLLM's waiting queue, as vLLM queues an arrival."""
+        self.admitted[decision.rid] = entry
+        self._ahead = None  # its prompt is now ahead of the next
+        self._sharing_changed |= decision.hit.pages > 0
+        self.sched._enqueue_waiting_request(request)
 
     # ---- after vLLM scheduled ------------------------------------------------------------------
 
@@ -343,6 +346,7 @@ class Admission:
 
     def _release(self, rid: str) -> None:
         entry = self.admitted.pop(rid)
+        self._ahead = None
         entry.unpin(self.pool)
         self.classes.cancel(rid)  # a promoted request's offsets
         self.backend.release(rid)
@@ -394,7 +398,3 @@ def _running() -> Any:
     from vllm.v1.request import RequestStatus
 
     return RequestStatus.RUNNING
-
-
-def _rid(request: Any) -> str:
-    return str(request.request_id)
