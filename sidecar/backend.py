@@ -51,7 +51,7 @@ from kvbank.ledger import (
 )
 from kvbank.ledger.client import StepEnd
 from kvbank.proto import admission_pb2 as pb
-from kvbank.sidecar.backend_wire import BackendBooks, Outage, ReportWire
+from kvbank.sidecar.backend_wire import ENGINE_OUTAGE_EFFECT, BackendBooks, Outage, ReportWire
 from kvbank.sidecar.client import SidecarClient, SidecarError, unreachable_message
 from kvbank.sidecar.wire_forms import hit_to_wire, pace_of, shape_to_wire, submit_to_wire
 
@@ -74,10 +74,13 @@ class SidecarBackend:
         blocking: bool = True,
         lease_s: float = 10.0,
         unanswered_s: float | None = None,
+        outage_effect: str = ENGINE_OUTAGE_EFFECT,
     ) -> None:
         self.blocking = blocking
         self.books = BackendBooks()
-        self.wire = ReportWire(client, self.books, total_pages, engine_id, lease_s, unanswered_s)
+        self.wire = ReportWire(
+            client, self.books, total_pages, engine_id, lease_s, unanswered_s, outage_effect
+        )
         self._backfilling = False  # the last in-step answer's
 
     @property
@@ -371,12 +374,14 @@ def connect(
     engine_id: str = "engine",
     tls_server_name: str | None = None,
     verify: bool = False,
+    outage_effect: str = ENGINE_OUTAGE_EFFECT,
 ) -> SidecarBackend:
     """The factory `kvbank serve --sidecar` and `kvbank bench --sidecar` call. `verify` asks the
     sidecar for its status first (token and TLS included) and raises ValueError, saying what to
     fix, when it cannot answer. Non-blocking, a report unanswered for `SERVING_UNANSWERED_S`
     starts an outage (`SidecarBackend.outage`): the engine then refuses new requests at once
-    rather than keep them waiting on a ledger it cannot reach."""
+    rather than keep them waiting on a ledger it cannot reach (`outage_effect`: what the host
+    does instead, for its log line)."""
     client = SidecarClient(address, token=token, tls_ca=tls_ca, tls_server_name=tls_server_name)
     if verify:
         try:
@@ -385,4 +390,7 @@ def connect(
             client.close()
             raise ValueError(unreachable_message(address, exc, token, tls_ca)) from exc
     unanswered_s = None if blocking else SERVING_UNANSWERED_S
-    return SidecarBackend(client, total_pages, engine_id, blocking, unanswered_s=unanswered_s)
+    return SidecarBackend(
+        client, total_pages, engine_id, blocking, unanswered_s=unanswered_s,
+        outage_effect=outage_effect,
+    )  # fmt: skip

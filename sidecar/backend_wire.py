@@ -36,6 +36,8 @@ from kvbank.sidecar.client import SessionLost, SidecarClient, SidecarError, Side
 from kvbank.sidecar.wire_forms import Report, as_ledger_error, submit_to_wire
 
 log = logging.getLogger("kvbank.sidecar")
+# What kvbank's own engine does while its sidecar is away (the outage's log line says it).
+ENGINE_OUTAGE_EFFECT = "new requests get 503 and /health fails until it answers"
 
 
 @dataclass
@@ -138,8 +140,10 @@ class ReportWire:
         engine_id: str = "engine",
         lease_s: float = 10.0,
         unanswered_s: float | None = None,
+        outage_effect: str = ENGINE_OUTAGE_EFFECT,
     ) -> None:
         self.client = client
+        self.outage_effect = outage_effect  # what the host does while admission is lost
         # Non-blocking: how long a call may go unanswered before the outage starts (the retry
         # budget of its calls; None: the client's own).
         self.unanswered_s = unanswered_s
@@ -292,10 +296,9 @@ class ReportWire:
         )
         if previous is None or previous.code != exc.code:
             log.error(
-                "%s; admitting nothing: new requests get 503 and /health fails until it "
-                "answers, running requests keep their pages and finish; retrying every %.1f s "
-                "at most",
-                self.outage.describe(), self.RETRY_MAX_S,
+                "%s; admitting nothing: %s, running requests keep their pages and finish; "
+                "retrying every %.1f s at most",
+                self.outage.describe(), self.outage_effect, self.RETRY_MAX_S,
             )  # fmt: skip
 
     # ---- both ------------------------------------------------------------------------------

@@ -40,6 +40,12 @@ from kvbank.vllm.versions import check_vllm_version, installed_vllm_version
 log = logging.getLogger(__name__)
 # Requests tried behind a refused head each step, as kvbank's own engine tries.
 BACKFILL_DEPTH = 32
+# While the sidecar is away requests wait in vLLM, whose /health cannot say so: a pod's
+# readiness must follow its sidecar container's, as the operator renders it.
+OUTAGE_EFFECT = (
+    "new and waiting requests wait until it answers (vLLM's /health still answers 200; the "
+    "pod is unready while its sidecar container is)"
+)
 
 
 def make_backend(
@@ -72,6 +78,7 @@ def make_backend(
         # One engine per pod: a restarted engine opens its session under the same name, and
         # the sidecar drops what the old one held.
         engine_id=engine_id or f"vllm-{socket.gethostname()}",
+        outage_effect=OUTAGE_EFFECT,
     )
     if peak is not None:
         backend.configure(settings.policy, peak)

@@ -17,7 +17,7 @@ from typing import Any
 from kvbank.sidecar import server
 from kvbank.sidecar.client import SidecarClient
 
-READY = re.compile(r"serving on [\d.]+:(\d+), metrics (?:[\d.]+:(\d+)|off)")
+READY = re.compile(r"serving on (?:[\d.]+:(\d+)|unix://\S+), metrics (?:[\d.]+:(\d+)|off)")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -78,7 +78,7 @@ def spawn_sidecar(
     *args: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], int, int | None]:
     """Start `kvbank sidecar` on an ephemeral loopback port (or the `--listen` in `args`);
-    returns (process, port, metrics)."""
+    returns (process, port, metrics); the port is 0 on a Unix socket."""
     listen = [] if "--listen" in args else ["--listen", "127.0.0.1:0"]
     cmd = [sys.executable, "-m", "kvbank.cli", "sidecar", *listen, *args]
     proc = subprocess.Popen(
@@ -97,7 +97,7 @@ def spawn_sidecar(
         err = proc.stderr.read() if proc.stderr else ""
         raise AssertionError(f"the sidecar did not start: {line!r} {err}")
     metrics = int(match.group(2)) if match.group(2) else None
-    return proc, int(match.group(1)), metrics
+    return proc, int(match.group(1) or 0), metrics
 
 
 def bench_both_ways(
