@@ -81,6 +81,9 @@ class SidecarBackend:
         self.wire = ReportWire(
             client, self.books, total_pages, engine_id, lease_s, unanswered_s, outage_effect
         )
+        # An idle engine's turns (sidecar/backend_wire.py): kvbank's engine calls `idle`,
+        # vLLM's scheduler `draining`.
+        self.idle, self.draining = self.wire.idle, self.wire.draining
         self._backfilling = False  # the last in-step answer's
 
     @property
@@ -291,17 +294,6 @@ class SidecarBackend:
         """Non-blocking: why the sidecar cannot be reached now (None: it answers). Safe to read
         from any thread: one reference, replaced whole."""
         return self.wire.outage
-
-    def idle(self) -> float:
-        """What a serving engine with no work calls on every idle turn instead of `flush`,
-        without waiting: read the reply in flight, send what is pending, keep the session
-        (an empty report once a third of the lease has passed, which is also how an idle
-        engine finds its sidecar gone) and try to reconnect. Returns how soon (seconds) it
-        wants to be called again."""
-        self.wire.read_inflight()
-        quiet_s = time.monotonic() - self.wire.last_report_at
-        self.wire.send_async(0, keepalive=quiet_s > self.wire.lease_ms / 3000)
-        return 0.02 if self.wire.inflight is not None or self.wire.opening is not None else 0.5
 
     def open_session(self) -> None:
         """Open the session now, waiting for it: `kvbank serve` does at start-up, so a sidecar

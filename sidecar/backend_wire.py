@@ -36,6 +36,10 @@ from kvbank.sidecar.client import SessionLost, SidecarClient, SidecarError, Side
 from kvbank.sidecar.wire_forms import Report, as_ledger_error, submit_to_wire
 
 log = logging.getLogger("kvbank.sidecar")
+# `ReportWire.idle`'s answers: call again soon (a call is in flight), or when quiet.
+IDLE_BUSY_S, IDLE_QUIET_S = 0.02, 0.5
+# An engine draining its events toward a session being re-opened turns at this pace.
+DRAIN_PAUSE_S = 0.05
 # What kvbank's own engine does while its sidecar is away (the outage's log line says it).
 ENGINE_OUTAGE_EFFECT = "new requests get 503 and /health fails until it answers"
 
@@ -244,6 +248,34 @@ class ReportWire:
             self._lose(exc)
         except SidecarError as exc:
             raise as_ledger_error(exc) from exc
+        return True
+
+    def idle(self) -> float:
+        """What a serving engine with no work calls on every idle turn instead of `flush`,
+        without waiting: read the reply in flight, send what is pending, keep the session
+        (an empty report once a third of the lease has passed, which is also how an idle
+        engine finds its sidecar gone) and try to reconnect. Returns how soon (seconds) it
+        wants to be called again."""
+        self.read_inflight()
+        quiet_s = time.monotonic() - self.last_report_at
+        self.send_async(0, keepalive=quiet_s > self.lease_ms / 3000)
+        busy = self.inflight is not None or self.opening is not None
+        return IDLE_BUSY_S if busy else IDLE_QUIET_S
+
+    def draining(self) -> bool:
+        """For an engine that would idle with no turn of its own to come (vLLM's, which blocks
+        until a request arrives): whether to turn once more so the sidecar hears what is
+        pending, which `idle` sends. Yes while a call is in flight, or while events wait for a
+        session after a failed call (pausing `DRAIN_PAUSE_S`) until the outage outlasts the
+        lease, after which the sidecar no longer holds this session's books anyway."""
+        if self.idle() == IDLE_BUSY_S:
+            return True
+        outage = self.outage
+        if not self.books.events or (outage is None and self.session):
+            return False
+        if outage is not None and time.monotonic() - outage.since > self.lease_ms / 1000:
+            return False
+        time.sleep(DRAIN_PAUSE_S)
         return True
 
     def open_async(self) -> None:

@@ -324,8 +324,8 @@ class Admission:
         for rid in finished:
             self._release(rid)
         self._sync_supply()
-        if not self.peak:
-            return
+        if not self.peak or not (scheduled or self.admitted):
+            return  # banker; or an empty step (an idle engine's, see has_requests): no step
         holders = self.classes.strict_holders() if self._sharing_changed else None
         self._sharing_changed = False
         for rid, entry in self.admitted.items():

@@ -211,6 +211,17 @@ class KvbankScheduler(Scheduler):
                 self.kvbank.cancel(rid)
         return super().finish_requests(request_ids, finished_status)
 
+    def has_requests(self) -> bool:
+        """vLLM's engine idles once this is False. As a KV connector's pending push work does
+        in vLLM, what the sidecar has yet to hear (the last releases) keeps it turning, in empty
+        steps, until it is told (`SidecarBackend.draining`): an idle engine's sidecar holds
+        none of its requests. kvbank's own engine does the same on its idle turns."""
+        if super().has_requests():
+            return True
+        # Only a sidecar the schedule never waits on has anything left to send.
+        draining = getattr(self.kvbank.backend.later, "draining", None)
+        return draining is not None and bool(draining())
+
     def get_request_counts(self) -> tuple[int, int]:
         running, waiting = super().get_request_counts()
         return running, waiting + self.kvbank.num_waiting + len(self._kvbank_refusing)
