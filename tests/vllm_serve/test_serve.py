@@ -165,15 +165,10 @@ def press(
     max_tokens: int,
     flex: frozenset[int] = frozenset(),
     prefixes: tuple[str, ...] = ("",),
-    flex_first: bool = False,
-    flex_tokens: int | None = None,
 ) -> list[list[int]]:
     """`requests` concurrent completions that all run to `max_tokens` (ignore_eos, greedy);
-    the token ids each got. Those numbered in `flex` ask to be best-effort, and run to
-    `flex_tokens` where given; request i's prompt starts with `prefixes[i % len(prefixes)]`.
-    `flex_first`: the others are sent once the server runs every best-effort one (or after
-    30 s), so they meet a pool the best-effort ones hold, whatever the machine's load does to
-    the requests' arrival."""
+    the token ids each got. Those numbered in `flex` ask to be best-effort; request i's prompt
+    starts with `prefixes[i % len(prefixes)]`."""
 
     def one(i: int) -> list[int]:
         extra: dict[str, Any] = {"ignore_eos": True, "return_token_ids": True}
@@ -182,25 +177,14 @@ def press(
         reply = server.client.completions.create(
             model=MODEL_NAME,
             prompt=f"{prefixes[i % len(prefixes)]}{i} {PROMPTS[i % len(PROMPTS)]} {i}",
-            max_tokens=flex_tokens if i in flex and flex_tokens else max_tokens,
+            max_tokens=max_tokens,
             temperature=0,
             extra_body=extra,
         )
         return list(getattr(reply.choices[0], "token_ids", None) or [])
 
     with ThreadPoolExecutor(requests) as pool:
-        if not flex_first:
-            return list(pool.map(one, range(requests)))
-        early = {i: pool.submit(one, i) for i in sorted(flex)}
-        deadline = time.monotonic() + 30
-        while (
-            server.metric("vllm:num_requests_running") < len(flex)
-            and time.monotonic() < deadline
-            and not any(f.done() for f in early.values())
-        ):
-            time.sleep(0.05)
-        later = {i: pool.submit(one, i) for i in range(requests) if i not in flex}
-        return [{**early, **later}[i].result() for i in range(requests)]
+        return list(pool.map(one, range(requests)))
 
 
 def test_under_kv_pressure_stock_vllm_preempts_and_kvbank_never_does(
@@ -228,23 +212,42 @@ def test_under_kv_pressure_stock_vllm_preempts_and_kvbank_never_does(
 def test_best_effort_requests_run_beside_strict_ones_and_only_they_are_preempted(
     kvbank: VllmServer,
 ) -> None:
-    # Half of twelve requests best-effort: the strict half is admitted by the ledger and never
-    # preempted; the best-effort half runs on what it leaves and is taken back, then promoted
-    # after KVBANK_MAX_PREEMPTIONS (kvbank/vllm/classes.py), so every request finishes.
-    # The pressure does not rest on how close together requests arrive: the strict half is sent
-    # once vLLM runs all six best-effort ones at once. Six on 15 blocks, the second least
-    # advanced then holds 2 blocks at most (256 tokens). Running to 1,400 tokens (12 blocks),
-    # the two least advanced cannot both keep their pages: when the second ends, the first is
-    # past 1,144 (9 blocks). Before, a best-effort request ran to 320 tokens, and one arriving
-    # late on a loaded machine let the others finish first: no preemption (CI, once).
-    requests, max_tokens, flex_tokens = 12, 320, 1400
-    flex = frozenset(range(1, requests, 2))
+    # Six best-effort sequences and six strict requests: the strict ones are admitted by the
+    # ledger and never preempted; the best-effort ones run on what they leave and are taken
+    # back, then promoted after KVBANK_MAX_PREEMPTIONS (kvbank/vllm/classes.py), so every
+    # request finishes. The pressure does not rest on when requests arrive: the best-effort
+    # six are one request's `n` (vLLM adds them to its scheduler together, not one HTTP
+    # request at a time), each running to 1,400 tokens, 12 of the 15 blocks, so no two of them
+    # can keep their pages to the end. Six separate requests of 320 tokens once arrived far
+    # enough apart on a loaded machine that each finished before the next grew (CI, twice).
+    flex_n, flex_tokens, strict, max_tokens = 6, 1400, 6, 320
     before = kvbank.metric("vllm:num_preemptions_total")
-    served = press(kvbank, requests, max_tokens, flex, flex_first=True, flex_tokens=flex_tokens)
+
+    def best_effort() -> list[int]:
+        reply = kvbank.client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPTS[3],
+            n=flex_n,
+            max_tokens=flex_tokens,
+            temperature=1.0,
+            seed=0,
+            extra_body={"ignore_eos": True, "vllm_xargs": {"service_tier": "flex"}},
+        )
+        assert reply.usage is not None
+        return [reply.usage.completion_tokens, len(reply.choices)]
+
+    with ThreadPoolExecutor(1) as pool:
+        flex = pool.submit(best_effort)
+        # The strict ones meet a pool the best-effort ones hold.
+        deadline = time.monotonic() + 60
+        while kvbank.metric("vllm:num_requests_running") < flex_n and not flex.done():
+            assert time.monotonic() < deadline, "the best-effort sequences never ran"
+            time.sleep(0.05)
+        served = press(kvbank, strict, max_tokens)
+        flex_served = flex.result()
     preempted = kvbank.metric("vllm:num_preemptions_total") - before
-    print(f"kvbank, half best-effort: {preempted:.0f} preemptions")
-    assert [len(ids) for ids in served] == [
-        flex_tokens if i in flex else max_tokens for i in range(requests)
-    ]
+    print(f"kvbank, {flex_n} best-effort beside {strict} strict: {preempted:.0f} preemptions")
+    assert flex_served == [flex_n * flex_tokens, flex_n]
+    assert [len(ids) for ids in served] == [max_tokens] * strict
     assert "which kvbank admitted" not in kvbank.log_text()
     assert preempted > 0, "no best-effort request was preempted: the pool was not under pressure"
