@@ -7,8 +7,9 @@ mix that breaks the promise, wider than the properties' small pools.
 Each seed draws a model of one to three labels (full attention, a sliding window, a fixed-size
 state), one to four request classes (strict or best-effort, a shared prefix on one of two
 system prompts, fixed label tokens on strict ones, output to one label only, max_tokens from 64
-to none), a pool of 48 to 300 pages with or without a host tier, 0 to 2 speculative tokens, and
-an open loop (2 to 32 requests/s) or a closed one (4 to 64 clients). A line per run: the seed,
+to none), a pool of 48 to 300 pages with or without a host tier, 0 to 2 speculative tokens, a
+cost model (how fast steps run against arrivals), and an open loop (2 to 32 requests/s) or a
+closed one (4 to 64 clients). A line per run: the seed,
 the policy, `ok` or `BAD`, then completed, rejected, failed, hung, breaches and strict
 preemptions, seconds, and why it stopped. A run is BAD when a request hangs, the ledger's or the
 second check's invariant breaks, a strict request is preempted, or a request is unaccounted
@@ -95,12 +96,13 @@ def draw(seed: int, requests: int) -> dict[str, Any]:
             "speculative_tokens": r.choice([0, 0, 1, 2]),
             "tp": 1,
         },
+        # How fast steps run against arrivals: a quicker engine drains the queue between them.
         "cost_model": {
-            "step_base_ms": 8,
-            "prefill_ms_per_token": 0.02,
-            "decode_ms_per_row": 0.05,
+            "step_base_ms": r.choice([4, 8, 16]),
+            "prefill_ms_per_token": r.choice([0.01, 0.02, 0.05]),
+            "decode_ms_per_row": r.choice([0.02, 0.05]),
             "attn_ms_per_page": 0.002,
-            "host_ms_per_page": 0.08,
+            "host_ms_per_page": r.choice([0.04, 0.08, 0.2]),
         },
         "time_limit_s": 7200,
         "workload": workload,
