@@ -13,7 +13,8 @@ closed one (4 to 64 clients). A line per run: the seed,
 the policy, `ok` or `BAD`, then completed, rejected, failed, hung, breaches and strict
 preemptions, seconds, and why it stopped. A run is BAD when a request hangs, the ledger's or the
 second check's invariant breaks, a strict request is preempted, or a request is unaccounted
-for. The drawn scenario is left in `--out` (a temp folder by default) to rerun with
+for. A draw whose pool holds none of its requests (all refused at arrival) is said to be
+vacuous and skipped. The drawn scenario is left in `--out` (a temp folder by default) to rerun with
 `kvbank bench --scenario FILE --policy POLICY --check`.
 """
 
@@ -131,6 +132,9 @@ def main() -> int:
         for policy in policies:
             started = time.monotonic()
             m = run_policy(scenario, policy, check=True).metrics
+            if m["rejected"] == args.requests:  # refused at arrival, as they must be
+                print(seed, "vacuous: the pool holds none of the drawn requests", flush=True)
+                break
             strict = (m.get("preemptions_by_class") or {}).get("strict", 0)
             lost = m["completed"] + m["rejected"] + m["failed"] != args.requests
             broken = bool(m["hung"] or m["invariant_breaches"] or strict or lost)
