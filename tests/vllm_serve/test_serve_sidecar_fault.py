@@ -112,7 +112,9 @@ def under_load(server: VllmServer, sidecar: Sidecar, fault: Callable[[], None]) 
     assert "which kvbank admitted" not in log
     # The sidecar's books: every request it re-registered or admitted was released, well
     # within its 10 s lease (which would drop them too): the idle engine sent its last report.
-    deadline = time.monotonic() + 3
+    # Not 3 s: a machine that stalls 2 s can end a session then, and the next opens after a
+    # backoff of up to 2 s (sidecar/backend_wire.py), re-registering nothing.
+    deadline = time.monotonic() + 6
     while (after := status(sidecar.address)).pool.outstanding or after.running:
         assert time.monotonic() < deadline, f"the sidecar still holds reservations: {after}"
         time.sleep(0.1)
