@@ -61,6 +61,9 @@ FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 PICK_ATTEMPTS = 4  # re-picks after holds lost to other picks before answering 503
 TOKENIZE_OFF_LOOP_BYTES = 16_384  # longer bodies tokenize on a thread, off the event loop
+TOO_MANY_TRIES = NoEndpoint(
+    f"every pick's hold went to another request first ({PICK_ATTEMPTS} tries); retry"
+)
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,14 @@ def _subset(request: ep.ProcessingRequest) -> list[str] | None:
     if value.WhichOneof("kind") == "list_value":
         return [v.string_value for v in value.list_value.values if v.string_value]
     return [e.strip() for e in value.string_value.split(",") if e.strip()]
+
+
+def _streamed(body: bytes, end: bool) -> ep.BodyResponse:
+    """A body phase's answer in full-duplex mode: the body itself, streamed back unchanged."""
+    mutation = ep.BodyMutation(
+        streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end)
+    )
+    return ep.BodyResponse(response=ep.CommonResponse(body_mutation=mutation))
 
 
 def immediate(refusal: Refusal) -> ep.ProcessingResponse:
@@ -227,14 +238,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             yield ep.ProcessingResponse(
                 request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata
             )
-            streamed = ep.StreamedBodyResponse(body=raw, end_of_stream=True)
-            yield ep.ProcessingResponse(
-                request_body=ep.BodyResponse(
-                    response=ep.CommonResponse(
-                        body_mutation=ep.BodyMutation(streamed_response=streamed)
-                    )
-                )
-            )
+            yield ep.ProcessingResponse(request_body=_streamed(raw, True))
         else:
             yield ep.ProcessingResponse(
                 request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata
@@ -242,11 +246,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
 
     def _pass_response_body(self, stream: Stream, body: ep.HttpBody) -> ep.ProcessingResponse:
         if stream.mode == FULL_DUPLEX:
-            streamed = ep.StreamedBodyResponse(body=body.body, end_of_stream=body.end_of_stream)
-            mutation = ep.BodyMutation(streamed_response=streamed)
-            return ep.ProcessingResponse(
-                response_body=ep.BodyResponse(response=ep.CommonResponse(body_mutation=mutation))
-            )
+            return ep.ProcessingResponse(response_body=_streamed(body.body, body.end_of_stream))
         return ep.ProcessingResponse(response_body=ep.BodyResponse())
 
     async def _decide(
@@ -276,15 +276,14 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     async def _count(self, stream: Stream, raw: bytes | None) -> RequestCount | None:
         if raw is None or not is_generation(stream.path):
             return None
-        counter = self.settings.counter
         try:
             body = parse_json(raw)
             if len(raw) > TOKENIZE_OFF_LOOP_BYTES:
                 loop = asyncio.get_running_loop()
                 return await loop.run_in_executor(
-                    self._threads, count_body, counter, stream.path, body
+                    self._threads, count_body, self.settings.counter, stream.path, body
                 )
-            return count_body(counter, stream.path, body)
+            return count_body(self.settings.counter, stream.path, body)
         except BadRequest as exc:
             raise Refusal(exc.status, exc.message, "invalid_request_error", exc.code) from exc
 
@@ -317,7 +316,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             if await self._hold(count, answer, hold_id, candidates, allowed, last):
                 return answer.pod, hold_id, 0.0
             candidates = fresh()
-        raise self._refusal(self._too_many_tries())
+        raise self._refusal(TOO_MANY_TRIES)
 
     async def _held(
         self,
@@ -351,7 +350,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     self.metrics.held_seconds.observe(held_s)
                     return answer.pod, hold_id, held_s
                 if last:
-                    raise self._refusal(self._too_many_tries())
+                    raise self._refusal(TOO_MANY_TRIES)
                 if loop.time() < deadline:
                     # The room went to another pick: ask again once a pod's figures change,
                     # not at once (a sidecar whose figures and holds disagree is not spun on).
@@ -390,12 +389,6 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         else:  # no answer in time: not this pod, for this request
             allowed.discard(answer.pod)
         return False
-
-    @staticmethod
-    def _too_many_tries() -> NoEndpoint:
-        return NoEndpoint(
-            f"every pick's hold went to another request first ({PICK_ATTEMPTS} tries); retry"
-        )
 
     @staticmethod
     def _refusal(answer: Refuse | Shed | NoEndpoint) -> Refusal:
