@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbank.capacity.configfile import MAX_LAYERS
-from kvbank.capacity.modellayout import Kind
 from kvbank.model_spec import (
     DTYPE_BYTES,
     KV_DTYPES,
@@ -45,6 +43,7 @@ from kvbank.operator.crd.modelpool_rules import (
     spec_rules,
     structure_rules,
 )
+from kvbank.operator.crd.modelpool_status import status
 from kvbank.operator.crd.openapi import (
     MAX_LABEL_VALUE_LENGTH,
     MAX_NAME_LENGTH,
@@ -66,8 +65,6 @@ SCALE = {
     "statusReplicasPath": ".status.replicas",
     "labelSelectorPath": ".status.selector",
 }
-MAX_CONDITIONS = 8
-MAX_MESSAGE_LENGTH = 32768
 
 
 def _from_config() -> Schema:
@@ -284,94 +281,6 @@ def _spec() -> Schema:
     )
 
 
-def _condition() -> Schema:
-    return obj(
-        {
-            "type": string(64),
-            "status": enum(("True", "False", "Unknown")),
-            "reason": string(128),
-            "message": {"type": "string", "maxLength": MAX_MESSAGE_LENGTH},
-            "lastTransitionTime": {"type": "string", "format": "date-time"},
-            "observedGeneration": {"type": "integer", "minimum": 0},
-        },
-        required=("type", "status"),
-    )
-
-
-def _status() -> Schema:
-    count = {"type": "integer", "minimum": 0}
-    live = obj(
-        {
-            "pagesTotal": count,
-            "freePages": count,
-            "evictablePages": count,
-            "reservedPages": count,
-            "outstandingPages": count,
-            "queueDepth": count,
-            "sidecarsReporting": count,
-            "sidecarsExpected": count,
-            "updatedAt": {"type": "string", "format": "date-time"},
-        },
-        description="summed over the replicas' rank-0 sidecars at updatedAt",
-    )
-    return obj(
-        {
-            "observedGeneration": count,
-            "replicas": count,
-            "readyReplicas": count,
-            "pages": count,
-            "worstRequestPages": count,
-            "worstConcurrency": count,
-            "workload": enum(("StatefulSet", "LeaderWorkerSet")),
-            "configHash": string(64),
-            "selector": {
-                "type": "string",
-                "maxLength": 1024,
-                "description": "the rank pods' label selector (the scale subresource's)",
-            },
-            "sidecarTLS": obj(
-                {
-                    "secret": string(),
-                    "serial": string(64),
-                    "notAfter": {"type": "string", "format": "date-time"},
-                    "names": string(64),
-                    "ca": string(64),
-                },
-                description="the sidecar certificate issued into the Secret, renewed before "
-                "notAfter",
-            ),
-            "conditions": {
-                "type": "array",
-                "maxItems": MAX_CONDITIONS,
-                "items": _condition(),
-                "x-kubernetes-list-type": "map",
-                "x-kubernetes-list-map-keys": ["type"],
-            },
-            "live": live,
-            "groups": {
-                "type": "array",
-                "maxItems": MAX_LAYERS,
-                "items": _group(),
-                "description": "a fromConfig pool's KV groups, as its config.json lays them out",
-            },
-        }
-    )
-
-
-def _group() -> Schema:
-    count = {"type": "integer", "minimum": 0}
-    return obj(
-        {
-            "name": string(MAX_LABEL_VALUE_LENGTH, "the group's KV label"),
-            "kind": enum(tuple(k.value for k in Kind)),
-            "layers": count,
-            "pageBytes": {**count, "description": "bytes of one page, every layer it spans"},
-            "rule": string(256, "what one request holds here at most"),
-            "worstRequestPages": {**count, "description": "the worst-case request's pages here"},
-        }
-    )
-
-
 def modelpool_crd() -> dict[str, Any]:
     schema = obj(
         {
@@ -379,7 +288,7 @@ def modelpool_crd() -> dict[str, Any]:
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
             "spec": _spec(),
-            "status": _status(),
+            "status": status(),
         },
         required=("spec",),
         rules=root_rules(),
