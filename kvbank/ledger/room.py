@@ -1,0 +1,123 @@
+"""The room curve: what a newcomer started now may take at each step of a peak-fit ledger, in a
+form that travels (a sidecar streams it to an endpoint picker), so that a request can be tested
+against a pod as that pod's ledger will test it (`Timeline.fits`) without asking the pod.
+
+The ledger admits a newcomer when, at every step k from now, the running requests' extra demand
+D(k) plus the newcomer's own N(k) stays within the supply S. The profile's candidate steps are
+step 0, the step before each finish and the last finish (after which nothing changes); between
+two of them D only rises. The curve samples D there and at steps spaced by a tenth between them
+(1, 2, 3, ... 11, 12, 13, 14, 16, ...), and pairs each sample c with S - D(c), the room over
+the stretch that ends at c (D only rises along it, so D(k) <= D(c) there). The newcomer's N
+only rises until its own end, and is at most 0 after it. So a newcomer fits the curve when, for
+each stretch that holds a step before its end, N(min(c, end - 1)) <= S - D(c), the last pair
+standing for every step after it as well (N(end - 1) there). That test never admits what the
+ledger's would refuse and is close to it (within a tenth of the steps); the ledger decides.
+
+A curve may be cut to fewer pairs (`at_most`): a run of pairs becomes its last step with the
+least room of the run, which only lowers what fits. Holds a picker took but the engine has not
+yet submitted come off every step (`less`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbank.ledger.ledger import Ledger
+from kvbank.ledger.shape import Pace, PeakShape, newcomer
+from kvbank.ledger.timeline import Timeline
+
+SAMPLE_GROWTH = 1.1  # between candidates, D is sampled at steps about a tenth apart
+
+
+@dataclass(frozen=True)
+class RoomCurve:
+    """`steps`: ascending; `room`: pages a newcomer may hold at each step up to the pair's own
+    (from the step after the pair before; the first pair from now); `pace` and `page_size`: the
+    ledger's, which a newcomer's growth is counted in."""
+
+    steps: tuple[int, ...]
+    room: tuple[int, ...]
+    pace: Pace
+    page_size: int
+
+    def __post_init__(self) -> None:
+        if not self.steps or len(self.steps) != len(self.room) or self.steps[0] < 0:
+            raise ValueError(
+                f"a room curve needs as many rooms as steps ({len(self.steps)}, at least one, "
+                f"none negative), got {len(self.room)} rooms"
+            )
+        if any(b <= a for a, b in pairwise(self.steps)):
+            raise ValueError(f"a room curve's steps must ascend, got {list(self.steps)[:8]}...")
+        if self.page_size < 1 or self.pace.advance < 1 or self.pace.lookahead < 0:
+            raise ValueError(
+                f"a room curve needs page_size >= 1 ({self.page_size}), a pace advancing >= 1 "
+                f"({self.pace.advance}) and lookahead >= 0 ({self.pace.lookahead})"
+            )
+
+    def less(self, pages: int) -> RoomCurve:
+        """The curve with `pages` taken off every step."""
+        if not pages:
+            return self
+        room = tuple(r - pages for r in self.room)
+        return RoomCurve(self.steps, room, self.pace, self.page_size)
+
+    def at_most(self, pairs: int) -> RoomCurve:
+        """At most `pairs` pairs: each run of pairs becomes its last step with its least room."""
+        if len(self.steps) <= pairs:
+            return self
+        bounds = np.linspace(0, len(self.steps), pairs + 1).astype(np.int64)
+        room = np.array(self.room, dtype=np.int64)
+        runs = list(pairwise(int(b) for b in bounds))
+        steps = tuple(self.steps[b - 1] for _, b in runs)
+        least = tuple(int(room[a:b].min()) for a, b in runs)
+        return RoomCurve(steps, least, self.pace, self.page_size)
+
+    def fits(self, shape: PeakShape, held_hit_pages: int = 0) -> bool:
+        """Whether a newcomer of `shape`, started now, stays within the room at every step;
+        `held_hit_pages`: pages of its cached prefix that running requests hold (it leases
+        them, so they take no new page)."""
+        end = shape.prefill_chunks + shape.output_budget
+        last = max(end - 1, 0)
+        steps = np.array(self.steps, dtype=np.int64)
+        ks = np.minimum(steps, last)
+        ks[-1] = last  # the last pair stands for every step after it
+        # A stretch that starts at or after the newcomer's end sees it gone (0 pages).
+        running = np.concatenate([[-1], steps[:-1]]) + 1 < end
+        need = newcomer(shape, self.pace, self.page_size, ks, 0, held_hit_pages, 0, True)
+        need = np.where(running, need, 0)
+        return bool((need <= np.array(self.room, dtype=np.int64)).all())
+
+
+def room_curve(ledger: Ledger) -> RoomCurve | None:
+    """The ledger's room curve, or None for a ledger that follows no progress (its headroom is
+    then its whole test)."""
+    timeline = ledger.timeline
+    if not isinstance(timeline, Timeline) or not timeline.peak_active:
+        return None
+    profile = timeline.profile()
+    candidates = profile.candidates
+    steps = np.union1d(candidates, _samples(int(candidates[-1])))
+    room = ledger.books.supply - profile.demand(steps)
+    return RoomCurve(
+        tuple(int(s) for s in steps),
+        tuple(int(r) for r in room),
+        timeline.pace,
+        timeline.peak_policy.page_size,
+    )
+
+
+def _samples(last: int) -> npt.NDArray[np.int64]:
+    """Steps 1 to `last`, each about a tenth past the one before (at least one step)."""
+    out: list[int] = []
+    step = 1
+    while step <= last:
+        out.append(step)
+        step = max(step + 1, int(step * SAMPLE_GROWTH))
+    return np.array(out, dtype=np.int64)
+
+
+__all__ = ["RoomCurve", "room_curve"]
