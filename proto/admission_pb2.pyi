@@ -404,7 +404,7 @@ class WatchRequest(_message.Message):
     def __init__(self, watcher_id: _Optional[str] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class RoutingFigures(_message.Message):
-    __slots__ = ("ready", "total_pages", "usable_pages", "headroom_pages", "waiting_pages", "best_effort_room_pages", "holds", "held_pages", "version", "worst_request_pages")
+    __slots__ = ("ready", "total_pages", "usable_pages", "headroom_pages", "waiting_pages", "best_effort_room_pages", "holds", "held_pages", "version", "worst_request_pages", "room_steps", "room_pages", "pace_advance", "pace_lookahead", "page_size")
     READY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     USABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -415,6 +415,11 @@ class RoutingFigures(_message.Message):
     HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WORST_REQUEST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ROOM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ROOM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PACE_ADVANCE_FIELD_NUMBER: _ClassVar[int]
+    PACE_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     total_pages: int
     usable_pages: int
@@ -425,10 +430,15 @@ class RoutingFigures(_message.Message):
     held_pages: int
     version: int
     worst_request_pages: int
-    def __init__(self, ready: _Optional[bool] = ..., total_pages: _Optional[int] = ..., usable_pages: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., waiting_pages: _Optional[_Iterable[int]] = ..., best_effort_room_pages: _Optional[int] = ..., holds: _Optional[int] = ..., held_pages: _Optional[int] = ..., version: _Optional[int] = ..., worst_request_pages: _Optional[int] = ...) -> None: ...
+    room_steps: _containers.RepeatedScalarFieldContainer[int]
+    room_pages: _containers.RepeatedScalarFieldContainer[int]
+    pace_advance: int
+    pace_lookahead: int
+    page_size: int
+    def __init__(self, ready: _Optional[bool] = ..., total_pages: _Optional[int] = ..., usable_pages: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., waiting_pages: _Optional[_Iterable[int]] = ..., best_effort_room_pages: _Optional[int] = ..., holds: _Optional[int] = ..., held_pages: _Optional[int] = ..., version: _Optional[int] = ..., worst_request_pages: _Optional[int] = ..., room_steps: _Optional[_Iterable[int]] = ..., room_pages: _Optional[_Iterable[int]] = ..., pace_advance: _Optional[int] = ..., pace_lookahead: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class HoldRequest(_message.Message):
-    __slots__ = ("hold_id", "pages", "ttl_ms", "kind", "max_ahead_pages")
+    __slots__ = ("hold_id", "pages", "ttl_ms", "kind", "max_ahead_pages", "shape")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NOW: _ClassVar[HoldRequest.Kind]
@@ -442,12 +452,14 @@ class HoldRequest(_message.Message):
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MAX_AHEAD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
     hold_id: str
     pages: int
     ttl_ms: int
     kind: HoldRequest.Kind
     max_ahead_pages: int
-    def __init__(self, hold_id: _Optional[str] = ..., pages: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., kind: _Optional[_Union[HoldRequest.Kind, str]] = ..., max_ahead_pages: _Optional[int] = ...) -> None: ...
+    shape: PeakShape
+    def __init__(self, hold_id: _Optional[str] = ..., pages: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., kind: _Optional[_Union[HoldRequest.Kind, str]] = ..., max_ahead_pages: _Optional[int] = ..., shape: _Optional[_Union[PeakShape, _Mapping]] = ...) -> None: ...
 
 class HoldReply(_message.Message):
     __slots__ = ("granted", "figures")

@@ -20,15 +20,18 @@ import grpc
 from prometheus_client import Gauge
 
 from kvbank.ledger import InvalidPages
+from kvbank.ledger.room import RoomCurve, room_curve
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.holds import HoldBook, HoldKind
 from kvbank.sidecar.state import AdmissionState
+from kvbank.sidecar.wire_forms import shape_from_wire
 
 DEFAULT_HEARTBEAT_S = 0.25
 MIN_HEARTBEAT_S = 0.05
 COALESCE_S = 0.005
 MAX_WAITING_SENT = 256  # waiting worst cases sent one by one; the rest go summed into the last
+MAX_ROOM_SENT = 256  # room curve pairs sent; a longer curve is cut, each run to its least room
 
 
 class RoutingView:
@@ -41,6 +44,7 @@ class RoutingView:
         self.worst_request_pages = worst_request_pages or 0
         self.version = 0
         self._cached: pb.RoutingFigures | None = None  # the figures of this version
+        self._curve: RoomCurve | None = None  # the room curve they carry
         self._changed = asyncio.Event()
         state.on_change.append(self._state_changed)
         registry = state.metrics.registry
@@ -112,6 +116,14 @@ class RoutingView:
         figures.headroom_pages = headroom
         figures.waiting_pages.extend(waiting)
         figures.best_effort_room_pages = max(0, headroom - sum(waiting) - held.best_effort_pages)
+        curve = room_curve(ledger)
+        if curve is not None:
+            curve = curve.less(held.now_pages).at_most(MAX_ROOM_SENT)
+            figures.room_steps.extend(curve.steps)
+            figures.room_pages.extend(curve.room)
+            figures.pace_advance, figures.pace_lookahead = curve.pace.advance, curve.pace.lookahead
+            figures.page_size = curve.page_size
+        self._curve = curve
         return figures
 
     def hold(self, req: pb.HoldRequest) -> pb.HoldReply:
@@ -121,9 +133,21 @@ class RoutingView:
             kind = HoldKind(req.kind)
         except ValueError as exc:
             raise InvalidPages(f"kind {req.kind} is not a hold kind", "kind") from exc
+        ledger = self.state.ledger
+        if ledger is not None and req.pages > ledger.total_pages:
+            raise InvalidPages(
+                f"pages {req.pages} is over the pod's {ledger.total_pages}: a hold is one "
+                "request's worst case",
+                "pages",
+            )
+        shape = None
+        if req.HasField("shape") and ledger is not None:  # checked before anything changes
+            shape = shape_from_wire(req.hold_id, req.shape, req.pages)
+            shape.check(req.hold_id, req.pages, ledger.policy)
         if self.holds.release(req.hold_id):  # a retried hold is judged afresh, not on itself
             self.changed()
         now = self.figures()
+        curve = self._curve
         granted = now.ready and (
             (
                 kind is HoldKind.QUEUE
@@ -132,7 +156,14 @@ class RoutingView:
                     or sum(now.waiting_pages) <= req.max_ahead_pages
                 )
             )
-            or (kind is HoldKind.NOW and not now.waiting_pages and req.pages <= now.headroom_pages)
+            or (
+                kind is HoldKind.NOW
+                and not now.waiting_pages
+                and (
+                    req.pages <= now.headroom_pages
+                    or (shape is not None and curve is not None and curve.fits(shape))
+                )
+            )
             or (kind is HoldKind.BEST_EFFORT and req.pages <= now.best_effort_room_pages)
         )
         if not granted:
