@@ -31,6 +31,7 @@ from kvbank.capacity import RequestShape, count_pages
 from kvbank.engine.bench.replica import Replica
 from kvbank.engine.bench.workload import RequestSpec
 from kvbank.ledger import Ledger
+from kvbank.ledger.room import room_curve
 from kvbank.picker import Answer, Pick, PodFigures, Release, RequestCount, count_request, pick
 from kvbank.picker.lobby import Lobby
 from kvbank.service_class import ServiceClass
@@ -234,6 +235,7 @@ class KvbankRouter:
             best_effort_room_pages=min(ledger.usable_pages, room),
             cached_blocks=frozenset(blocks[: len(chain)]),
             held_blocks=held,
+            room=room_curve(ledger),
         )
 
     def pods(self, request: RequestCount, prompt: Sequence[int]) -> list[PodFigures]:

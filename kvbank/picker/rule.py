@@ -13,12 +13,15 @@ to the pod where it would start soonest. A best-effort request goes to the pod w
 room. Ties are broken by prefix affinity, then queue depth, then the most headroom, then the
 pod's name (so the same figures always give the same pick).
 
-"Admit now" is the ledger's own conservative test for a head with no cached hit,
-`outstanding + pages <= supply` (kvbank/ledger/ledger.py, `Ledger.try_admit`): `headroom_pages`
-is the ledger's `headroom` (`supply - outstanding`; with peak-fit, supply less the timeline's
-highest demand), and a pod admits a newcomer now only with nothing waiting ahead of it (FIFO:
-only the head is admitted). The part of the request's cached prefix that running requests hold
-there comes off its need (`PodFigures.need`), as it does in the ledger's test.
+"Admit now" is the ledger's own test for a head (kvbank/ledger/ledger.py, `Ledger.try_admit`),
+and a pod admits a newcomer now only with nothing waiting ahead of it (FIFO: only the head is
+admitted). Its first part is `pages <= headroom_pages`, the ledger's `headroom` (`supply -
+outstanding`; with peak-fit, supply less the timeline's highest demand). A peak-fit ledger
+admits more: a request whose pages at each step fit beside what the running requests may hold
+then, though its worst case is over the headroom; with the pod's room curve
+(kvbank/ledger/room.py) the rule tests the request's shape as the ledger does. The part of the
+request's cached prefix that running requests hold there comes off its need (`PodFigures.need`),
+as it does in the ledger's test.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from kvbank.capacity import (
     refusal,
     refusal_message,
 )
+from kvbank.ledger import PeakShape, peak_shape
+from kvbank.ledger.room import RoomCurve
 from kvbank.service_class import ServiceClass
 
 
@@ -70,6 +75,9 @@ class PodFigures:
     # costs the pod no new page, so the ledger admits a request that much larger. A hit on a
     # block only the index holds saves nothing (those pages already count as supply).
     held_blocks: frozenset[int] = field(default_factory=frozenset)
+    # A peak-fit ledger's room at each step from now (less the holds pickers took), for the
+    # ledger's own test of a request's shape; None: the headroom is the whole test.
+    room: RoomCurve | None = None
 
     def __post_init__(self) -> None:
         if self.usable_pages < 0 or self.headroom_pages > self.usable_pages:
@@ -84,9 +92,19 @@ class PodFigures:
     def queue_depth(self) -> int:
         return len(self.waiting_pages)
 
-    def admits_now(self, pages: int) -> bool:
-        """Whether the ledger admits a newcomer of `pages` worst-case pages at once."""
-        return not self.waiting_pages and pages <= self.headroom_pages
+    def admits_now(self, pages: int, shape: PeakShape | None = None, held_hit: int = 0) -> bool:
+        """Whether the ledger admits a newcomer of `pages` worst-case pages at once (`pages`
+        less its `held_hit`); with its `shape`, tested on the room curve too."""
+        if self.waiting_pages:
+            return False
+        if pages - held_hit <= self.headroom_pages:
+            return True
+        return shape is not None and self.room is not None and self.room.fits(shape, held_hit)
+
+    def admits(self, request: RequestCount) -> bool:
+        """`admits_now` for `request`, its held prefix counted."""
+        held = request.pages - self.need(request.pages, request.prefix_blocks)
+        return self.admits_now(request.pages, request.shape, held)
 
     def need(self, pages: int, blocks: Sequence[int]) -> int:
         """What a request of `pages` worst-case pages takes of this pod's headroom: the ledger
@@ -128,13 +146,16 @@ class RequestCount:
     """A request as the picker counts it: `pages`, its worst case from `kvbank.capacity`
     (`count_request`); `start_pages`, what a best-effort admission takes at start (prompt plus
     output estimate; the worst case for strict); `refusal`, the capacity function's message when
-    the pool can never hold it; `prefix_blocks`, its prompt's block hashes, in order."""
+    the pool can never hold it; `prefix_blocks`, its prompt's block hashes, in order; `shape`,
+    its growth as a peak-fit ledger counts it (`peak_shape`, one prefill chunk; None for
+    several prompts in one request)."""
 
     pages: int
     service_class: ServiceClass = ServiceClass.STRICT
     start_pages: int | None = None
     prefix_blocks: tuple[int, ...] = ()
     refusal: str | None = None
+    shape: PeakShape | None = None
 
     @property
     def pages_to_start(self) -> int:
@@ -159,6 +180,7 @@ def count_request(
         start_pages=start_pages,
         prefix_blocks=tuple(prefix_blocks),
         refusal=None if refused is None else refused.message,
+        shape=None if refused is not None else peak_shape(model, shape, count=count),
     )
 
 
@@ -218,7 +240,7 @@ def pick(request: RequestCount, pods: Sequence[PodFigures]) -> Answer:
                 f"most room any ready pod has is {max(p.best_effort_room_pages for p in holding)}"
             )
         return Pick(min(roomy, key=lambda pod: (-pod.best_effort_room_pages, *tie(pod))).name)
-    now = [pod for pod in holding if pod.admits_now(pod.need(request.pages, blocks))]
+    now = [pod for pod in holding if pod.admits(request)]
     if now:
         return Pick(min(now, key=tie).name)
 

@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvbank.ledger.room import RoomCurve
+from kvbank.ledger.shape import Pace, PeakShape
 from kvbank.picker.metrics import PickerMetrics
 from kvbank.picker.rule import PodFigures
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.client import routing_channel
+from kvbank.sidecar.wire_forms import shape_to_wire
 
 log = logging.getLogger("kvbank.picker")
 
@@ -68,7 +71,20 @@ class Watched:
             waiting_pages=tuple(f.waiting_pages),
             best_effort_room_pages=f.best_effort_room_pages,
             ready=f.ready,
+            room=room_from_wire(f),
         )
+
+
+def room_from_wire(f: pb.RoutingFigures) -> RoomCurve | None:
+    """The pod's room curve; None when it sends none (a ledger that follows no progress) or
+    one that does not hold together (the headroom test alone is then used)."""
+    if not f.room_steps:
+        return None
+    try:
+        pace = Pace(f.pace_advance, f.pace_lookahead)
+        return RoomCurve(tuple(f.room_steps), tuple(f.room_pages), pace, f.page_size)
+    except ValueError:
+        return None
 
 
 class Sidecars:
@@ -209,10 +225,12 @@ class Sidecars:
         kind: pb.HoldRequest.Kind,
         ttl_s: float,
         max_ahead_pages: int | None = None,
+        shape: PeakShape | None = None,
     ) -> bool | None:
         """Claim `pages` on the pod: True granted, False refused (its room went to another
         pick; its figures are updated from the reply), None: the sidecar did not answer in
-        time, or the pod left meanwhile (the pick goes elsewhere)."""
+        time, or the pod left meanwhile (the pick goes elsewhere). `shape`: a NOW hold's, for
+        the pod's room curve."""
         watched = self.watched.get(endpoint)
         if watched is None or watched.stub is None:
             return None
@@ -222,6 +240,7 @@ class Sidecars:
             ttl_ms=int(ttl_s * 1000),
             kind=kind,
             max_ahead_pages=max_ahead_pages,
+            shape=None if shape is None else shape_to_wire(shape),
         )
         started = time.perf_counter()
         try:

@@ -1,13 +1,15 @@
 """The picker's routing rule with exact picks, and its properties over random pods."""
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbank.capacity import CapacityModel, RequestShape, count_pages, usable_pages
-from kvbank.ledger import Ledger
+from kvbank.ledger import Ledger, PeakPolicy, peak_shape
+from kvbank.ledger.room import room_curve
 from kvbank.modelpool import KvSlot
 from kvbank.picker import (
     NoEndpoint,
@@ -73,6 +75,46 @@ class TestStrict:
     def test_no_release_in_sight_goes_to_the_smallest_shortfall(self) -> None:
         pods = [pod("a", headroom=5), pod("b", headroom=12)]
         assert pick(strict(20), pods) == Pick("b", waits=True)
+
+
+class TestRoomCurve:
+    """A peak-fit pod's room curve: a request over the headroom whose pages at each step fit
+    beside the running requests' is admitted now, as that pod's ledger admits it."""
+
+    MODEL = CapacityModel({"main": KvSlot(1, 1, 0)}, 16, 4096, 1024, 0)
+
+    def peak_pod(self, name: str, running_tokens: int) -> PodFigures:
+        """A pod of 101 pages whose one running request may grow from 32 tokens to
+        `running_tokens`, one a step."""
+        ledger = Ledger(101, free=100, policy=PeakPolicy(16, 0, True))
+        grown = RequestShape(32, running_tokens - 32)
+        count = count_pages(self.MODEL, grown)
+        ledger.submit("long", count.total, shape=peak_shape(self.MODEL, grown, count=count))
+        assert ledger.try_admit("long") is not None
+        room = room_curve(ledger)
+        assert room is not None
+        return pod(name, headroom=ledger.headroom, room=room)
+
+    def test_a_short_request_over_the_headroom_goes_where_the_curve_admits_it(self) -> None:
+        # 47 pages at worst, reached at step 99; pod a's running request reaches 60 pages at
+        # step 927 (headroom 40), pod b's 58 at 895 (headroom 42): neither headroom holds 47.
+        request = count_request(self.MODEL, RequestShape(640, 100), pool_pages_total=101)
+        pods = [self.peak_pod("a", 960), self.peak_pod("b", 928)]
+        assert request.pages == 47 and max(p.headroom_pages for p in pods) < 47
+        assert pick(request, pods) == Pick("b")  # admitted now at both; b has more headroom
+        bare = RequestCount(pages=request.pages)  # no shape: the headroom is the whole test
+        assert pick(bare, pods) == Pick("b", waits=True)
+
+    def test_a_request_whose_peak_meets_the_running_one_waits(self) -> None:
+        # Growing as the running request does, from the same 32 tokens: at step 927 the two
+        # may hold 60 pages each, over the 100.
+        request = count_request(self.MODEL, RequestShape(32, 968), pool_pages_total=101)
+        assert request.shape is not None and not self.peak_pod("a", 960).admits(request)
+
+    def test_a_queue_ahead_still_means_it_waits(self) -> None:
+        request = count_request(self.MODEL, RequestShape(640, 100), pool_pages_total=101)
+        queued = replace(self.peak_pod("a", 960), waiting_pages=(1,))
+        assert not queued.admits(request)
 
 
 class TestBestEffort:

@@ -184,7 +184,8 @@ class TestKvbankRouter:
         held = _spec("held", list(range(700, 790)), 32)
         assert router.route(held, 0.5) is None
         assert router.release(0.5) == []
-        behind = _spec("behind", list(range(800, 810)), 8)  # 5 pages: no replica admits it
+        # 11 pages, still growing when the running requests reach their 62: no replica admits it.
+        behind = _spec("behind", list(range(800, 810)), 32)
         assert router.route(behind, 0.6) is None and router.release(0.6) == []
         placed: list[Placed] = []
         while not placed:  # only replica 1 makes progress: its requests finish first
@@ -192,6 +193,23 @@ class TestKvbankRouter:
             placed = router.release(1.0)
         # The head goes first, to the replica that freed room, counted from its arrival.
         assert placed == [Placed(held, Pick("1"), 0.5)]
+
+    def test_a_short_request_passes_to_where_the_room_curve_admits_it_now(self) -> None:
+        pool = filled(2)
+        router = KvbankRouter(pool, max_hold_s=10)
+        held = _spec("held", list(range(700, 790)), 32)
+        assert router.route(held, 0.5) is None and router.release(0.5) == []
+        # 5 pages at worst, over the 1 page of headroom, but gone by step 8, long before the
+        # running requests reach their peak: the peak-fit ledger admits it beside them.
+        short = _spec("short", list(range(800, 810)), 8)
+        assert router.route(short, 0.6) is None
+        [placed] = router.release(0.6)
+        assert placed.spec is short and isinstance(placed.answer, Pick)
+        assert not placed.answer.waits and placed.answer.pod != router.lobby.claim("held")
+        replica = pool[int(placed.answer.pod)]
+        assert replica.send(short, 0.6)
+        replica.step()
+        assert "short" in replica.engine.sched.running  # as the curve said
 
     def test_past_max_hold_a_held_request_queues_where_it_starts_soonest(self) -> None:
         pool = filled(1)

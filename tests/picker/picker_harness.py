@@ -50,11 +50,16 @@ BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 
 
-class Pod:
-    """A sidecar whose engine session is open, with 100 free pages."""
+PACE = pb.LedgerPace(page_size=16, speculative_tokens=0, backfill_depth=8, max_advance=1)
 
-    def __init__(self, index: int) -> None:
-        self.sidecar = ThreadSidecar(make_config(pool_pages=101)).start_and_wait()
+
+class Pod:
+    """A sidecar whose engine session is open, with 100 free pages; its ledger the banker's,
+    or `policy`'s (a peak-fit one reads requests' shapes)."""
+
+    def __init__(self, index: int, policy: str = "") -> None:
+        config = make_config(pool_pages=101, **({"policy": policy} if policy else {}))
+        self.sidecar = ThreadSidecar(config).start_and_wait()
         self.endpoint = f"10.0.0.{index + 1}:8000"
         self.client = SidecarClient(self.sidecar.address)
         opened = self.client.open_session(
@@ -63,9 +68,21 @@ class Pod:
                 total_pages=101,
                 lease_ms=600_000,
                 supply=pb.Supply(free=100, evictable=0),
+                policy=policy,
+                pace=PACE if policy else None,
             )
         )
         self.session, self.reports = opened.session, 0
+
+    def admit(self, rid: str, pages: int, shape: pb.PeakShape) -> None:
+        """The engine submits a request with its shape and starts it (its ledger admits it)."""
+        self.reports += 1
+        event = pb.Event(submit=pb.Submit(rid=rid, pages=pages, shape=shape))
+        reply = self.client.report(
+            pb.ReportRequest(session=self.session, report_seq=self.reports, applied_seq=-1,
+                             events=[event], admit=True, in_step=True, tries=[pb.Try(rid=rid)])
+        )  # fmt: skip
+        assert [d.rid for d in reply.decisions] == [rid]
 
     def submit(self, rid: str, pages: int, hold: str = "") -> None:
         self.reports += 1
