@@ -20,14 +20,14 @@ yet submitted come off every step (`less`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import numpy as np
 import numpy.typing as npt
 
 from kvbank.ledger.ledger import Ledger
-from kvbank.ledger.shape import Pace, PeakShape, newcomer
+from kvbank.ledger.shape import Pace, PeakShape, Steps, newcomer
 from kvbank.ledger.timeline import Timeline
 
 SAMPLE_GROWTH = 1.1  # between candidates, D is sampled at steps about a tenth apart
@@ -43,6 +43,10 @@ class RoomCurve:
     room: tuple[int, ...]
     pace: Pace
     page_size: int
+    _steps: Steps = field(init=False, repr=False, compare=False)
+    _room: Steps = field(init=False, repr=False, compare=False)
+    _starts: Steps = field(init=False, repr=False, compare=False)  # each stretch's first step
+    _least: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.steps or len(self.steps) != len(self.room) or self.steps[0] < 0:
@@ -57,6 +61,12 @@ class RoomCurve:
                 f"a room curve needs page_size >= 1 ({self.page_size}), a pace advancing >= 1 "
                 f"({self.pace.advance}) and lookahead >= 0 ({self.pace.lookahead})"
             )
+        # Read once, for every request a picker tests against this curve.
+        steps = np.array(self.steps, dtype=np.int64)
+        object.__setattr__(self, "_steps", steps)
+        object.__setattr__(self, "_room", np.array(self.room, dtype=np.int64))
+        object.__setattr__(self, "_starts", np.concatenate([[0], steps[:-1] + 1]))
+        object.__setattr__(self, "_least", min(self.room))
 
     def less(self, pages: int) -> RoomCurve:
         """The curve with `pages` taken off every step."""
@@ -80,16 +90,16 @@ class RoomCurve:
         """Whether a newcomer of `shape`, started now, stays within the room at every step;
         `held_hit_pages`: pages of its cached prefix that running requests hold (it leases
         them, so they take no new page)."""
+        if shape.pages - held_hit_pages <= self._least:  # its worst case fits every step
+            return True
         end = shape.prefill_chunks + shape.output_budget
         last = max(end - 1, 0)
-        steps = np.array(self.steps, dtype=np.int64)
-        ks = np.minimum(steps, last)
+        ks = np.minimum(self._steps, last)
         ks[-1] = last  # the last pair stands for every step after it
-        # A stretch that starts at or after the newcomer's end sees it gone (0 pages).
-        running = np.concatenate([[-1], steps[:-1]]) + 1 < end
         need = newcomer(shape, self.pace, self.page_size, ks, 0, held_hit_pages, 0, True)
-        need = np.where(running, need, 0)
-        return bool((need <= np.array(self.room, dtype=np.int64)).all())
+        # A stretch that starts at or after the newcomer's end sees it gone (0 pages).
+        need[self._starts >= end] = 0
+        return bool((need <= self._room).all())
 
 
 def room_curve(ledger: Ledger) -> RoomCurve | None:
