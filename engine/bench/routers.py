@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -34,6 +33,7 @@ from kvbank.ledger import Ledger
 from kvbank.ledger.room import room_curve
 from kvbank.picker import Answer, Pick, PodFigures, Release, RequestCount, count_request, pick
 from kvbank.picker.lobby import Lobby
+from kvbank.picker.prefix import MAX_PREFIX_BLOCKS, PrefixRecord, prompt_blocks
 from kvbank.service_class import ServiceClass
 
 ROUTERS = ("round-robin", "least-kv", "kvbank")
@@ -41,8 +41,8 @@ SCRAPE_S = 0.05
 # The llm-d router's default profile (EndpointPickerConfig): queue 2, KV-cache utilisation 2,
 # prefix 3.
 QUEUE_WEIGHT, KV_WEIGHT, PREFIX_WEIGHT = 2.0, 2.0, 3.0
-# The prefix scorer's defaults: at most 256 blocks matched, 31,250 blocks remembered per pod.
-MAX_PREFIX_BLOCKS = 256
+# The prefix scorer's defaults: at most 256 blocks matched (MAX_PREFIX_BLOCKS), 31,250 blocks
+# remembered per pod.
 LRU_BLOCKS_PER_POD = 31250
 
 
@@ -65,20 +65,6 @@ class Router(Protocol):
     def release(self, now: float) -> list[Placed]:
         """The held requests that can go now, in the order they go."""
         ...
-
-
-def prompt_blocks(prompt: Sequence[int], block_tokens: int, limit: int | None = None) -> list[int]:
-    """The prompt's full blocks of `block_tokens` tokens, each hashed with the one before it, so
-    a block's hash stands for the whole prefix up to it."""
-    blocks: list[int] = []
-    previous = 0
-    count = len(prompt) // block_tokens
-    if limit is not None:
-        count = min(count, limit)
-    for index in range(count):
-        previous = hash((previous, *prompt[index * block_tokens : (index + 1) * block_tokens]))
-        blocks.append(previous)
-    return blocks
 
 
 class RoundRobin:
@@ -108,7 +94,7 @@ class LeastKv:
         self._scraped_at: float | None = None
         self._queues: list[int] = []
         self._usage: list[float] = []
-        self._index: list[OrderedDict[int, None]] = [OrderedDict() for _ in replicas]
+        self._index = [PrefixRecord(LRU_BLOCKS_PER_POD) for _ in replicas]
         self._rng = random.Random(seed)
         self.block_tokens = replicas[0].scenario.model.page_size
 
@@ -130,32 +116,15 @@ class LeastKv:
         for index in range(len(self.replicas)):
             queue = 1.0 if high == low else (high - self._queues[index]) / (high - low)
             kv = 1.0 - min(1.0, self._usage[index])
-            prefix = self._matched(index, blocks) / len(blocks) if blocks else 0.0
+            prefix = self._index[index].matched(blocks) / len(blocks) if blocks else 0.0
             scores.append(QUEUE_WEIGHT * queue + KV_WEIGHT * kv + PREFIX_WEIGHT * prefix)
         best = max(scores)
         chosen = self._rng.choice([i for i, s in enumerate(scores) if s == best])
-        self._record(chosen, blocks)
+        self._index[chosen].record(blocks)
         return Pick(str(chosen))
 
     def release(self, now: float) -> list[Placed]:
         return []
-
-    def _matched(self, index: int, blocks: list[int]) -> int:
-        held = self._index[index]
-        matched = 0
-        for block in blocks:
-            if block not in held:
-                break
-            matched += 1
-        return matched
-
-    def _record(self, index: int, blocks: list[int]) -> None:
-        held = self._index[index]
-        for block in blocks:
-            held[block] = None
-            held.move_to_end(block)
-        while len(held) > LRU_BLOCKS_PER_POD:
-            held.popitem(last=False)
 
 
 class KvbankRouter:

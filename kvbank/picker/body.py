@@ -18,6 +18,7 @@ from kvbank.engine.model.tokenizer import ChatTemplateError, Tokenizer
 from kvbank.engine.serve.http.errors import BadRequest, shown
 from kvbank.engine.serve.http.schema import MAX_N, parse_messages, parse_prompts
 from kvbank.engine.serve.http.tiers import requested_class
+from kvbank.picker.prefix import MAX_PREFIX_BLOCKS, prompt_blocks
 from kvbank.picker.rule import RequestCount, count_request
 from kvbank.service_class import ServiceClass
 
@@ -107,12 +108,14 @@ def count_body(counter: Counter, path: str, body: dict[str, Any]) -> RequestCoun
             tokenizer.encode(p) if isinstance(p, str) else p
             for p in parse_prompts(body, tokenizer.vocab_size)
         ]
+    page = counter.model.page_size
     counts = [
         count_request(
             counter.model,
             RequestShape(len(ids), max_tokens, sequences=n),
             counter.pool_pages,
             service_class,
+            prefix_blocks=prompt_blocks(ids, page, MAX_PREFIX_BLOCKS),
         )
         for ids in prompts
     ]

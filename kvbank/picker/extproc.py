@@ -378,9 +378,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             pages = count.pages
             if answer.waits and not last:  # the last try queues anyway
                 ahead = sum(next(p for p in seen if p.name == answer.pod).waiting_pages)
-        shape = count.shape if kind == pb.HoldRequest.NOW else None
         granted = await self.sidecars.hold(
-            answer.pod, hold_id, pages, kind, self.settings.hold_ttl_s, ahead, shape
+            answer.pod, hold_id, pages, kind, self.settings.hold_ttl_s, ahead, count
         )
         if granted:
             self.metrics.answers.labels("wait" if answer.waits else "pick").inc()

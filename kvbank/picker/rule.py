@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from kvbank.capacity import (
@@ -69,7 +70,7 @@ class PodFigures:
     waiting_pages: tuple[int, ...] = ()
     releases: tuple[Release, ...] = ()
     best_effort_room_pages: int = 0
-    cached_blocks: frozenset[int] = field(default_factory=frozenset)
+    cached_blocks: AbstractSet[int] = field(default_factory=frozenset)
     ready: bool = True
     # Of `cached_blocks`, those a running request holds (one block is one page): a hit on them
     # costs the pod no new page, so the ledger admits a request that much larger. A hit on a

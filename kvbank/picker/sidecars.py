@@ -19,15 +19,17 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvbank.ledger.room import RoomCurve
-from kvbank.ledger.shape import Pace, PeakShape
+from kvbank.ledger.shape import Pace
 from kvbank.picker.metrics import PickerMetrics
-from kvbank.picker.rule import PodFigures
+from kvbank.picker.prefix import PrefixRecord
+from kvbank.picker.rule import PodFigures, RequestCount
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.client import routing_channel
 from kvbank.sidecar.wire_forms import shape_to_wire
 
 log = logging.getLogger("kvbank.picker")
+PREFIX_BLOCKS_PER_POD = 31_250  # blocks remembered per pod, as llm-d's prefix scorer's default
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class Link:
 @dataclass
 class Watched:
     pod: Pod
+    # The prompt blocks the picker routed here (kvbank/picker/prefix.py): its affinity.
+    prefixes: PrefixRecord = field(default_factory=lambda: PrefixRecord(PREFIX_BLOCKS_PER_POD))
     figures: pb.RoutingFigures | None = None
     live: bool = False
     heard: bool = False  # the first attempt has ended (figures or a failure)
@@ -72,6 +76,7 @@ class Watched:
             best_effort_room_pages=f.best_effort_room_pages,
             ready=f.ready,
             room=room_from_wire(f),
+            cached_blocks=self.prefixes.blocks(),
         )
 
 
@@ -225,15 +230,17 @@ class Sidecars:
         kind: pb.HoldRequest.Kind,
         ttl_s: float,
         max_ahead_pages: int | None = None,
-        shape: PeakShape | None = None,
+        count: RequestCount | None = None,
     ) -> bool | None:
         """Claim `pages` on the pod: True granted, False refused (its room went to another
         pick; its figures are updated from the reply), None: the sidecar did not answer in
-        time, or the pod left meanwhile (the pick goes elsewhere). `shape`: a NOW hold's, for
-        the pod's room curve."""
+        time, or the pod left meanwhile (the pick goes elsewhere). `count`: the request, whose
+        shape a NOW hold carries (for the pod's room curve) and whose prompt blocks a granted
+        hold records for the pod (its prefix affinity)."""
         watched = self.watched.get(endpoint)
         if watched is None or watched.stub is None:
             return None
+        shape = count.shape if count is not None and kind == pb.HoldRequest.NOW else None
         request = pb.HoldRequest(
             hold_id=hold_id,
             pages=pages,
@@ -258,6 +265,8 @@ class Sidecars:
         if reply.figures.version >= (watched.figures.version if watched.figures else 0):
             watched.figures = reply.figures
             self._notify()
+        if reply.granted and count is not None:
+            watched.prefixes.record(count.prefix_blocks)
         return bool(reply.granted)
 
     async def unhold(self, endpoint: str, hold_id: str) -> None:

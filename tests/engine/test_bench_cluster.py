@@ -13,10 +13,11 @@ import yaml
 from kvbank.cli import main
 from kvbank.engine.bench.cluster import run_cluster
 from kvbank.engine.bench.replica import Replica
-from kvbank.engine.bench.routers import KvbankRouter, LeastKv, Placed, prompt_blocks
+from kvbank.engine.bench.routers import KvbankRouter, LeastKv, Placed
 from kvbank.engine.bench.scenario import ScenarioError, parse_scenario
 from kvbank.engine.bench.workload import RequestSpec, generate
 from kvbank.picker import Pick, Shed
+from kvbank.picker.prefix import prompt_blocks
 
 TINY = """
 name: tiny-cluster
