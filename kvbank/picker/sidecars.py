@@ -30,6 +30,7 @@ from kvbank.sidecar.wire_forms import shape_to_wire
 
 log = logging.getLogger("kvbank.picker")
 PREFIX_BLOCKS_PER_POD = 31_250  # blocks remembered per pod, as llm-d's prefix scorer's default
+MAX_ROOM_PAIRS = 1024  # a room curve longer than a sidecar sends (256) is not read
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class Watched:
 def room_from_wire(f: pb.RoutingFigures) -> RoomCurve | None:
     """The pod's room curve; None when it sends none (a ledger that follows no progress) or
     one that does not hold together (the headroom test alone is then used)."""
-    if not f.room_steps:
+    if not f.room_steps or len(f.room_steps) > MAX_ROOM_PAIRS:
         return None
     try:
         pace = Pace(f.pace_advance, f.pace_lookahead)

@@ -1,5 +1,6 @@
-"""The picker's approximate prefix index: chained block hashes, and a per-pod record that
-remembers the most recent blocks routed to it."""
+"""What the picker knows of a pod beyond its headroom: its approximate prefix index (chained
+block hashes, and a per-pod record of the most recent blocks routed there), and the room curve
+read off the sidecar's figures, used only when it holds together."""
 
 import pytest
 
@@ -28,3 +29,19 @@ def test_a_record_matches_leading_blocks_and_forgets_the_oldest() -> None:
     assert record.matched([1, 2, 3]) == 1
     with pytest.raises(ValueError, match="at least one block"):
         PrefixRecord(0)
+
+
+def test_a_room_curve_off_the_wire_is_read_only_when_it_holds_together() -> None:
+    from kvbank.picker.sidecars import MAX_ROOM_PAIRS, room_from_wire
+    from kvbank.proto import admission_pb2 as pb
+
+    def figures(steps: list[int], room: list[int], advance: int = 1) -> pb.RoutingFigures:
+        return pb.RoutingFigures(room_steps=steps, room_pages=room, pace_advance=advance,
+                                 page_size=16)  # fmt: skip
+
+    curve = room_from_wire(figures([0, 9], [50, 40]))
+    assert curve is not None and (curve.steps, curve.room) == ((0, 9), (50, 40))
+    assert room_from_wire(pb.RoutingFigures()) is None  # a banker's pod sends none
+    for bad in (figures([0, 9], [50]), figures([9, 0], [50, 40]), figures([0], [5], advance=0),
+                figures(list(range(MAX_ROOM_PAIRS + 1)), [1] * (MAX_ROOM_PAIRS + 1))):  # fmt: skip
+        assert room_from_wire(bad) is None  # the headroom alone is then the test
