@@ -10,7 +10,8 @@ two of them D only rises. The curve samples D there and at steps spaced by a ten
 the stretch that ends at c (D only rises along it, so D(k) <= D(c) there). The newcomer's N
 only rises until its own end, and is at most 0 after it. So a newcomer fits the curve when, for
 each stretch that holds a step before its end, N(min(c, end - 1)) <= S - D(c), the last pair
-standing for every step after it as well (N(end - 1) there). That test never admits what the
+standing for every step after it as well (N(end - 1) there); a stretch after its end is no
+test of it. That test never admits what the
 ledger's would refuse and is close to it (within a tenth of the steps); the ledger decides.
 
 A curve may be cut to fewer pairs (`at_most`): a run of pairs becomes its last step with the
@@ -97,9 +98,11 @@ class RoomCurve:
         ks = np.minimum(self._steps, last)
         ks[-1] = last  # the last pair stands for every step after it
         need = newcomer(shape, self.pace, self.page_size, ks, 0, held_hit_pages, 0, True)
-        # A stretch that starts at or after the newcomer's end sees it gone (0 pages).
-        need[self._starts >= end] = 0
-        return bool((need <= self._room).all())
+        # A stretch that starts at or after the newcomer's end does not see it: what room is
+        # left there (holds counted at their worst at every step may leave less than none) is
+        # no test of it.
+        alive = self._starts < end
+        return bool((need[alive] <= self._room[alive]).all())
 
 
 def room_curve(ledger: Ledger) -> RoomCurve | None:

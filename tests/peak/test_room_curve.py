@@ -98,3 +98,14 @@ def test_a_curve_that_does_not_hold_together_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match="room curve"):
         RoomCurve(steps, room, Pace(advance, 0), page_size)
+
+
+def test_late_steps_left_with_less_than_no_room_do_not_refuse_a_request_gone_by_then() -> None:
+    # A sidecar takes its holds off every step at their worst, which can leave less than no
+    # room where the running requests peak late; a request gone by then is not refused there.
+    model = CapacityModel({"main": KvSlot(1, 1, 0)}, 16, 4096, 1024, 0)
+    curve = RoomCurve((0, 50, 900), (60, 55, -30), Pace(1, 0), 16)
+    short = RequestShape(32, 16)  # gone after step 16
+    assert curve.fits(peak_shape(model, short, count=count_pages(model, short)))
+    long = RequestShape(32, 960)  # still running at step 900
+    assert not curve.fits(peak_shape(model, long, count=count_pages(model, long)))
