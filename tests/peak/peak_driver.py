@@ -66,6 +66,9 @@ class Driver:
     backfill: bool = False
     report_exclusive: bool = True
     seed: int = 0
+    # Fail when a head starts after the step backfill promised it. Off where the pool does not
+    # report sole pages: a known late start, not a breach (test_peak_properties' xfail).
+    check_start_promises: bool = True
     step: int = 0
     free: int = 0
     chains: list[int] = field(default_factory=list)  # cached pages per group
@@ -180,7 +183,7 @@ class Driver:
             self.live[rid] = live
             self.started_at[rid] = self.step
             due = self.promised.get(rid)
-            assert due is None or self.step <= due, (
+            assert not self.check_start_promises or due is None or self.step <= due, (
                 f"{rid} started at step {self.step}, later than the promised {due}"
             )
 

