@@ -9,6 +9,11 @@ its last body chunk sent to the picker's header answer received: the parse, the 
 count, the rule and the hold on the chosen sidecar, plus this client's own loop. Target (issue
 23): p99 at most 1 ms.
 
+`--peak`: the sidecars run a peak-fit ledger, each with one long request running whose
+worst case leaves 200 pages of headroom, fewer than the picks' holds soon take: a request then
+fits a pod only by its room curve (what it may hold at each step, kvbank/ledger/room.py), so
+the picker tests each request's shape against every pod's curve, its dearest path.
+
 Two baselines, measured in the same run: one bare `Routing.Hold` round trip (the floor of any
 decision that reserves room), and a null ext_proc server (this script with `--null-server`, a
 process of its own) that answers every stream with the same messages as a pick and does nothing
@@ -65,6 +70,22 @@ BODY = json.dumps(
         "max_tokens": 64,
     }
 ).encode()
+
+
+PACE = pb.LedgerPace(page_size=16, speculative_tokens=0, backfill_depth=8, max_advance=1)
+LONG_PAGES = PAGES - 1 - 200  # its worst case: 200 pages of headroom left beside it
+
+
+def run_long(client: SidecarClient, session: int) -> None:
+    """Start a request that may grow, a token a step, from 2 pages to LONG_PAGES."""
+    worst = LONG_PAGES * 16
+    shape = pb.PeakShape(labels=["main"], base=[32], per_output=[1], worst=[worst],
+                         output_budget=worst - 32, prefill_chunks=1)  # fmt: skip
+    submit = pb.Event(submit=pb.Submit(rid="long", pages=LONG_PAGES, shape=shape))
+    reply = client.report(pb.ReportRequest(session=session, report_seq=1, applied_seq=-1,
+                                           events=[submit], admit=True, in_step=True,
+                                           tries=[pb.Try(rid="long")]))  # fmt: skip
+    assert [d.rid for d in reply.decisions] == ["long"], reply
 
 
 def start(cmd: list[str], ready: re.Pattern[str]) -> tuple[subprocess.Popen[str], int]:
@@ -208,6 +229,7 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=8)
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--peak", action="store_true", help="peak-fit pods, admitting by curve")
     parser.add_argument("--null-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.null_server:
@@ -217,17 +239,22 @@ def main() -> int:
     try:
         sidecars = []
         for _ in range(args.pods):
+            policy = ["--policy", "peak"] if args.peak else []
             proc, port = start(
                 [sys.executable, "-m", "kvbank.cli", "sidecar", "--listen", "127.0.0.1:0",
-                 "--metrics-port", "-1"],
+                 "--metrics-port", "-1", *policy],
                 re.compile(r"serving on [\d.]+:(\d+)"),
             )  # fmt: skip
             procs.append(proc)
             sidecars.append(f"127.0.0.1:{port}")
             with SidecarClient(sidecars[-1]) as client:
-                client.open_session(pb.OpenSessionRequest(
+                session = client.open_session(pb.OpenSessionRequest(
                     engine_id="bench", total_pages=PAGES, lease_ms=3_600_000,
-                    supply=pb.Supply(free=PAGES - 1, evictable=0)))  # fmt: skip
+                    supply=pb.Supply(free=PAGES - 1, evictable=0),
+                    policy="peak" if args.peak else "",
+                    pace=PACE if args.peak else None)).session  # fmt: skip
+                if args.peak:
+                    run_long(client, session)
         pool = Path(tempfile.mkdtemp()) / "pool.yaml"
         pool.write_text(POOL)
         cmd = [sys.executable, "-m", "kvbank.cli", "picker", "--listen", "127.0.0.1:0",
@@ -256,7 +283,8 @@ def main() -> int:
     p50, p99 = quantiles(picks)
     h50, h99 = quantiles(baseline)
     n50, n99 = quantiles(nulls)
-    print(f"{len(picks)} requests at {args.rate:.0f}/s over {args.pods} pods, loopback")
+    pods = "peak-fit pods, admitting by curve" if args.peak else "pods"
+    print(f"{len(picks)} requests at {args.rate:.0f}/s over {args.pods} {pods}, loopback")
     print(f"decision latency  p50 {p50:.3f} ms  p99 {p99:.3f} ms  (target p99 <= 1 ms)"
           f"  picker CPU {pick_cpu:.2f} ms a request")  # fmt: skip
     print(f"baseline: one Hold round trip  p50 {h50:.3f} ms  p99 {h99:.3f} ms")

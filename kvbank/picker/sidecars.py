@@ -64,6 +64,14 @@ class Watched:
     heard: bool = False  # the first attempt has ended (figures or a failure)
     stub: pb_grpc.RoutingStub | None = None
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    # The room curve read off `figures`, kept with the message it was read from.
+    _room: tuple[pb.RoutingFigures, RoomCurve | None] | None = field(default=None, repr=False)
+
+    def room(self, f: pb.RoutingFigures) -> RoomCurve | None:
+        """`room_from_wire(f)`, read once per figures message (every pick reads every pod)."""
+        if self._room is None or self._room[0] is not f:
+            self._room = (f, room_from_wire(f))
+        return self._room[1]
 
     def pod_figures(self) -> PodFigures | None:
         f = self.figures
@@ -76,7 +84,7 @@ class Watched:
             waiting_pages=tuple(f.waiting_pages),
             best_effort_room_pages=f.best_effort_room_pages,
             ready=f.ready,
-            room=room_from_wire(f),
+            room=self.room(f),
             cached_blocks=self.prefixes.blocks(),
         )
 
