@@ -45,9 +45,6 @@ class RoutingView:
         self.version = 0
         self._cached: pb.RoutingFigures | None = None  # the figures of this version
         self._curve: RoomCurve | None = None  # the room curve they carry
-        # The ledger's own curve, holds not taken off, kept until the books change (a hold
-        # changes the figures, not the ledger).
-        self._ledger_curve: tuple[object, RoomCurve | None] | None = None
         self._changed = asyncio.Event()
         state.on_change.append(self._state_changed)
         registry = state.metrics.registry
@@ -66,7 +63,6 @@ class RoutingView:
     def _state_changed(self, submitted: list[str]) -> None:
         """The books moved; the requests the engine submitted (their hold, else their id)
         take their holds' place."""
-        self._ledger_curve = None
         for key in submitted:
             # The hold of a request the engine names by the picker's id; a request of several
             # prompts or sequences submits it as `<id>-<k>`.
@@ -120,9 +116,7 @@ class RoutingView:
         figures.headroom_pages = headroom
         figures.waiting_pages.extend(waiting)
         figures.best_effort_room_pages = max(0, headroom - sum(waiting) - held.best_effort_pages)
-        if self._ledger_curve is None or self._ledger_curve[0] is not ledger:
-            self._ledger_curve = (ledger, room_curve(ledger))
-        curve = self._ledger_curve[1]
+        curve = room_curve(ledger)  # built once per change of the running requests
         if curve is not None:
             curve = curve.less(held.now_pages).at_most(MAX_ROOM_SENT)
             figures.room_steps.extend(curve.steps)

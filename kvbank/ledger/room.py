@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import pairwise
+from weakref import WeakKeyDictionary
 
 import numpy as np
 import numpy.typing as npt
 
 from kvbank.ledger.ledger import Ledger
+from kvbank.ledger.profile import Profile
 from kvbank.ledger.shape import Pace, PeakShape, Steps, newcomer
 from kvbank.ledger.timeline import Timeline
 
@@ -107,20 +109,32 @@ class RoomCurve:
 
 def room_curve(ledger: Ledger) -> RoomCurve | None:
     """The ledger's room curve, or None for a ledger that follows no progress (its headroom is
-    then its whole test)."""
+    then its whole test). Built once per demand profile and supply: a profile is immutable and
+    replaced whenever the running requests change, so the pair says when the curve is stale (a
+    sidecar reads it on every hold, the cluster bench on every pick)."""
     timeline = ledger.timeline
     if not isinstance(timeline, Timeline) or not timeline.peak_active:
         return None
     profile = timeline.profile()
+    supply = ledger.books.supply
+    known = _BUILT.get(profile)
+    if known is not None and known[0] == supply:
+        return known[1]
     candidates = profile.candidates
     steps = np.union1d(candidates, _samples(int(candidates[-1])))
-    room = ledger.books.supply - profile.demand(steps)
-    return RoomCurve(
+    room = supply - profile.demand(steps)
+    curve = RoomCurve(
         tuple(int(s) for s in steps),
         tuple(int(r) for r in room),
         timeline.pace,
         timeline.peak_policy.page_size,
     )
+    _BUILT[profile] = (supply, curve)
+    return curve
+
+
+# The curve last built from each live profile, with the supply it was built for.
+_BUILT: WeakKeyDictionary[Profile, tuple[int, RoomCurve]] = WeakKeyDictionary()
 
 
 def _samples(last: int) -> npt.NDArray[np.int64]:
