@@ -115,7 +115,8 @@ def count_body(counter: Counter, path: str, body: dict[str, Any]) -> RequestCoun
             RequestShape(len(ids), max_tokens, sequences=n),
             counter.pool_pages,
             service_class,
-            prefix_blocks=prompt_blocks(ids, page, MAX_PREFIX_BLOCKS),
+            # Affinity is for a request of one prompt (several are counted summed, below).
+            prefix_blocks=prompt_blocks(ids, page, MAX_PREFIX_BLOCKS) if len(prompts) == 1 else (),
         )
         for ids in prompts
     ]
