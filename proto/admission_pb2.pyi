@@ -107,8 +107,18 @@ class GiveBack(_message.Message):
     shape: PeakShape
     def __init__(self, rid: _Optional[str] = ..., held: _Optional[int] = ..., reserved: _Optional[int] = ..., shape: _Optional[_Union[PeakShape, _Mapping]] = ...) -> None: ...
 
+class BestEffort(_message.Message):
+    __slots__ = ("held", "backlog", "arrived")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    BACKLOG_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    held: int
+    backlog: int
+    arrived: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, held: _Optional[int] = ..., backlog: _Optional[int] = ..., arrived: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class Event(_message.Message):
-    __slots__ = ("submit", "cancel", "take", "release", "supply", "advance", "end_step", "start", "exclusive", "give_back")
+    __slots__ = ("submit", "cancel", "take", "release", "supply", "advance", "end_step", "start", "exclusive", "give_back", "best_effort")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     TAKE_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +129,7 @@ class Event(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     GIVE_BACK_FIELD_NUMBER: _ClassVar[int]
+    BEST_EFFORT_FIELD_NUMBER: _ClassVar[int]
     submit: Submit
     cancel: Cancel
     take: Take
@@ -129,7 +140,8 @@ class Event(_message.Message):
     start: Start
     exclusive: Exclusive
     give_back: GiveBack
-    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., take: _Optional[_Union[Take, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ..., advance: _Optional[_Union[Progress, _Mapping]] = ..., end_step: _Optional[_Union[EndStep, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., exclusive: _Optional[_Union[Exclusive, _Mapping]] = ..., give_back: _Optional[_Union[GiveBack, _Mapping]] = ...) -> None: ...
+    best_effort: BestEffort
+    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., take: _Optional[_Union[Take, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., supply: _Optional[_Union[Supply, _Mapping]] = ..., advance: _Optional[_Union[Progress, _Mapping]] = ..., end_step: _Optional[_Union[EndStep, _Mapping]] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., exclusive: _Optional[_Union[Exclusive, _Mapping]] = ..., give_back: _Optional[_Union[GiveBack, _Mapping]] = ..., best_effort: _Optional[_Union[BestEffort, _Mapping]] = ...) -> None: ...
 
 class Try(_message.Message):
     __slots__ = ("rid", "hit", "no_room", "prefill_chunks")
@@ -404,7 +416,7 @@ class WatchRequest(_message.Message):
     def __init__(self, watcher_id: _Optional[str] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class RoutingFigures(_message.Message):
-    __slots__ = ("ready", "total_pages", "usable_pages", "headroom_pages", "waiting_pages", "best_effort_room_pages", "holds", "held_pages", "version", "worst_request_pages", "room_steps", "room_pages", "pace_advance", "pace_lookahead", "page_size")
+    __slots__ = ("ready", "total_pages", "usable_pages", "headroom_pages", "waiting_pages", "best_effort_room_pages", "holds", "held_pages", "version", "worst_request_pages", "room_steps", "room_pages", "pace_advance", "pace_lookahead", "page_size", "best_effort_backlog_pages")
     READY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     USABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -420,6 +432,7 @@ class RoutingFigures(_message.Message):
     PACE_ADVANCE_FIELD_NUMBER: _ClassVar[int]
     PACE_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BEST_EFFORT_BACKLOG_PAGES_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     total_pages: int
     usable_pages: int
@@ -435,7 +448,8 @@ class RoutingFigures(_message.Message):
     pace_advance: int
     pace_lookahead: int
     page_size: int
-    def __init__(self, ready: _Optional[bool] = ..., total_pages: _Optional[int] = ..., usable_pages: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., waiting_pages: _Optional[_Iterable[int]] = ..., best_effort_room_pages: _Optional[int] = ..., holds: _Optional[int] = ..., held_pages: _Optional[int] = ..., version: _Optional[int] = ..., worst_request_pages: _Optional[int] = ..., room_steps: _Optional[_Iterable[int]] = ..., room_pages: _Optional[_Iterable[int]] = ..., pace_advance: _Optional[int] = ..., pace_lookahead: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+    best_effort_backlog_pages: int
+    def __init__(self, ready: _Optional[bool] = ..., total_pages: _Optional[int] = ..., usable_pages: _Optional[int] = ..., headroom_pages: _Optional[int] = ..., waiting_pages: _Optional[_Iterable[int]] = ..., best_effort_room_pages: _Optional[int] = ..., holds: _Optional[int] = ..., held_pages: _Optional[int] = ..., version: _Optional[int] = ..., worst_request_pages: _Optional[int] = ..., room_steps: _Optional[_Iterable[int]] = ..., room_pages: _Optional[_Iterable[int]] = ..., pace_advance: _Optional[int] = ..., pace_lookahead: _Optional[int] = ..., page_size: _Optional[int] = ..., best_effort_backlog_pages: _Optional[int] = ...) -> None: ...
 
 class HoldRequest(_message.Message):
     __slots__ = ("hold_id", "pages", "ttl_ms", "kind", "max_ahead_pages", "shape")

@@ -49,7 +49,7 @@ from kvbank.ledger import (
     PeakShape,
     UnknownRequest,
 )
-from kvbank.ledger.client import StepEnd
+from kvbank.ledger.client import BestEffortFigures, StepEnd
 from kvbank.proto import admission_pb2 as pb
 from kvbank.sidecar.backend_wire import ENGINE_OUTAGE_EFFECT, BackendBooks, Outage, ReportWire
 from kvbank.sidecar.client import SidecarClient, SidecarError, unreachable_message
@@ -157,15 +157,24 @@ class SidecarBackend:
             event.shape.CopyFrom(shape_to_wire(shape))
         self.books.events.append(pb.Event(give_back=event))
 
-    def set_supply(self, free: int, evictable: int) -> None:
-        if self.books.supply == (free, evictable) and self.books.supply_in_ledger:
+    def set_supply(
+        self, free: int, evictable: int, best_effort: BestEffortFigures | None = None
+    ) -> None:
+        books = self.books
+        if best_effort is not None:
+            figures = (best_effort.held, best_effort.backlog)
+            if best_effort.arrived or figures != books.best_effort:
+                books.best_effort = figures
+                books.events.append(pb.Event(best_effort=pb.BestEffort(
+                    held=figures[0], backlog=figures[1], arrived=best_effort.arrived)))  # fmt: skip
+        if books.supply == (free, evictable) and books.supply_in_ledger:
             return
-        self.books.supply, self.books.supply_in_ledger = (free, evictable), True
+        books.supply, books.supply_in_ledger = (free, evictable), True
         event = pb.Event(supply=pb.Supply(free=free, evictable=evictable))
-        if self.books.events and self.books.events[-1].HasField("supply"):
-            self.books.events[-1] = event  # back-to-back supply reports: the last one stands
+        if books.events and books.events[-1].HasField("supply"):
+            books.events[-1] = event  # back-to-back supply reports: the last one stands
         else:
-            self.books.events.append(event)
+            books.events.append(event)
 
     def outstanding(self) -> int:
         return self.books.outstanding

@@ -66,6 +66,7 @@ class BackendBooks:
     # the ledger's own figures, and then the next report must be sent even if the pool reports
     # the same numbers again.
     supply_in_ledger: bool = False
+    best_effort: tuple[int, int] = (0, 0)  # the best-effort (held, backlog) last sent
     ready: list[Decision] = field(default_factory=list)
     applied_seq: int = -1  # last decision handed to the engine
     last_seq: int = -1  # last decision seen
@@ -389,7 +390,9 @@ class ReportWire:
         self.last_report_at = time.monotonic()
 
     def _resubmits(self) -> list[pb.Event]:
-        return [
-            pb.Event(submit=submit_to_wire(rid, pages, refusal, shape))
-            for rid, (pages, refusal, shape) in self.books.waiting.items()
-        ]
+        """A new session's first events: the waiting requests, and the best-effort figures."""
+        held, backlog = self.books.best_effort
+        events = [pb.Event(submit=submit_to_wire(rid, *w)) for rid, w in self.books.waiting.items()]
+        if held or backlog:
+            events.append(pb.Event(best_effort=pb.BestEffort(held=held, backlog=backlog)))
+        return events

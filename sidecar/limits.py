@@ -61,6 +61,9 @@ def check_report(req: pb.ReportRequest) -> None:
             _check_labels(list(body.tokens_per_label), f"{where}.tokens_per_label")
         elif kind == "start":
             _check_chunks(body.prefill_chunks, f"{where}.prefill_chunks")
+        elif kind == "best_effort":
+            for k, rid in enumerate(body.arrived):
+                check_id(rid, f"{where}.arrived[{k}]")
     for i, question in enumerate(req.tries):
         check_id(question.rid, f"tries[{i}].rid")
         if question.HasField("prefill_chunks"):

@@ -103,6 +103,9 @@ def _apply(
         # ledger counts released pages as returning until the next real report.
         if (event.supply.free, evictable) != (ledger.free, ledger.evictable):
             ledger.set_supply(event.supply.free, evictable)
+    elif kind == "best_effort":  # not the ledger's: checked here, kept by the state
+        ledger.books.check_pages(event.best_effort.held, "held")
+        ledger.books.check_pages(event.best_effort.backlog, "backlog", bounded=False)
     elif kind == "advance":
         advance(ledger, event.advance)
     elif kind == "end_step":
@@ -122,7 +125,7 @@ def _apply(
     else:
         raise InvalidPages(
             "an event must carry one of submit, cancel, take, release, supply, "
-            "advance, end_step, start, exclusive, give_back"
+            "advance, end_step, start, exclusive, give_back, best_effort"
         )
 
 

@@ -115,7 +115,12 @@ class RoutingView:
         figures.usable_pages = ledger.usable_pages
         figures.headroom_pages = headroom
         figures.waiting_pages.extend(waiting)
-        figures.best_effort_room_pages = max(0, headroom - sum(waiting) - held.best_effort_pages)
+        # A best-effort request cannot take the pages best-effort requests hold (the ledger's
+        # supply counts them: strict admission takes them back), nor what the queues wait for.
+        be_held, be_backlog = state.best_effort
+        backlog = be_backlog + held.best_effort_pages
+        figures.best_effort_room_pages = max(0, headroom - sum(waiting) - be_held - backlog)
+        figures.best_effort_backlog_pages = backlog
         curve = room_curve(ledger)  # built once per change of the running requests
         if curve is not None:
             curve = curve.less(held.now_pages).at_most(MAX_ROOM_SENT)
@@ -164,7 +169,14 @@ class RoutingView:
                     or (shape is not None and curve is not None and curve.fits(shape))
                 )
             )
-            or (kind is HoldKind.BEST_EFFORT and req.pages <= now.best_effort_room_pages)
+            or (
+                kind is HoldKind.BEST_EFFORT
+                and (
+                    req.pages <= now.best_effort_room_pages  # it starts now, or it queues:
+                    or sum(now.waiting_pages) + now.best_effort_backlog_pages + req.pages
+                    <= now.usable_pages
+                )
+            )
         )
         if not granted:
             return pb.HoldReply(granted=False, figures=now)

@@ -94,6 +94,9 @@ class AdmissionState:
         # Called after each change of the books with the pickers' holds the change submitted
         # (sidecar/routing.py streams the figures to pickers).
         self.on_change: list[Callable[[list[str]], None]] = []
+        # The engine's best-effort (held, backlog) pages, its last `BestEffort` event's: never
+        # the ledger's, read by the pickers' figures.
+        self.best_effort = (0, 0)
 
     def _changed(self, submitted: list[str] | None = None) -> None:
         for call in self.on_change:
@@ -135,6 +138,7 @@ class AdmissionState:
         lease_s = req.lease_ms / 1000 if req.lease_ms else self.default_lease_s
         self.session = Session(next(self._session_ids), req.engine_id, lease_s, self._clock())
         self.ledger = ledger
+        self.best_effort = (0, 0)
         self.recorder.arrived.clear()
         self.log.reset(req.next_seq)
         for res in restored:
@@ -157,6 +161,7 @@ class AdmissionState:
             return False
         self.session = None
         self.ledger = Ledger(self.pool_pages, debug=self.debug) if self.pool_pages else None
+        self.best_effort = (0, 0)
         self.recorder.arrived.clear()
         self.metrics.sessions_dropped.inc()
         self._changed()
@@ -224,10 +229,17 @@ class AdmissionState:
         if waited:
             self.metrics.waits.inc()
         reply = self.recorder.close(reply, req, s, ledger, stalled)
+        # Requests the engine queued take their picker's holds' place: the ledger's (submits)
+        # and the best-effort ones (never the ledger's), whose figures the last event gives.
+        queued: list[str] = []
+        for event in req.events:
+            if event.HasField("submit"):
+                queued.append(event.submit.hold or event.submit.rid)
+            elif event.HasField("best_effort"):
+                self.best_effort = (event.best_effort.held, event.best_effort.backlog)
+                queued.extend(event.best_effort.arrived)
         if self.on_change:
-            self._changed(
-                [e.submit.hold or e.submit.rid for e in req.events if e.HasField("submit")]
-            )
+            self._changed(queued)
         return reply
 
     def _commit(self, ledger: Ledger) -> None:

@@ -45,6 +45,7 @@ from kvbank.engine.admission.view import AdmissionView
 from kvbank.engine.kv.cache import Chains
 from kvbank.engine.request import Request
 from kvbank.ledger import InvariantBreach, PeakShape, peak_shape
+from kvbank.ledger.client import BestEffortFigures
 from kvbank.service_class import ClassPolicy, Estimate, ServiceClass, Victim
 
 # Reloading a page from host costs about a tenth of recomputing its tokens (a page copy against
@@ -78,6 +79,11 @@ class BestEffort:
         # Until the learned estimate has lengths to go by, the decaying ratio answers.
         self.warmup = DecayingRatio()
         self.waiting: list[Request] = []  # best-effort, by arrival
+        # What each waiting best-effort request needs to start: its prompt's pages less the
+        # cached prefix it had when it queued (the figure pickers route by, `backlog_pages`).
+        self._start_pages: dict[str, int] = {}
+        self.backlog_pages = 0
+        self._arrived: list[str] = []  # best-effort requests queued since `figures`
         self.strict: deque[Request] = deque()  # strict, in the ledger's order
         self.running: dict[str, Request] = {}  # best-effort, in admission order
         self.victims: set[str] = set()  # decided preemptions not yet carried out
@@ -96,6 +102,7 @@ class BestEffort:
         """Queue a request; True when it is best-effort (not the ledger's)."""
         if req.best_effort:
             self._requeue_waiting(req)
+            self._arrived.append(req.rid)
             return True
         self.strict.append(req)
         return False
@@ -103,14 +110,29 @@ class BestEffort:
     def _requeue_waiting(self, req: Request) -> None:
         keys = [r.arrival for r in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, req.arrival), req)
+        chains = self.view.kv.peek(req)
+        pages = max(0, req.pages_at(req.num_tokens) - sum(len(c) for c in chains.values()))
+        self._start_pages[req.rid] = pages
+        self.backlog_pages += pages
+
+    def _left_waiting(self, req: Request) -> None:
+        self.backlog_pages -= self._start_pages.pop(req.rid, 0)
 
     def leave_queue(self, req: Request) -> None:
         """A waiting request started, was rejected or cancelled."""
         queue: list[Request] | deque[Request] = self.waiting if req.best_effort else self.strict
+        if req.best_effort:
+            self._left_waiting(req)
         if queue and queue[0] is req:
             queue.popleft() if isinstance(queue, deque) else queue.pop(0)
         elif req in queue:
             queue.remove(req)
+
+    def figures(self, held: int) -> BestEffortFigures:
+        """What pickers route best-effort requests by, with `held` the pages only best-effort
+        requests hold; the arrivals since the last call."""
+        arrived, self._arrived = tuple(self._arrived), []
+        return BestEffortFigures(held, self.backlog_pages, arrived)
 
     def head(self) -> Request | None:
         """The waiting strict head: eviction spares its cached hit."""
@@ -165,7 +187,7 @@ class BestEffort:
             chains = view.kv.peek(req)
             if not self._fits(req, chains):
                 return
-            self.waiting.pop(0)
+            self._left_waiting(self.waiting.pop(0))
             self.running[req.rid] = req
             yield Start(req, chains)
 

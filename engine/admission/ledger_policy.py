@@ -317,8 +317,9 @@ class LedgerPolicy(AdmissionPolicy):
 
     def _sync_supply(self) -> None:
         # Free, and evictable with the reclaimable pages (engine/kv/view.py); a no-op when the
-        # figures are unchanged.
-        self.backend.set_supply(*self.view.kv.ledger_supply())
+        # figures are unchanged. The best-effort figures are for pickers (sidecar/routing.py).
+        kv = self.view.kv
+        self.backend.set_supply(*kv.ledger_supply(), self.best_effort.figures(kv.reclaimable))
 
     def on_cancel(self, req: Request) -> None:
         self._parts.cancel(self.backend, self.best_effort, req)

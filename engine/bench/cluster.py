@@ -94,6 +94,8 @@ def run_cluster(
             replica.send(spec, since)
             return
         if isinstance(answer, Shed):
+            if workload.concurrency is not None:  # the client waits the Retry-After, as told
+                heapq.heappush(freed, clock + answer.retry_after_s)
             answers["shed"] += 1
             shed_by_class[spec.cls.name] = shed_by_class.get(spec.cls.name, 0) + 1
         elif isinstance(answer, Refuse):

@@ -184,13 +184,13 @@ class KvbankRouter:
             left = max(1.0, min(req.max_output, expected) - produced)
             releases.append(Release(left * replica.step_s, reservation.reserved))
         best_effort = getattr(engine.policy, "best_effort", None)
-        queued_best_effort = 0
-        if best_effort is not None:
-            queued_best_effort = sum(r.pages_at(len(r.prompt)) for r in best_effort.waiting)
+        queued_best_effort = 0 if best_effort is None else best_effort.backlog_pages
         # The ledger's own headroom, as the sidecar streams it to the picker: supply less the
-        # conservative outstanding, or with peak-fit less the timeline's highest demand.
+        # conservative outstanding, or with peak-fit less the timeline's highest demand. The
+        # supply counts the pages only best-effort requests hold (strict admission may take
+        # them back); a best-effort request cannot, so its room is without them.
         headroom = min(ledger.usable_pages, ledger.headroom)
-        room = headroom - sum(waiting) - queued_best_effort
+        room = headroom - sum(waiting) - queued_best_effort - kv.reclaimable
         chain = kv.index.match(self.label, prompt, len(request.prefix_blocks))
         refcount = kv.pool.refcount
         blocks = request.prefix_blocks
@@ -202,6 +202,7 @@ class KvbankRouter:
             waiting_pages=waiting,
             releases=tuple(sorted(releases, key=lambda r: r.eta_s)),
             best_effort_room_pages=min(ledger.usable_pages, room),
+            best_effort_backlog_pages=queued_best_effort,
             cached_blocks=frozenset(blocks[: len(chain)]),
             held_blocks=held,
             room=room_curve(ledger),

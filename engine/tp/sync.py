@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from kvbank.engine.runner import SamplingParams, StepBatch, StepResult
 from kvbank.ledger import Admitted, Decision, Hit, PeakShape
-from kvbank.ledger.client import LateAnswers, LedgerClient, StepEnd
+from kvbank.ledger.client import BestEffortFigures, LateAnswers, LedgerClient, StepEnd
 from kvbank.service_class import ServiceClass
 
 IDLE = "idle"
@@ -208,8 +208,10 @@ class RecordingBackend:
     def give_back(self, rid: str, held: int, reserved: int, shape: PeakShape | None = None) -> None:
         self.inner.give_back(rid, held, reserved, shape)
 
-    def set_supply(self, free: int, evictable: int) -> None:
-        self.inner.set_supply(free, evictable)
+    def set_supply(
+        self, free: int, evictable: int, best_effort: BestEffortFigures | None = None
+    ) -> None:
+        self.inner.set_supply(free, evictable, best_effort)
 
     def outstanding(self) -> int:
         return self.inner.outstanding()
@@ -288,7 +290,7 @@ class FollowerBackend:
     def take(self, rid: str, pages: int) -> None: ...
     def release(self, rid: str) -> None: ...
     def give_back(self, *args: Any) -> None: ...
-    def set_supply(self, free: int, evictable: int) -> None: ...
+    def set_supply(self, *args: Any) -> None: ...
     def advance(self, *args: Any) -> None: ...
     def start(self, rid: str, prefill_chunks: int) -> None: ...
     def check_integrity(self, free: int, evictable: int) -> None: ...

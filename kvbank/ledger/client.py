@@ -45,6 +45,18 @@ class StepEnd:
     stalled_steps: int
 
 
+@dataclass(frozen=True)
+class BestEffortFigures:
+    """The engine's best-effort requests, which are never the ledger's, as pickers route by
+    them (the sidecar streams them): `held`, of the evictable pages, those only best-effort
+    requests hold; `backlog`, the pages its queued best-effort requests need to start;
+    `arrived`, the best-effort requests queued since the figures were last taken."""
+
+    held: int
+    backlog: int
+    arrived: tuple[str, ...] = ()
+
+
 class LateAnswers(Protocol):
     """What a client that answers later adds (a sidecar the step never waits on): its
     `try_admit` is never asked in step; the engine pins the head's hit and reports it (`pin`),
@@ -142,8 +154,11 @@ class LedgerClient(Protocol):
         (kvbank.ledger.give_back)."""
         ...
 
-    def set_supply(self, free: int, evictable: int) -> None:
-        """The pool's free and evictable page counts after a change."""
+    def set_supply(
+        self, free: int, evictable: int, best_effort: BestEffortFigures | None = None
+    ) -> None:
+        """The pool's free and evictable page counts after a change; `best_effort`, its
+        best-effort requests' figures, for a client that serves pickers (others ignore them)."""
         ...
 
     def outstanding(self) -> int:
@@ -304,7 +319,9 @@ class EmbeddedClient:
     def give_back(self, rid: str, held: int, reserved: int, shape: PeakShape | None = None) -> None:
         self.ledger.give_back(rid, held, reserved, shape)
 
-    def set_supply(self, free: int, evictable: int) -> None:
+    def set_supply(
+        self, free: int, evictable: int, best_effort: BestEffortFigures | None = None
+    ) -> None:
         ledger = self.ledger
         if free != ledger.free or evictable != ledger.evictable:
             ledger.set_supply(free, evictable)
@@ -327,4 +344,12 @@ def embedded(
     return EmbeddedClient(Ledger(total_pages, debug=debug, policy=policy))
 
 
-__all__ = ["EmbeddedClient", "LateAnswers", "LedgerClient", "StepEnd", "ask_in_order", "embedded"]
+__all__ = [
+    "BestEffortFigures",
+    "EmbeddedClient",
+    "LateAnswers",
+    "LedgerClient",
+    "StepEnd",
+    "ask_in_order",
+    "embedded",
+]

@@ -133,7 +133,7 @@ def immediate(refusal: Refusal) -> ep.ProcessingResponse:
                       "code": refusal.code}}  # fmt: skip
     headers = ep.HeaderMutation(set_headers=[_header("content-type", "application/json")])
     if refusal.status == 429:
-        headers.set_headers.append(_header("retry-after", "1"))
+        headers.set_headers.append(_header("retry-after", str(Shed.retry_after_s)))
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=refusal.status),  # type: ignore[arg-type]

@@ -10,8 +10,10 @@ pod's `PodFigures` and the request's `RequestCount` and asks `pick`, which answe
 
 The rule (issue 23): a strict request goes to a pod whose ledger would admit it now; with none,
 to the pod where it would start soonest. A best-effort request goes to the pod with the most
-room. Ties are broken by prefix affinity, then queue depth, then the most headroom, then the
-pod's name (so the same figures always give the same pick).
+room; with room nowhere, it queues where the best-effort backlog is least, and only when every
+pod's backlog is a pool deep are the pods full (429). Ties are broken by prefix affinity, then
+queue depth, then the most headroom, then the pod's name (so the same figures always give the
+same pick).
 
 "Admit now" is the ledger's own test for a head (kvbank/ledger/ledger.py, `Ledger.try_admit`),
 and a pod admits a newcomer now only with nothing waiting ahead of it (FIFO: only the head is
@@ -61,8 +63,10 @@ class PodFigures:
     `supply - outstanding` (negative is clamped to none). `waiting_pages`: the worst cases of the
     requests waiting there, FIFO. `releases`: when headroom comes back, soonest first as far as
     the pod can tell; `best_effort_room_pages`: pages a best-effort request could start on now
-    (what strict promises leave, less what the queue waits for). `cached_blocks`: the prefix
-    block hashes the pod's index holds, for affinity."""
+    (what strict promises and running best-effort requests leave, less what the queues wait
+    for); `best_effort_backlog_pages`: what the best-effort requests queued there (and routed
+    there, not yet arrived) need to start. `cached_blocks`: the prefix block hashes the pod's
+    index holds, for affinity."""
 
     name: str
     usable_pages: int
@@ -70,6 +74,7 @@ class PodFigures:
     waiting_pages: tuple[int, ...] = ()
     releases: tuple[Release, ...] = ()
     best_effort_room_pages: int = 0
+    best_effort_backlog_pages: int = 0
     cached_blocks: AbstractSet[int] = field(default_factory=frozenset)
     ready: bool = True
     # Of `cached_blocks`, those a running request holds (one block is one page): a hit on them
@@ -88,6 +93,8 @@ class PodFigures:
             )
         if any(pages < 0 for pages in self.waiting_pages):
             raise ValueError(f"pod {self.name!r}: waiting_pages must not be negative")
+        if self.best_effort_backlog_pages < 0:
+            raise ValueError(f"pod {self.name!r}: best_effort_backlog_pages must not be negative")
 
     @property
     def queue_depth(self) -> int:
@@ -201,6 +208,7 @@ class Refuse:
 class Shed:
     message: str
     status: int = 429
+    retry_after_s: int = 1  # the Retry-After the client is told: a pod frees room by then
 
 
 @dataclass(frozen=True)
@@ -235,12 +243,19 @@ def pick(request: RequestCount, pods: Sequence[PodFigures]) -> Answer:
     if request.service_class is ServiceClass.BEST_EFFORT:
         need = request.pages_to_start
         roomy = [pod for pod in holding if pod.best_effort_room_pages >= need]
-        if not roomy:
+        if roomy:
+            return Pick(min(roomy, key=lambda pod: (-pod.best_effort_room_pages, *tie(pod))).name)
+        # No room now: it queues where the backlog is least, while that backlog and it fit the
+        # pool (they start as the requests running there finish); with every pod's backlog a
+        # pool deep, the pods are full.
+        queues = [pod for pod in holding if backlog(pod) + need <= pod.usable_pages]
+        if not queues:
             return Shed(
-                f"every pod is full: a best-effort request needs {need} pages to start and the "
-                f"most room any ready pod has is {max(p.best_effort_room_pages for p in holding)}"
+                f"every pod is full: a best-effort request needs {need} pages to start, no "
+                f"ready pod has that room now, and each has a backlog of at least "
+                f"{min(backlog(p) for p in holding)} pages waiting to start"
             )
-        return Pick(min(roomy, key=lambda pod: (-pod.best_effort_room_pages, *tie(pod))).name)
+        return Pick(min(queues, key=lambda pod: (backlog(pod), *tie(pod))).name, waits=True)
     now = [pod for pod in holding if pod.admits(request)]
     if now:
         return Pick(min(now, key=tie).name)
@@ -250,6 +265,13 @@ def pick(request: RequestCount, pods: Sequence[PodFigures]) -> Answer:
         return (eta, short, *tie(pod))
 
     return Pick(min(holding, key=soonest).name, waits=True)
+
+
+def backlog(pod: PodFigures) -> int:
+    """What waits to start at `pod` before a best-effort request queued there now: the strict
+    queue (strict requests come first) and the best-effort backlog. The sidecar grants a
+    best-effort hold that queues by the same sum."""
+    return sum(pod.waiting_pages) + pod.best_effort_backlog_pages
 
 
 def _refusal_message(pages: int, usable: int) -> str:

@@ -83,6 +83,7 @@ class Watched:
             headroom_pages=f.headroom_pages,
             waiting_pages=tuple(f.waiting_pages),
             best_effort_room_pages=f.best_effort_room_pages,
+            best_effort_backlog_pages=max(0, f.best_effort_backlog_pages),
             ready=f.ready,
             room=self.room(f),
             cached_blocks=self.prefixes.blocks(),

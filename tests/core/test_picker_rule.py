@@ -123,11 +123,41 @@ class TestBestEffort:
         req = RequestCount(pages=80, service_class=BE, start_pages=20)
         assert pick(req, pods) == Pick("b")
 
-    def test_every_pod_full_is_shed(self) -> None:
-        pods = [pod("a", best_effort_room_pages=10), pod("b", best_effort_room_pages=19)]
+    def test_with_no_room_now_it_queues_where_the_backlog_is_least(self) -> None:
+        # Pods busy with best-effort work are not full: their queues start as it finishes.
+        pods = [
+            pod("a", best_effort_room_pages=10, best_effort_backlog_pages=40),
+            pod("b", best_effort_room_pages=19, best_effort_backlog_pages=60),
+        ]
+        req = RequestCount(pages=80, service_class=BE, start_pages=20)
+        assert pick(req, pods) == Pick("a", waits=True)
+
+    def test_room_now_comes_before_a_short_backlog(self) -> None:
+        pods = [
+            pod("a", best_effort_room_pages=0, best_effort_backlog_pages=0),
+            pod("b", best_effort_room_pages=20, best_effort_backlog_pages=70),
+        ]
+        assert pick(RequestCount(pages=80, service_class=BE, start_pages=20), pods) == Pick("b")
+
+    def test_every_pod_a_pool_deep_in_backlog_is_shed(self) -> None:
+        pods = [
+            pod("a", best_effort_room_pages=10, best_effort_backlog_pages=81),
+            pod("b", best_effort_room_pages=19, best_effort_backlog_pages=95),
+        ]
         answer = pick(RequestCount(pages=80, service_class=BE, start_pages=20), pods)
         assert isinstance(answer, Shed) and answer.status == 429
-        assert "needs 20 pages" in answer.message and "is 19" in answer.message
+        assert "needs 20 pages" in answer.message and "at least 81 pages" in answer.message
+        # One pod whose backlog and the request fit its pool takes it.
+        request = RequestCount(pages=80, service_class=BE, start_pages=20)
+        pods[0] = replace(pods[0], best_effort_backlog_pages=80)
+        assert pick(request, pods) == Pick("a", waits=True)
+        # Strict requests waiting there come first: they count in the backlog.
+        pods[0] = replace(pods[0], best_effort_backlog_pages=20, waiting_pages=(61,))
+        assert isinstance(pick(request, pods), Shed)
+
+    def test_a_negative_backlog_is_refused(self) -> None:
+        with pytest.raises(ValueError, match="best_effort_backlog_pages"):
+            pod("a", best_effort_backlog_pages=-1)
 
 
 class TestRefusalsAndEndpoints:
@@ -182,6 +212,7 @@ def pod_figures(draw) -> PodFigures:
             draw(st.lists(st.builds(Release, st.floats(0, 10), st.integers(1, 50)), max_size=3))
         ),
         best_effort_room_pages=draw(st.integers(-10, usable)),
+        best_effort_backlog_pages=draw(st.integers(0, 2 * usable)),
         cached_blocks=draw(st.frozensets(st.integers(0, 5), max_size=4)),
         ready=draw(st.booleans()),
         held_blocks=draw(st.frozensets(st.integers(0, 5), max_size=3)),
@@ -210,8 +241,18 @@ def test_a_pick_is_a_ready_pod_that_can_hold_it(request: RequestCount, pods) -> 
         assert not any(p.ready and p.usable_pages >= request.pages for p in pods)
     elif isinstance(answer, Refuse):
         assert all(p.usable_pages < request.pages for p in pods)
-    else:
+    else:  # shed: only a best-effort request, with no pod that has room or a short backlog
         assert request.service_class is BE
+        need = request.pages_to_start
+        assert not any(
+            p.ready
+            and p.usable_pages >= request.pages
+            and (
+                p.best_effort_room_pages >= need
+                or sum(p.waiting_pages) + p.best_effort_backlog_pages + need <= p.usable_pages
+            )
+            for p in pods
+        )
 
 
 @settings(max_examples=300, deadline=None)

@@ -172,12 +172,27 @@ class TestKvbankRouter:
         assert pool[0].engine.num_running == 1
         assert router.route(_spec("next", list(range(200, 290)), 32), 0.0) == Pick("1")
 
-    def test_best_effort_with_every_pod_full_is_shed(self) -> None:
+    def test_best_effort_queues_on_a_busy_pod_and_is_shed_once_the_backlog_is_a_pool(self) -> None:
         pool = filled(1)
         router = KvbankRouter(pool, max_hold_s=0)
         batch = pool[0].scenario.workload.classes[1]
-        spec = RequestSpec("be", batch, list(range(300, 360)), 4, 0.0)
-        assert isinstance(router.route(spec, 0.0), Shed)
+        policy = pool[0].engine.policy
+        queued = 0
+        while True:
+            first = 1000 + 100 * queued
+            spec = RequestSpec(f"be{queued}", batch, list(range(first, first + 60)), 4, 0.0)
+            answer = router.route(spec, 0.0)
+            if isinstance(answer, Shed):
+                break
+            # No room now (the strict requests hold the pool): it waits in the pod's queue.
+            assert answer == Pick("0", waits=True)
+            pool[0].send(spec, 0.0)
+            queued += 1
+            assert queued < 64, "never shed"
+        # Shed once what waits to start there and it would not fit the pool.
+        need = router.count(spec).pages_to_start
+        assert queued >= 2 and policy.best_effort.backlog_pages + need > 63
+        assert "backlog of at least" in answer.message
 
     def test_a_strict_request_no_replica_admits_is_held_until_one_does(self) -> None:
         pool = filled(2)

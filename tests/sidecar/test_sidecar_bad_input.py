@@ -48,7 +48,33 @@ def report(session: int, *events: pb.Event, seq: int = 3, applied: int = 0) -> p
     )
 
 
+def best_effort(held: int = 0, backlog: int = 0, *arrived: str) -> pb.Event:
+    return pb.Event(best_effort=pb.BestEffort(held=held, backlog=backlog, arrived=arrived))
+
+
 BAD_REPORTS: dict[str, tuple[Callable[[int], pb.ReportRequest], str, str]] = {
+    # The engine's best-effort figures are checked with the report's other events: a bad one
+    # fails the whole report (the submit before it too), and the pickers' figures keep theirs.
+    "negative best-effort pages held": (
+        lambda s: report(s, submit("x", 3), best_effort(held=-1)),
+        "INVALID_ARGUMENT",
+        "held must be a non-negative integer, got -1",
+    ),
+    "best-effort pages held over the pool": (
+        lambda s: report(s, best_effort(held=10**12)),
+        "INVALID_ARGUMENT",
+        "held=1000000000000 exceeds the pool's 101 pages",
+    ),
+    "negative best-effort backlog": (
+        lambda s: report(s, best_effort(backlog=-(2**62))),
+        "INVALID_ARGUMENT",
+        "backlog must be a non-negative integer",
+    ),
+    "a long best-effort arrival id": (
+        lambda s: report(s, best_effort(0, 0, "ok", "x" * 300)),
+        "INVALID_ARGUMENT",
+        "events[0].best_effort.arrived[1] is 300 bytes",
+    ),
     "negative pages": (
         lambda s: report(s, submit("x", -3)),
         "INVALID_ARGUMENT",

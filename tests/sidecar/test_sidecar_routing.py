@@ -16,7 +16,7 @@ from sidecar_harness import ThreadSidecar, make_config
 
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
-from kvbank.sidecar.client import SidecarClient
+from kvbank.sidecar.client import SidecarClient, SidecarError
 
 NOW, QUEUE, BEST_EFFORT = pb.HoldRequest.NOW, pb.HoldRequest.QUEUE, pb.HoldRequest.BEST_EFFORT
 
@@ -66,8 +66,9 @@ def test_a_hold_takes_room_until_the_engine_submits_its_request(
     assert not second.granted and second.figures.headroom_pages == 40
     queued = routing.Hold(pb.HoldRequest(hold_id="h3", pages=60, ttl_ms=10_000, kind=QUEUE))
     assert queued.granted and list(queued.figures.waiting_pages) == [60]
-    be = routing.Hold(pb.HoldRequest(hold_id="h4", pages=1, ttl_ms=10_000, kind=BEST_EFFORT))
-    assert not be.granted  # the queued 60 take what strict promises leave
+    be = routing.Hold(pb.HoldRequest(hold_id="h4", pages=41, ttl_ms=10_000, kind=BEST_EFFORT))
+    # The queued 60 take what strict promises leave, and they and it would not fit the pool.
+    assert not be.granted and be.figures.best_effort_room_pages == 0
     # The engine's submit carries h1 back: the ledger holds the request's books now.
     report(client, session, 1, pb.Event(submit=pb.Submit(rid="r1", pages=60, hold="h1")))
     reply = routing.Unhold(pb.UnholdRequest(hold_id="h1"))
@@ -170,3 +171,45 @@ def test_watch_and_hold_need_the_token_where_the_sidecar_has_one() -> None:
             stream.cancel()
     finally:
         sidecar.shutdown()
+
+
+def test_best_effort_picks_follow_the_engines_best_effort_figures(
+    client: SidecarClient, routing: pb_grpc.RoutingStub
+) -> None:
+    """The ledger's supply counts the pages only best-effort requests hold (strict admission
+    takes them back): a best-effort request cannot take them, nor what the engine's
+    best-effort queue waits for. With no room it may still queue while the backlog fits the
+    pool, and the engine's report of its arrival releases the picker's hold."""
+    session = open_session(client)
+    supply = pb.Event(supply=pb.Supply(free=70, evictable=30))
+    figures = pb.BestEffort(held=30, backlog=20)
+    report(client, session, 1, supply, pb.Event(best_effort=figures))
+    probe = pb.HoldRequest(hold_id="probe", pages=0, kind=QUEUE)
+    seen = routing.Hold(probe).figures
+    assert (seen.headroom_pages, seen.best_effort_room_pages) == (100, 50)
+    assert seen.best_effort_backlog_pages == 20
+    routing.Unhold(pb.UnholdRequest(hold_id="probe"))
+
+    def hold(hold_id: str, pages: int) -> pb.HoldReply:
+        return routing.Hold(
+            pb.HoldRequest(hold_id=hold_id, pages=pages, ttl_ms=10_000, kind=BEST_EFFORT)
+        )
+
+    assert hold("cmpl-1", 50).granted  # it starts now: the room is 50
+    queued = hold("cmpl-2", 20)  # no room; 20 waiting, the 50 held and it: 90 of 100
+    assert queued.granted and queued.figures.best_effort_backlog_pages == 90
+    full = hold("cmpl-3", 20)  # 110: a pool deep, the pod is full
+    assert not full.granted and full.figures.best_effort_room_pages == 0
+    # A bad figure changes nothing: the report fails whole.
+    bad = pb.Event(best_effort=pb.BestEffort(held=-1, arrived=["cmpl-1"]))
+    with pytest.raises(SidecarError):
+        report(client, session, 2, bad)
+    # The engine queued both requests: their holds go, its own backlog counts them now.
+    arrived = pb.BestEffort(held=30, backlog=90, arrived=["cmpl-1", "cmpl-2"])
+    report(client, session, 2, pb.Event(best_effort=arrived))
+    seen = routing.Hold(probe).figures
+    assert (seen.holds, seen.best_effort_backlog_pages, seen.best_effort_room_pages) == (1, 90, 0)
+    # A new engine session starts with no best-effort figures until the engine sends some.
+    open_session(client)
+    seen = routing.Hold(pb.HoldRequest(hold_id="probe", pages=0, kind=QUEUE)).figures
+    assert (seen.best_effort_backlog_pages, seen.best_effort_room_pages) == (0, 100)
