@@ -255,3 +255,27 @@ def test_a_body_mode_that_fixes_the_destination_first_is_refused_naming_the_sett
     code, body = status_of(answers(extproc, PROMPT, mode=STREAMED))
     assert code == 500
     assert "request_body_mode FULL_DUPLEX_STREAMED" in body["error"]["message"]  # type: ignore[index]
+
+
+def test_best_effort_queues_on_busy_pods_until_each_is_a_pool_deep_then_is_shed(
+    extproc: ep_grpc.ExternalProcessorStub, pods: list[Pod]
+) -> None:
+    """Pods whose room strict picks hold are busy, not full: a best-effort request queues where
+    the backlog is least (its hold counts in that pod's backlog), and is shed only once every
+    pod's backlog and it would pass the pod's pool."""
+    for _ in range(6):  # strict picks of about 33 pages each: both pods' room is held
+        code_or_pick = answers(extproc, {**PROMPT, "max_tokens": 512})
+        assert destination(code_or_pick)[0]
+    assert all(p.figures().headroom_pages < 10 for p in pods)
+    flex = {**PROMPT, "prompt": " ".join(["shed"] * 200), "service_tier": "flex"}
+    queued: list[str] = []
+    while (replies := answers(extproc, flex))[-1].WhichOneof("response") != "immediate_response":
+        queued.append(destination(replies)[0])
+        assert len(queued) <= 40, "best-effort requests were never shed"
+    code, body = status_of(replies)
+    assert code == 429 and body["error"]["code"] == "shed"  # type: ignore[index]
+    assert "backlog of at least" in body["error"]["message"]  # type: ignore[index]
+    assert len(queued) >= 2 and set(queued) == {p.endpoint for p in pods}, queued
+    for pod in pods:  # what each pod granted: its backlog, within its pool
+        figures = pod.figures()
+        assert 0 < figures.best_effort_backlog_pages <= figures.usable_pages

@@ -422,8 +422,9 @@ def test_a_pool_routed_by_kvbank_picker_places_requests_by_its_ledgers_and_drops
     """Part 5 of routing (docs/routing.md): the picker as a pod in front of two replicas, driven
     as Envoy drives it: a request that fits goes to a pod that admits it at once and is served
     there under the picker's hold; one no pod could ever hold is a 400 with the capacity
-    function's message; a best-effort one with every pod full is shed (429); and a pod whose
-    sidecar is killed leaves the picks within a second."""
+    function's message; a best-effort one queues on a busy pod and is shed (429) once every pod
+    is a pool deep in backlog; and a pod whose sidecar is killed leaves the picks within a
+    second."""
     tools = session.tools
     tools.ok("apply", "-f", str(INFERENCE_POOL_CRD))
     tools.ok("wait", "--for=condition=Established", "--timeout=60s",
@@ -458,14 +459,22 @@ def test_a_pool_routed_by_kvbank_picker_places_requests_by_its_ledgers_and_drops
         assert "lower n to at most 2" in never.body["error"]["message"], never
 
         # Two strict picks of 126 pages each hold a pod's 255 usable pages (for the holds'
-        # TTL): four fill both, each admitted at once; a best-effort request whose prompt needs
-        # more than the 3 pages left on either is shed.
+        # TTL): four fill both, each admitted at once. A best-effort request whose prompt needs
+        # more than the 3 pages left on either still queues where the backlog is least (about
+        # 94 pages to start each: two a pod); once what waits to start on every pod and it
+        # would pass the pod's pool, the pods are full and it is shed.
         for _ in range(4):
             filling = ask(stub, large)
             assert filling.status == 200 and filling.endpoint, filling
-        shed = ask(stub, {**small, "prompt": " ".join(["shed"] * 120), "service_tier": "flex"})
+        flex = {**small, "prompt": " ".join(["shed"] * 750), "service_tier": "flex"}
+        queued: list[str] = []
+        while (shed := ask(stub, flex)).status == 200:
+            assert shed.endpoint, shed
+            queued.append(shed.endpoint)
+            assert len(queued) <= 6, f"best-effort requests were never shed: {queued}"
         assert shed.status == 429 and shed.body is not None, shed
         assert shed.body["error"]["code"] == "shed", shed
+        assert len(set(queued)) == 2 and len(queued) >= 2, queued  # the backlog spreads them
 
         time.sleep(HOLD_TTL_S + 1)  # the holds expire: both pods have room again
         target = ask(stub, small).endpoint
