@@ -88,6 +88,10 @@ def _run(
                 if req.rid in strict_at_ingest:
                     assert req.preemptions == 0, f"strict {req.rid} was preempted"
             assert sched.stats.stalled_rows == 0
+            # What pickers read: the best-effort queue's pages to start, its hits taken off.
+            best_effort = engine.policy.best_effort  # type: ignore[attr-defined]
+            most = sum(r.pages_at(r.num_tokens) for r in best_effort.waiting)
+            assert 0 <= best_effort.backlog_pages <= most
     raise AssertionError("the workload did not finish in 4000 steps")
 
 
@@ -125,6 +129,7 @@ def test_strict_requests_keep_their_promise_whatever_best_effort_ones_do(
     assert got.keys() <= expected.keys()
     assert {rid: got[rid] for rid in got} == {rid: expected[rid] for rid in got}
     assert engine.kv.pool.held == 0 and engine.kv.strict_held == 0
+    assert engine.policy.best_effort.backlog_pages == 0  # type: ignore[attr-defined]
     assert getattr(engine.policy, "stalled_steps", 0) == 0
     SEEN["preempted"] += engine.sched.stats.preemptions
     SEEN["promoted"] += engine.policy.best_effort.promoted  # type: ignore[attr-defined]
