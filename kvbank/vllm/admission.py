@@ -354,7 +354,7 @@ class Admission:
             self._sharing_changed = True
 
     def _sync_supply(self) -> None:
-        self.backend.set_supply(self._supply(), 0)
+        self.backend.set_supply(self._supply(), 0, self.classes.figures(self.backend.later))
 
     def _supply(self) -> int:
         """vLLM's free blocks and those only best-effort requests hold, less those windows

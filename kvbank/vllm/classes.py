@@ -47,6 +47,7 @@ from typing import Any
 
 from kvbank.capacity import CapacityModel, PageCount, RequestShape, count_pages
 from kvbank.ledger import PeakShape, peak_shape
+from kvbank.ledger.client import BestEffortFigures
 from kvbank.service_class import TIERS, ServiceClass
 from kvbank.vllm.groups import Tables, live
 from kvbank.vllm.settings import Settings
@@ -104,6 +105,7 @@ class Classes:
         self.best_effort: dict[str, Any] = {}  # every best-effort request, wherever it is
         self.waiting: list[Any] = []  # best-effort, in none of vLLM's queues, by arrival
         self.resumed: dict[str, int] = {}  # promoted request -> its output when re-shaped
+        self.last_reclaimable = 0
         self.preempted = 0  # best-effort preemptions, vLLM's and make_room's
         self.promoted = 0
 
@@ -176,9 +178,27 @@ class Classes:
         return counts, blocks
 
     def reclaimable(self) -> int:
-        """Blocks only running best-effort requests hold: preempting them frees these."""
+        """Blocks only running best-effort requests hold: preempting them frees these (kept
+        as `last_reclaimable` for `figures`, which the supply's sync asks right after)."""
         counts, blocks = self._holds()
-        return sum(1 for bid, n in counts.items() if blocks[bid].ref_cnt == n)
+        self.last_reclaimable = sum(1 for bid, n in counts.items() if blocks[bid].ref_cnt == n)
+        return self.last_reclaimable
+
+    def figures(self, later: object) -> BestEffortFigures | None:
+        """What pickers route best-effort requests by, for a sidecar the schedule never waits on
+        (`later`: the one a pod runs, which streams them; None elsewhere, where they cost a pass
+        for nothing): the blocks only running best-effort requests hold, and what the others
+        need to start, each its whole prompt in every group (no hit counted). Asked right
+        after the supply (`reclaimable`), whose count it reuses."""
+        if later is None:
+            return None
+        running, empty = _status("RUNNING"), [0] * len(self.block_sizes)
+        backlog = sum(
+            self._new_blocks(empty, 0, request.num_tokens)
+            for request in self.best_effort.values()
+            if request.status != running
+        )
+        return BestEffortFigures(self.last_reclaimable, backlog)
 
     def strict_holders(self) -> Callable[[Any], int]:
         """A block's holders that keep it out of the supply the ledger hears: strict requests

@@ -5,6 +5,9 @@ FCFS and priority policies, stepped synchronously and as async scheduling steps 
 
 from __future__ import annotations
 
+import time
+
+import grpc
 import pytest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
@@ -13,8 +16,12 @@ from vllm_builders import MODES, _configs, bench, drive, pressure, scenario
 from kvbank.engine.bench.vllm_engine import FinishReason
 from kvbank.engine.bench.vllm_simulate import run_vllm_policy
 from kvbank.ledger import InvariantBreach
+from kvbank.proto import admission_pb2 as pb
+from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.service_class import ServiceClass
+from kvbank.sidecar.auth import bearer
 from kvbank.vllm.classes import Classes
+from kvbank.vllm.scheduler import make_backend
 from kvbank.vllm.settings import Settings, SettingsError, from_env
 
 pytestmark = pytest.mark.timeout(300)
@@ -195,3 +202,44 @@ def test_the_vllm_bench_gives_each_request_its_class(mode: str) -> None:
         assert got["preemptions_by_class"]["chat"] == 0, policy
         assert got["preemptions_by_class"]["batch"] > 0, policy
         assert (got["completed"], got["hung"], got["invariant_breaches"]) == (24, 0, 0), policy
+
+
+def _routing_figures(sidecar: str) -> pb.RoutingFigures:
+    """The sidecar's figures as a picker watches them (sidecar/routing.py), with its token."""
+    with grpc.insecure_channel(sidecar) as channel:
+        stream = pb_grpc.RoutingStub(channel).Watch(
+            pb.WatchRequest(watcher_id="test"), metadata=bearer("vllm-property")
+        )
+        try:
+            return next(stream)
+        finally:
+            stream.cancel()
+
+
+def test_over_a_served_sidecar_best_effort_work_leaves_the_pickers_room(sidecar: str) -> None:
+    """vLLM over a sidecar it never waits on (as a pod runs it) tells pickers about its
+    best-effort requests, which the ledger never hears of: the blocks only they hold leave the
+    best-effort room, and what the waiting ones need to start is the backlog; both go once
+    they finish."""
+    settings = Settings("peak+backfill", sidecar, token="vllm-property", blocking=False)
+    backend = make_backend(settings, 48, 16, 0, engine_id="classes-figures")
+    run = bench(48, "peak+backfill", backend=backend, settings=settings)
+    for i in range(6):  # more long best-effort requests than the 48 blocks run at once
+        run.add(f"be{i}", [50 + i] * 64, 400, 400, "flex")
+    busy = None
+    for _ in range(400):
+        run.step()
+        time.sleep(0.002)  # the model's forward pass: the sidecar's replies arrive meanwhile
+        figures = _routing_figures(sidecar)
+        if figures.best_effort_backlog_pages and run.sched.kvbank.classes.reclaimable():
+            busy = figures
+            break
+    assert busy is not None, "the sidecar never heard of the best-effort work"
+    assert busy.headroom_pages > 0  # the ledger counts their blocks as reclaimable supply
+    assert busy.best_effort_room_pages < busy.headroom_pages - busy.best_effort_backlog_pages
+    drive(run, {}, pause_s=0.001)
+    run.step()  # one more report: the figures as the pool ends
+    time.sleep(0.2)
+    done = _routing_figures(sidecar)
+    assert done.best_effort_backlog_pages == 0
+    assert done.best_effort_room_pages == done.headroom_pages
