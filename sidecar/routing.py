@@ -21,6 +21,7 @@ from prometheus_client import Gauge
 
 from kvbank.ledger import InvalidPages
 from kvbank.ledger.room import RoomCurve, room_curve
+from kvbank.picker.rule import best_effort_queues, best_effort_room
 from kvbank.proto import admission_pb2 as pb
 from kvbank.proto import admission_pb2_grpc as pb_grpc
 from kvbank.sidecar.holds import HoldBook, HoldKind
@@ -115,11 +116,10 @@ class RoutingView:
         figures.usable_pages = ledger.usable_pages
         figures.headroom_pages = headroom
         figures.waiting_pages.extend(waiting)
-        # A best-effort request cannot take the pages best-effort requests hold (the ledger's
-        # supply counts them: strict admission takes them back), nor what the queues wait for.
         be_held, be_backlog = state.best_effort
         backlog = be_backlog + held.best_effort_pages
-        figures.best_effort_room_pages = max(0, headroom - sum(waiting) - be_held - backlog)
+        room = best_effort_room(headroom, sum(waiting), be_held, backlog)
+        figures.best_effort_room_pages = max(0, room)
         figures.best_effort_backlog_pages = backlog
         curve = room_curve(ledger)  # built once per change of the running requests
         if curve is not None:
@@ -172,9 +172,12 @@ class RoutingView:
             or (
                 kind is HoldKind.BEST_EFFORT
                 and (
-                    req.pages <= now.best_effort_room_pages  # it starts now, or it queues:
-                    or sum(now.waiting_pages) + now.best_effort_backlog_pages + req.pages
-                    <= now.usable_pages
+                    req.pages <= now.best_effort_room_pages  # it starts now, or it queues
+                    or best_effort_queues(
+                        sum(now.waiting_pages) + now.best_effort_backlog_pages,
+                        req.pages,
+                        now.usable_pages,
+                    )
                 )
             )
         )

@@ -34,6 +34,7 @@ from kvbank.ledger.room import room_curve
 from kvbank.picker import Answer, Pick, PodFigures, Release, RequestCount, count_request, pick
 from kvbank.picker.lobby import Lobby
 from kvbank.picker.prefix import MAX_PREFIX_BLOCKS, PrefixRecord, prompt_blocks
+from kvbank.picker.rule import best_effort_room
 from kvbank.service_class import ServiceClass
 
 ROUTERS = ("round-robin", "least-kv", "kvbank")
@@ -186,11 +187,9 @@ class KvbankRouter:
         best_effort = getattr(engine.policy, "best_effort", None)
         queued_best_effort = 0 if best_effort is None else best_effort.backlog_pages
         # The ledger's own headroom, as the sidecar streams it to the picker: supply less the
-        # conservative outstanding, or with peak-fit less the timeline's highest demand. The
-        # supply counts the pages only best-effort requests hold (strict admission may take
-        # them back); a best-effort request cannot, so its room is without them.
+        # conservative outstanding, or with peak-fit less the timeline's highest demand.
         headroom = min(ledger.usable_pages, ledger.headroom)
-        room = headroom - sum(waiting) - queued_best_effort - kv.reclaimable
+        room = best_effort_room(headroom, sum(waiting), kv.reclaimable, queued_best_effort)
         chain = kv.index.match(self.label, prompt, len(request.prefix_blocks))
         refcount = kv.pool.refcount
         blocks = request.prefix_blocks

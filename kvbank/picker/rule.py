@@ -245,10 +245,14 @@ def pick(request: RequestCount, pods: Sequence[PodFigures]) -> Answer:
         roomy = [pod for pod in holding if pod.best_effort_room_pages >= need]
         if roomy:
             return Pick(min(roomy, key=lambda pod: (-pod.best_effort_room_pages, *tie(pod))).name)
+
         # No room now: it queues where the backlog is least, while that backlog and it fit the
         # pool (they start as the requests running there finish); with every pod's backlog a
         # pool deep, the pods are full.
-        queues = [pod for pod in holding if backlog(pod) + need <= pod.usable_pages]
+        def backlog(pod: PodFigures) -> int:  # what starts there first: strict ones, then these
+            return sum(pod.waiting_pages) + pod.best_effort_backlog_pages
+
+        queues = [p for p in holding if best_effort_queues(backlog(p), need, p.usable_pages)]
         if not queues:
             return Shed(
                 f"every pod is full: a best-effort request needs {need} pages to start, no "
@@ -267,11 +271,21 @@ def pick(request: RequestCount, pods: Sequence[PodFigures]) -> Answer:
     return Pick(min(holding, key=soonest).name, waits=True)
 
 
-def backlog(pod: PodFigures) -> int:
-    """What waits to start at `pod` before a best-effort request queued there now: the strict
-    queue (strict requests come first) and the best-effort backlog. The sidecar grants a
-    best-effort hold that queues by the same sum."""
-    return sum(pod.waiting_pages) + pod.best_effort_backlog_pages
+def best_effort_room(headroom: int, waiting: int, held: int, backlog: int) -> int:
+    """What a best-effort request could start on now at a pod: the ledger's `headroom` less the
+    strict queue (`waiting`), the pages only best-effort requests hold (`held`: the ledger's
+    supply counts them, since strict admission takes them back; a best-effort request cannot)
+    and what the best-effort `backlog` waits to start. The sidecar streams it; the cluster
+    bench computes it from its replicas the same way."""
+    return headroom - waiting - held - backlog
+
+
+def best_effort_queues(backlog: int, pages: int, usable: int) -> bool:
+    """Whether a best-effort request of `pages` to start, with no room now, may queue behind
+    `backlog` (the strict queue and the best-effort backlog): they and it fit the pod's
+    `usable` pages, so they start as the requests running there finish. The rule picks by it
+    and the sidecar grants a queued best-effort hold by it."""
+    return backlog + pages <= usable
 
 
 def _refusal_message(pages: int, usable: int) -> str:
@@ -288,6 +302,8 @@ __all__ = [
     "Release",
     "RequestCount",
     "Shed",
+    "best_effort_queues",
+    "best_effort_room",
     "count_request",
     "pick",
 ]

@@ -45,3 +45,17 @@ def test_a_room_curve_off_the_wire_is_read_only_when_it_holds_together() -> None
     for bad in (figures([0, 9], [50]), figures([9, 0], [50, 40]), figures([0], [5], advance=0),
                 figures(list(range(MAX_ROOM_PAIRS + 1)), [1] * (MAX_ROOM_PAIRS + 1))):  # fmt: skip
         assert room_from_wire(bad) is None  # the headroom alone is then the test
+
+
+def test_a_negative_best_effort_backlog_off_the_wire_reads_as_none() -> None:
+    """PodFigures refuses a negative backlog; a sidecar's figures are read, not trusted to be
+    well formed, so the pod is routed as one with no backlog rather than failing every pick."""
+    from kvbank.picker.sidecars import Pod, Watched
+    from kvbank.proto import admission_pb2 as pb
+
+    watched = Watched(Pod("10.0.0.5:8000", "10.0.0.5:50051"), live=True)
+    watched.figures = pb.RoutingFigures(
+        ready=True, usable_pages=100, headroom_pages=40, best_effort_backlog_pages=-5
+    )
+    figures = watched.pod_figures()
+    assert figures is not None and figures.best_effort_backlog_pages == 0
